@@ -1,0 +1,30 @@
+"""ringreduce: Horovod-style data-parallel training for PyTorch over MPI.
+
+`import ringreduce as hvd` in a script written for `horovod.torch` and run it with mpiexec.
+"""
+from .collectives import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async,
+                          allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall,
+                          alltoall_async, barrier, broadcast, broadcast_, broadcast_async,
+                          broadcast_async_, grouped_allreduce, grouped_allreduce_,
+                          grouped_allreduce_async, grouped_allreduce_async_, poll, reducescatter,
+                          reducescatter_async, synchronize)
+from .compression import Compression
+from .engine import Handle
+from .errors import HorovodInternalError, MismatchError, NotInitializedError, RingReduceError
+from .kernels import ReduceOp
+from .world import (cross_rank, cross_size, init, is_initialized, local_rank, local_size, rank,
+                    shutdown, size)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
+    "cross_size", "cross_rank",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
+    "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "barrier", "poll",
+    "synchronize", "Handle",
+    "Compression", "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
+    "RingReduceError", "HorovodInternalError", "MismatchError", "NotInitializedError",
+]

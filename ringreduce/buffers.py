@@ -1,0 +1,39 @@
+"""Zero-copy views between torch tensors and the arrays MPI and our kernels work on.
+
+NumPy has no bfloat16, so a bfloat16 tensor is viewed as uint16 storage; the kernels module
+knows from the torch dtype how to reduce it. Views never copy: the ring writes straight into
+the tensor's memory.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# torch dtype -> NumPy dtype of the storage we hand to MPI and to the kernels.
+STORAGE_DTYPES: dict[torch.dtype, np.dtype] = {
+    torch.uint8: np.dtype(np.uint8),
+    torch.int8: np.dtype(np.int8),
+    torch.int16: np.dtype(np.int16),
+    torch.int32: np.dtype(np.int32),
+    torch.int64: np.dtype(np.int64),
+    torch.float16: np.dtype(np.float16),
+    torch.bfloat16: np.dtype(np.uint16),
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+}
+SUPPORTED = tuple(STORAGE_DTYPES)
+
+
+def as_array(tensor: torch.Tensor) -> np.ndarray:
+    """A flat NumPy view of a contiguous CPU tensor's memory (no copy)."""
+    flat = tensor.reshape(-1)
+    if tensor.dtype == torch.bfloat16:
+        return flat.view(torch.int16).numpy().view(np.uint16)
+    return flat.numpy()
+
+
+def as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A torch view of a flat NumPy array holding `dtype` values (no copy)."""
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
