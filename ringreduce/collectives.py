@@ -86,6 +86,10 @@ def _root(root_rank: int, what: str, name: str) -> int:
     return int(root_rank)
 
 
+def _differentiable(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled()
+
+
 def _describe(t: torch.Tensor) -> tuple:
     return (str(t.dtype).removeprefix("torch."), tuple(t.shape))
 
@@ -152,8 +156,11 @@ def _grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str]
     # Work on copies: the caller's tensors stay untouched until the result is complete.
     work_tensors = [t.clone() if w is t else w for (w, _), t in zip(compressed, checked)]
     signature = {"collective": "allreduce", "name": name, "op": op.name,
-                 "prescale": prescale, "postscale": postscale,
-                 "tensors": tuple(_describe(t) for t in work_tensors)}
+                 "prescale": prescale, "postscale": postscale}
+    if len(work_tensors) == 1:
+        signature["dtype"], signature["shape"] = _describe(work_tensors[0])
+    else:
+        signature["tensors (dtype, shape)"] = tuple(_describe(t) for t in work_tensors)
 
     def work() -> list[torch.Tensor]:
         negotiation.check(engine.comm, signature)
@@ -190,7 +197,7 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
               compression: type[Compressor] = Compression.none, op: Any = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce `tensor` over all ranks and return the result (differentiable)."""
-    if tensor.requires_grad and torch.is_grad_enabled():
+    if _differentiable(tensor):
         return _AllreduceFunction.apply(tensor, average, name, compression, op,
                                         prescale_factor, postscale_factor)
     return _run(_allreduce_work(tensor, average, name, op, prescale_factor, postscale_factor,
@@ -268,7 +275,7 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None) -> Handle:
 
 def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
     """Concatenate every rank's `tensor` along dimension 0 (differentiable)."""
-    if tensor.requires_grad and torch.is_grad_enabled():
+    if _differentiable(tensor):
         return _AllgatherFunction.apply(tensor, name)
     return _run(_allgather_work(tensor, name))
 
@@ -306,7 +313,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
     """Return root_rank's `tensor` on every rank (differentiable)."""
-    if tensor.requires_grad and torch.is_grad_enabled():
+    if _differentiable(tensor):
         return _BroadcastFunction.apply(tensor, root_rank, name)
     return _run(_broadcast_work(tensor, root_rank, name, False, "broadcast"))
 

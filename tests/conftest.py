@@ -1,0 +1,63 @@
+"""Test helpers: run a worker script under a real `mpiexec`, always with a timeout."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+WORKERS = Path(__file__).parent / "mpi"
+RANK_COUNTS = (1, 2, 3, 4)
+
+
+def find_mpiexec(python: str = sys.executable) -> str:
+    """The mpiexec next to the interpreter (the embedded MPI wheel's), else the one on PATH."""
+    beside = Path(python).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if found is None:
+        pytest.fail("no mpiexec found: install the project with the [mpich] extra")
+    return found
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    seconds: float
+
+
+def run_mpi(n: int, script: str, *args: str, timeout: float = 120, env: dict | None = None,
+            python: str = sys.executable, mpiexec: str | None = None,
+            launcher_flags: tuple[str, ...] = ()) -> Run:
+    """Run tests/mpi/<script> on n ranks; a run past `timeout` is killed and fails the test."""
+    import time
+
+    mpiexec = mpiexec or find_mpiexec(python)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONFAULTHANDLER": "1", **(env or {})}
+    cmd = [mpiexec, *launcher_flags, "-n", str(n), python, str(WORKERS / script), *args]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{script} on {n} ranks hung for {timeout}s and was killed; output:\n"
+                    f"{output[-4000:]}")
+    return Run(proc.returncode, output, time.monotonic() - start)
+
+
+def run_ok(n: int, script: str, *args: str, **kwargs) -> Run:
+    """Run a worker that must succeed on every rank (each prints 'OK rank <r>')."""
+    result = run_mpi(n, script, *args, **kwargs)
+    assert result.returncode == 0, f"{script} failed on {n} ranks:\n{result.output[-6000:]}"
+    for r in range(n):
+        assert f"OK rank {r}" in result.output, f"rank {r} did not finish:\n{result.output[-4000:]}"
+    return result

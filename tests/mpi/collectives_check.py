@@ -1,0 +1,196 @@
+"""Every collective, op and dtype against a reference built from every rank's inputs.
+
+Inputs are small integers (or halves of them), so every reduction is exact in every dtype and
+results are compared for exact equality; results of each allreduce are also compared bitwise
+across ranks. Run under mpiexec at any rank count.
+"""
+import sys
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+import ringreduce as hvd
+
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+world = MPI.COMM_WORLD
+
+DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+          torch.bfloat16, torch.float32, torch.float64]
+OPS = [hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product]
+LENGTHS = sorted({0, 1, max(n - 1, 0), 17, 40_001, 300_007})
+
+
+def inputs(rank, length, dtype, op, salt=0):
+    g = torch.Generator().manual_seed(7919 * rank + 31 * length + salt)
+    lo, hi = (-2, 3) if op == hvd.Product else (-8, 9)
+    if dtype == torch.uint8:
+        lo = 0
+    return torch.randint(lo, hi, (length,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def reference(length, dtype, op, pre=1.0, post=1.0, salt=0):
+    xs = torch.stack([inputs(k, length, dtype, op, salt).double() * pre for k in range(n)])
+    if op in (hvd.Sum, hvd.Average):
+        out = xs.sum(0)
+    elif op == hvd.Min:
+        out = xs.min(0).values
+    elif op == hvd.Max:
+        out = xs.max(0).values
+    else:
+        out = xs.prod(0)
+    out = out.to(dtype)  # exact: every partial result is a small integer
+    if op == hvd.Average:
+        out = out / n if dtype.is_floating_point else torch.div(out, n, rounding_mode="floor")
+    return out * post if post != 1.0 else out
+
+
+def same_on_every_rank(t, what):
+    raw = t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    everyone = world.allgather(raw)
+    assert all(b == everyone[0] for b in everyone), f"{what}: results differ across ranks"
+
+
+def check_equal(got, want, what):
+    assert got.dtype == want.dtype and got.shape == want.shape, \
+        f"{what}: got {got.dtype}{tuple(got.shape)}, want {want.dtype}{tuple(want.shape)}"
+    assert torch.equal(got, want), f"{what}: got {got[:8]} want {want[:8]}"
+
+
+def check_allreduce():
+    for length in LENGTHS:
+        for dtype in DTYPES:
+            for op in OPS:
+                what = f"allreduce len={length} {dtype} {op.name}"
+                x = inputs(r, length, dtype, op)
+                before = x.clone()
+                got = hvd.allreduce(x, op=op, name=what)
+                check_equal(got, reference(length, dtype, op), what)
+                assert torch.equal(x, before), f"{what}: input was modified"
+                same_on_every_rank(got, what)
+    # scale factors (powers of two keep everything exact), in place, async, deprecated average=
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        x = inputs(r, 1001, dtype, hvd.Sum)
+        got = hvd.allreduce(x, op=hvd.Average, prescale_factor=0.5, postscale_factor=4.0)
+        check_equal(got, reference(1001, dtype, hvd.Average, 0.5, 4.0), f"scaled {dtype}")
+    x = inputs(r, 5000, torch.float32, hvd.Sum)
+    same = hvd.allreduce_(x, op=hvd.Sum)
+    assert same is x
+    check_equal(x, reference(5000, torch.float32, hvd.Sum), "allreduce_")
+    handles = [hvd.allreduce_async(inputs(r, 70_000, torch.int32, hvd.Max, salt=i), op=hvd.Max,
+                                   name=f"async.{i}") for i in range(5)]
+    for i, h in enumerate(handles):
+        check_equal(hvd.synchronize(h), reference(70_000, torch.int32, hvd.Max, salt=i), "async")
+        assert hvd.poll(h)
+    y = inputs(r, 300, torch.float64, hvd.Sum)
+    h = hvd.allreduce_async_(y, op=hvd.Sum)
+    assert hvd.synchronize(h) is y
+    check_equal(y, reference(300, torch.float64, hvd.Sum), "allreduce_async_")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        got = hvd.allreduce(inputs(r, 10, torch.float32, hvd.Sum), average=False)
+    check_equal(got, reference(10, torch.float32, hvd.Sum), "average=False")
+    # shapes are kept; non-contiguous inputs are copied; 0-d tensors work
+    m = torch.arange(12, dtype=torch.float32).reshape(3, 4) * (r + 1)
+    got = hvd.allreduce(m.t(), op=hvd.Sum)
+    check_equal(got, torch.arange(12, dtype=torch.float32).reshape(3, 4).t() * (n * (n + 1) // 2),
+                "non-contiguous")
+    got = hvd.allreduce(torch.tensor(float(r)), op=hvd.Sum)
+    check_equal(got, torch.tensor(float(n * (n - 1) // 2)), "0-d")
+
+
+def check_grouped():
+    tensors = [inputs(r, 33, torch.float32, hvd.Sum), inputs(r, 5, torch.int64, hvd.Sum),
+               inputs(r, 70_000, torch.float32, hvd.Sum, salt=1), torch.ones(2, 3) * r]
+    got = hvd.grouped_allreduce(tensors, op=hvd.Sum)
+    check_equal(got[0], reference(33, torch.float32, hvd.Sum), "grouped[0]")
+    check_equal(got[1], reference(5, torch.int64, hvd.Sum), "grouped[1]")
+    check_equal(got[2], reference(70_000, torch.float32, hvd.Sum, salt=1), "grouped[2]")
+    check_equal(got[3], torch.full((2, 3), float(n * (n - 1) // 2)), "grouped[3]")
+    hvd.grouped_allreduce_(tensors, op=hvd.Sum)
+    check_equal(tensors[1], reference(5, torch.int64, hvd.Sum), "grouped_ in place")
+
+
+def check_allgather():
+    for dtype in DTYPES:
+        x = torch.full((r % 3, 2, 3), r, dtype=torch.int64).to(dtype)  # some ranks send no rows
+        got = hvd.allgather(x)
+        want = torch.cat([torch.full((k % 3, 2, 3), k, dtype=torch.int64).to(dtype)
+                          for k in range(n)])
+        check_equal(got, want, f"allgather {dtype}")
+    big = inputs(r, 200_003, torch.float32, hvd.Sum)
+    check_equal(hvd.allgather(big), torch.cat([inputs(k, 200_003, torch.float32, hvd.Sum)
+                                               for k in range(n)]), "allgather big")
+    check_equal(hvd.allgather(torch.tensor(r)), torch.arange(n), "allgather 0-d")
+
+
+def check_broadcast():
+    for root in range(n):
+        for dtype in DTYPES:
+            x = inputs(r, 1003, dtype, hvd.Sum)
+            got = hvd.broadcast(x, root_rank=root)
+            check_equal(got, inputs(root, 1003, dtype, hvd.Sum), f"broadcast root={root}")
+            check_equal(x, inputs(r, 1003, dtype, hvd.Sum), "broadcast leaves input alone")
+            assert hvd.broadcast_(x, root) is x
+            check_equal(x, inputs(root, 1003, dtype, hvd.Sum), f"broadcast_ root={root}")
+
+
+def check_alltoall():
+    x = torch.arange(2 * n * 3).reshape(2 * n, 3) + 1000 * r
+    got = hvd.alltoall(x)
+    want = torch.cat([(torch.arange(2 * n * 3).reshape(2 * n, 3) + 1000 * k)[2 * r:2 * r + 2]
+                      for k in range(n)])
+    check_equal(got, want, "alltoall equal splits")
+    # rank k sends (k + j) % 3 rows to rank j
+    def splits_of(k):
+        return [(k + j) % 3 for j in range(n)]
+
+    def rows_of(k):
+        return torch.arange(sum(splits_of(k)) * 2, dtype=torch.float32).reshape(-1, 2) + 100 * k
+
+    out, received = hvd.alltoall(rows_of(r), splits=torch.tensor(splits_of(r)))
+    pieces = []
+    for k in range(n):
+        start = sum(splits_of(k)[:r])
+        pieces.append(rows_of(k)[start:start + splits_of(k)[r]])
+    check_equal(out, torch.cat(pieces), "alltoall splits")
+    assert received.tolist() == [splits_of(k)[r] for k in range(n)], received
+
+
+def check_reducescatter():
+    for rows in (0, 1, n - 1, 2 * n + 1, 40_001):
+        for op in (hvd.Sum, hvd.Average, hvd.Max):
+            for dtype in (torch.int32, torch.float32, torch.bfloat16):
+                full = inputs(r, rows * 3, dtype, op).reshape(rows, 3)
+                got = hvd.reducescatter(full, op=op)
+                want_full = reference(rows * 3, dtype, op).reshape(rows, 3)
+                base, extra = divmod(rows, n)
+                counts = [base + (1 if k < extra else 0) for k in range(n)]
+                start = sum(counts[:r])
+                check_equal(got, want_full[start:start + counts[r]],
+                            f"reducescatter rows={rows} {op.name} {dtype}")
+
+
+def check_autograd():
+    w = torch.full((3,), float(r + 1), requires_grad=True)
+    y = hvd.allreduce(w * 2, op=hvd.Sum)
+    y.sum().backward()
+    check_equal(w.grad, torch.full((3,), 2.0 * n), "allreduce backward")
+    a = torch.ones(r + 1, 2, requires_grad=True)
+    g = hvd.allgather(a * (r + 1))
+    (g * 3).sum().backward()
+    check_equal(a.grad, torch.full((r + 1, 2), 3.0 * n * (r + 1)), "allgather backward")
+    b = torch.ones(4, requires_grad=True)
+    out = hvd.broadcast(b * 5, root_rank=0)
+    out.sum().backward()
+    check_equal(b.grad, torch.full((4,), 5.0 * n if r == 0 else 0.0), "broadcast backward")
+
+
+for check in (check_allreduce, check_grouped, check_allgather, check_broadcast, check_alltoall,
+              check_reducescatter, check_autograd):
+    check()
+    hvd.barrier()
+print(f"OK rank {r}", flush=True)
+hvd.shutdown()

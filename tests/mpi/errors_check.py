@@ -1,0 +1,101 @@
+"""Error paths: every rank gets a clear error of the right type naming the tensor, nothing
+hangs, inputs are untouched, and the job is still usable afterwards."""
+import torch
+
+import ringreduce as hvd
+
+try:
+    hvd.allreduce(torch.ones(3))
+    raise AssertionError("allreduce before init() did not raise")
+except hvd.NotInitializedError as e:
+    assert "init()" in str(e), e
+try:
+    hvd.rank()
+    raise AssertionError("rank() before init() did not raise")
+except hvd.NotInitializedError:
+    pass
+
+hvd.init()
+hvd.init()  # idempotent
+r, n = hvd.rank(), hvd.size()
+
+
+def expect(error_type, fragments, fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except error_type as e:
+        text = str(e)
+        for fragment in fragments:
+            assert fragment in text, f"{fragment!r} not in error: {text}"
+        return text
+    raise AssertionError(f"{fn.__name__} did not raise {error_type.__name__}")
+
+
+here = f"rank {r}"
+# Local argument errors: raised on the rank that made them, before any MPI traffic.
+expect(TypeError, ["'flags'", here, "bool"], hvd.allreduce, torch.ones(3, dtype=torch.bool),
+       name="flags")
+expect(TypeError, ["'cplx'", here, "complex64"], hvd.allreduce,
+       torch.ones(3, dtype=torch.complex64), name="cplx")
+expect(TypeError, ["'sp'", here, "sparse"], hvd.allreduce, torch.eye(3).to_sparse(), name="sp")
+expect(TypeError, ["'lst'", "torch.Tensor"], hvd.allreduce, [1, 2], name="lst")
+expect(ValueError, ["'b'", "root_rank", str(n)], hvd.broadcast, torch.ones(2), n, name="b")
+expect(ValueError, ["'b2'", "root_rank"], hvd.broadcast, torch.ones(2), -1, name="b2")
+expect(ValueError, ["'a2a'", "non-negative"], hvd.alltoall, torch.ones(n, 2),
+       splits=[-1] + [1] * (n - 1) if n > 1 else [-1], name="a2a")
+expect(ValueError, ["'a2b'", "summing"], hvd.alltoall, torch.ones(n, 2), splits=[2] * n,
+       name="a2b")
+expect(ValueError, ["Adasum"], hvd.allreduce, torch.ones(2), op=hvd.Adasum)
+expect(ValueError, ["not both"], hvd.allreduce, torch.ones(2), average=True, op=hvd.Sum)
+expect(TypeError, ["'iscale'", "floating"], hvd.allreduce, torch.ones(2, dtype=torch.int32),
+       name="iscale", prescale_factor=0.5)
+expect(ValueError, ["'rs0'", "at least one dimension"], hvd.reducescatter, torch.tensor(1.0),
+       name="rs0")
+
+# A name reused while the first collective is still in flight (the engine is held on an
+# event so that "in flight" is certain, not a race).
+import threading
+
+from ringreduce.world import world
+
+release = threading.Event()
+blocker = world().engine.submit("test.blocker", release.wait)
+h = hvd.allreduce_async(torch.ones(1000), name="dup")
+expect(ValueError, ["'dup'", "in flight", here], hvd.allreduce_async, torch.ones(3), name="dup")
+assert not hvd.poll(h)
+release.set()
+hvd.synchronize(blocker)
+assert torch.equal(hvd.synchronize(h), torch.ones(1000))
+
+# Cross-rank mismatches: MismatchError on every rank, naming the tensor and each rank's value.
+if n > 1:
+    x = torch.ones(3 + r)
+    msg = expect(hvd.MismatchError, ["'shape_mm'", "'shape'", "rank 0: (3,)", f"rank 1: (4,)"],
+                 hvd.allreduce_, x, name="shape_mm")
+    assert torch.equal(x, torch.ones(3 + r)), "input changed by a failed collective"
+    dtype = torch.float32 if r == 0 else torch.float64
+    expect(hvd.MismatchError, ["'dtype_mm'", "'dtype'", "float32", "float64"], hvd.allreduce,
+           torch.ones(4, dtype=dtype), name="dtype_mm")
+    expect(hvd.MismatchError, ["'op_mm'", "'op'", "Sum", "Max"], hvd.allreduce, torch.ones(4),
+           name="op_mm", op=hvd.Sum if r == 0 else hvd.Max)
+    expect(hvd.MismatchError, ["'root_mm'", "'root_rank'"], hvd.broadcast, torch.ones(4),
+           root_rank=0 if r == 0 else 1, name="root_mm")
+    expect(hvd.MismatchError, ["'name'", "n0", "n1"], hvd.allreduce, torch.ones(4),
+           name=f"n{min(r, 1)}")
+    expect(hvd.MismatchError, ["'collective'", "allreduce", "allgather"],
+           hvd.allreduce if r == 0 else hvd.allgather, torch.ones(4), name="kind_mm")
+    expect(hvd.MismatchError, ["'ag_mm'", "trailing shape"], hvd.allgather,
+           torch.ones(2, 1 + (r > 0)), name="ag_mm")
+    expect(hvd.MismatchError, ["'scale_mm'", "'prescale'"], hvd.allreduce, torch.ones(4),
+           name="scale_mm", prescale_factor=1.0 if r == 0 else 2.0)
+    handles = [hvd.allreduce_async(torch.ones(10), name="fine.0"),
+               hvd.allreduce_async(torch.ones(10 + r), name="async_mm"),
+               hvd.allreduce_async(torch.ones(10), name="fine.1")]
+    assert torch.equal(hvd.synchronize(handles[0]), torch.ones(10))
+    expect(hvd.MismatchError, ["'async_mm'"], hvd.synchronize, handles[1])
+    assert torch.equal(hvd.synchronize(handles[2]), torch.ones(10))
+
+# Still usable afterwards.
+assert torch.equal(hvd.allreduce(torch.ones(5) * r, op=hvd.Sum), torch.full((5,), n * (n - 1) / 2))
+hvd.barrier()
+print(f"OK rank {r}", flush=True)

@@ -1,0 +1,85 @@
+"""Single-process tests of the pure logic: chunking, settings, messages, compression, kernels."""
+import numpy as np
+import pytest
+import torch
+
+import ringreduce as hvd
+from ringreduce import config, kernels, negotiation, ring
+from ringreduce.buffers import as_array, as_tensor
+
+
+@pytest.mark.parametrize("length,parts", [(0, 3), (1, 4), (3, 4), (10, 3), (1_000_003, 4)])
+def test_balanced_counts_cover_the_buffer(length, parts):
+    counts = ring.balanced_counts(length, parts)
+    assert sum(counts) == length and len(counts) == parts
+    assert max(counts) - min(counts) <= 1 and counts == sorted(counts, reverse=True)
+    bounds = ring.chunk_bounds(counts)
+    assert bounds[0][0] == 0 and bounds[-1][1] == length
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+
+
+def test_scratch_is_two_segments_or_one_chunk():
+    assert ring.scratch_elements(ring.chunk_bounds([10, 10]), 4) == 8
+    assert ring.scratch_elements(ring.chunk_bounds([3, 2]), 4) == 3
+    assert ring.scratch_elements(ring.chunk_bounds([0, 0]), 4) == 0
+
+
+def test_settings_keyword_beats_environment(monkeypatch):
+    monkeypatch.setenv("RINGREDUCE_FUSION_THRESHOLD", "32M")
+    assert config.get("fusion_threshold") == 32 << 20
+    assert config.get("fusion_threshold", 1024) == 1024
+    monkeypatch.setenv("RINGREDUCE_FUSION_THRESHOLD", "lots")
+    with pytest.raises(ValueError, match="RINGREDUCE_FUSION_THRESHOLD"):
+        config.get("fusion_threshold")
+    monkeypatch.delenv("RINGREDUCE_FUSION_THRESHOLD")
+    assert config.get("fusion_threshold") == config.SETTINGS["fusion_threshold"].default
+
+
+def test_collectives_before_init_raise_clearly():
+    assert not hvd.is_initialized()
+    for call in (lambda: hvd.allreduce(torch.ones(2)), lambda: hvd.size(), hvd.barrier,
+                 lambda: hvd.broadcast(torch.ones(1), 0)):
+        with pytest.raises(hvd.NotInitializedError, match=r"before ringreduce.init\(\)"):
+            call()
+    assert issubclass(hvd.RingReduceError, RuntimeError)
+
+
+def test_mismatch_message_names_tensor_field_and_ranks():
+    sigs = [{"collective": "allreduce", "name": "w", "shape": (3,)},
+            {"collective": "allreduce", "name": "w", "shape": (4,)}]
+    text = negotiation.describe_mismatch(sigs)
+    assert "'w'" in text and "'shape'" in text and "rank 0: (3,)" in text and "rank 1: (4,)" in text
+    assert negotiation.digest(sigs[0]) != negotiation.digest(sigs[1])
+    assert negotiation.digest(sigs[0]) == negotiation.digest(dict(reversed(sigs[0].items())))
+
+
+@pytest.mark.parametrize("compressor,wire", [(hvd.Compression.fp16, torch.float16),
+                                             (hvd.Compression.bf16, torch.bfloat16)])
+def test_compression_round_trip(compressor, wire):
+    x = torch.tensor([1.5, -2.25, 3.0], dtype=torch.float32)
+    sent, ctx = compressor.compress(x)
+    assert sent.dtype == wire
+    assert torch.equal(compressor.decompress(sent, ctx), x)
+    ints = torch.arange(3)
+    assert compressor.compress(ints)[0] is ints
+    assert hvd.Compression.none.compress(x)[0] is x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int16])
+@pytest.mark.parametrize("op", [hvd.Sum, hvd.Min, hvd.Max, hvd.Product])
+def test_kernels_match_torch(dtype, op):
+    a = torch.tensor([1, -2, 3, 4], dtype=dtype)
+    b = torch.tensor([2, 2, -1, 0], dtype=dtype)
+    want = {hvd.Sum: a + b, hvd.Min: torch.minimum(a, b), hvd.Max: torch.maximum(a, b),
+            hvd.Product: a * b}[op]
+    target = as_array(a.clone())
+    kernels.reducer(dtype, op)(target, as_array(b))
+    assert torch.equal(as_tensor(target, dtype), want)
+
+
+def test_views_share_memory():
+    t = torch.zeros(4, dtype=torch.bfloat16)
+    view = as_array(t)
+    view[0] = 0x3F80  # 1.0 in bfloat16
+    assert t[0].item() == 1.0
+    assert np.shares_memory(as_array(t), view)

