@@ -12,6 +12,9 @@ from .compression import Compression
 from .engine import Handle
 from .errors import HorovodInternalError, MismatchError, NotInitializedError, RingReduceError
 from .kernels import ReduceOp
+from .objects import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                      broadcast_parameters)
+from .optimizer import DistributedOptimizer
 from .world import (cross_rank, cross_size, init, is_initialized, local_rank, local_size, rank,
                     shutdown, size)
 
@@ -24,7 +27,8 @@ __all__ = [
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
     "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "barrier", "poll",
-    "synchronize", "Handle",
+    "synchronize", "Handle", "DistributedOptimizer", "broadcast_parameters",
+    "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "Compression", "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "RingReduceError", "HorovodInternalError", "MismatchError", "NotInitializedError",
 ]

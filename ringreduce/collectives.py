@@ -168,8 +168,9 @@ def _grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str]
         results = [compression.decompress(w, ctx).view_as(t)
                    for w, (_, ctx), t in zip(work_tensors, compressed, checked)]
         if in_place:
-            for original, result in zip(tensors, results):
-                original.copy_(result)
+            with torch.no_grad():   # parameters are leaves that require grad
+                for original, result in zip(tensors, results):
+                    original.copy_(result)
             return list(tensors)
         return results
 
@@ -296,7 +297,8 @@ def _broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
         engine.comm.Bcast(as_array(out), root=root)
         if in_place:
             if out is not tensor:
-                tensor.copy_(out)
+                with torch.no_grad():
+                    tensor.copy_(out)
             return tensor
         return out.clone() if out is tensor else out
 

@@ -9,7 +9,7 @@ same `MismatchError`, naming the tensor, the field, and each rank's value.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
@@ -23,10 +23,13 @@ def digest(signature: Signature) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
 
 
-def check(comm: Any, signature: Signature, per_rank: int = 0) -> np.ndarray:
+def check(comm: Any, signature: Signature, per_rank: int = 0,
+          precomputed: Optional[int] = None) -> np.ndarray:
     """Raise `MismatchError` on every rank unless all signatures agree; return every rank's
-    `per_rank` value, indexed by rank."""
-    header = np.array([digest(signature), per_rank], dtype=np.int64)
+    `per_rank` value, indexed by rank. `precomputed` is the signature's digest when the caller
+    made it once up front (the optimizer's buckets)."""
+    value = digest(signature) if precomputed is None else precomputed
+    header = np.array([value, per_rank], dtype=np.int64)
     if comm.size == 1:
         return header[1:]
     headers = np.empty((comm.size, 2), dtype=np.int64)

@@ -1,0 +1,97 @@
+"""The bucket plan: which gradients travel together, and packing them into flat buffers.
+
+Parameters are taken in reverse registration order (roughly the order backward produces their
+gradients), one dtype per bucket, each bucket capped by a byte threshold, the first one
+smaller so that communication starts early. Every buffer and every per-parameter view into it
+is made once here; steps reuse them, so the hot path allocates nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from . import negotiation
+
+
+@dataclass
+class Bucket:
+    index: int
+    names: list[str]
+    params: list[torch.Tensor]
+    buffer: torch.Tensor                 # flat, in the wire dtype
+    views: list[torch.Tensor]            # buffer slices shaped like each parameter
+    signature: dict = field(default_factory=dict)
+    digest: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"bucket.{self.index}"
+
+    def pack(self, missing_as_zero: bool = True) -> None:
+        """Copy each parameter's gradient into the buffer (zeros where there is none)."""
+        for p, view in zip(self.params, self.views):
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+
+    def unpack(self) -> None:
+        """Copy the reduced buffer back into each parameter's gradient."""
+        for p, view in zip(self.params, self.views):
+            if p.grad is None:
+                p.grad = view.to(p.dtype, copy=True)
+            elif p.grad.data_ptr() != view.data_ptr():
+                p.grad.copy_(view)
+
+
+def plan(named: Sequence[tuple[str, torch.Tensor]], threshold: int, first_bucket: int,
+         wire_dtype=None, explicit_groups: Optional[Sequence[Sequence[torch.Tensor]]] = None,
+         ) -> list[Bucket]:
+    """Buckets over the parameters that require grad, in reverse registration order.
+
+    `wire_dtype(dtype)` gives the buffer dtype for a parameter dtype (for compression);
+    `explicit_groups` (lists of parameters) each become one bucket, before the rest.
+    """
+    wire = wire_dtype or (lambda dtype: dtype)
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    groups: list[list[tuple[str, torch.Tensor]]] = []
+    if explicit_groups:
+        name_of = {id(p): n for n, p in trainable}
+        grouped_ids = set()
+        for group in explicit_groups:
+            members = [(name_of[id(p)], p) for p in group if id(p) in name_of]
+            grouped_ids.update(id(p) for _, p in members)
+            if members:
+                groups.append(members)
+        trainable = [(n, p) for n, p in trainable if id(p) not in grouped_ids]
+    current: list[tuple[str, torch.Tensor]] = []
+    current_bytes = 0
+    for n, p in reversed(trainable):
+        nbytes = p.numel() * wire(p.dtype).itemsize
+        cap = first_bucket if not groups else threshold
+        if current and (wire(p.dtype) != wire(current[0][1].dtype) or current_bytes + nbytes > cap):
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append((n, p))
+        current_bytes += nbytes
+    if current:
+        groups.append(current)
+    return [_make_bucket(i, group, wire) for i, group in enumerate(groups)]
+
+
+def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire) -> Bucket:
+    dtype = wire(members[0][1].dtype)
+    total = sum(p.numel() for _, p in members)
+    buffer = torch.zeros(total, dtype=dtype)
+    views, offset = [], 0
+    for _, p in members:
+        views.append(buffer[offset:offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    names = [n for n, _ in members]
+    signature = {"collective": "allreduce", "name": f"bucket.{index}",
+                 "dtype": str(dtype).removeprefix("torch."), "shape": (total,),
+                 "parameters": tuple(names)}
+    return Bucket(index, names, [p for _, p in members], buffer, views, signature,
+                  negotiation.digest(signature))

@@ -1,0 +1,67 @@
+"""Model and optimizer state across ranks: broadcast parameters, optimizer state, objects.
+
+Objects travel pickled (mpi4py's lowercase calls), through the engine like every collective.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Union
+
+import torch
+
+from . import negotiation
+from .collectives import _name, _root, broadcast_async_, synchronize
+from .world import world
+
+Params = Union[Mapping[str, torch.Tensor], Iterable[Any]]
+
+
+def broadcast_parameters(params: Params, root_rank: int) -> None:
+    """Overwrite every rank's tensors with root_rank's, in place: a state_dict, a dict of
+    tensors, model.named_parameters(), or a list of tensors."""
+    if isinstance(params, Mapping):
+        items = sorted(params.items())
+    else:
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    handles = []
+    for index, (name, tensor) in enumerate(items):
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        handles.append(broadcast_async_(tensor, root_rank,
+                                        name=f"broadcast_parameters.{name or index}"))
+    for handle in handles:
+        synchronize(handle)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Give every rank root_rank's optimizer state and hyperparameters (works before the first
+    step, when the state is empty, and for scalar entries such as Adam's step)."""
+    state = broadcast_object(optimizer.state_dict() if world().comm.rank == root_rank else None,
+                             root_rank, name="broadcast_optimizer_state")
+    if world().comm.rank != root_rank:
+        optimizer.load_state_dict(state)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    """root_rank's `obj` (any picklable object), on every rank."""
+    name = _name(name, "broadcast_object")
+    root = _root(root_rank, "broadcast_object", name)
+    engine = world().engine
+
+    def work() -> Any:
+        negotiation.check(engine.comm, {"collective": "broadcast_object", "name": name,
+                                        "root_rank": root})
+        return engine.comm.bcast(obj if engine.comm.rank == root else None, root=root)
+
+    return engine.run(name, work)
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list:
+    """Every rank's `obj`, as a list indexed by rank."""
+    name = _name(name, "allgather_object")
+    engine = world("allgather_object()").engine
+
+    def work() -> list:
+        negotiation.check(engine.comm, {"collective": "allgather_object", "name": name})
+        return engine.comm.allgather(obj)
+
+    return engine.run(name, work)

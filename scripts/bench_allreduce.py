@@ -1,0 +1,292 @@
+"""Allreduce benchmark: ringreduce against MPI's own Allreduce, torch.distributed (gloo) and memcpy.
+
+Run it under MPI, one process per rank, e.g.
+
+    mpiexec -n 4 python scripts/bench_allreduce.py
+    mpiexec -n 2 python scripts/bench_allreduce.py --sizes 4K,1M --iters 5 \\
+        --json out.json --plot out.png      # --plot needs `pip install -e .[bench]`
+
+Options: --sizes (bytes per rank, K/M/G = powers of 1024; default 4K,64K,1M,16M,64M,256M),
+--dtypes (float32,bfloat16), --iters (default: adapts to the size, many for small messages and
+about 5 for 256M), --json FILE, --plot FILE.png, --no-gloo (skip torch.distributed).
+
+Methods, each reducing (Sum) a buffer of SIZE bytes on every rank:
+    ours      ringreduce.allreduce(t, op=Sum)   (out of place, synchronous)
+    ours_     ringreduce.allreduce_(t, op=Sum)  (in place)
+    mpi       comm.Allreduce(send, recv, op=MPI.SUM) on NumPy arrays ("n/a" for bfloat16,
+              which MPI cannot sum)
+    gloo      torch.distributed.all_reduce with the gloo backend, over loopback TCP
+    memcpy    dst.copy_(src) of SIZE bytes on rank 0 alone (the other ranks idle at a barrier):
+              the machine's copy bandwidth, for reference
+
+Timing: a few warm-up calls, then per iteration: barrier, time one call. A rank's time is the
+median over iterations; the reported time is the largest of the ranks' medians.
+
+Columns (nccl-tests definitions, GB/s = 1e9 bytes/s):
+    time(us)    the reported time of one call
+    algbw       SIZE / time
+    busbw       algbw * 2(n-1)/n, n = ranks: the traffic per rank of an ideal ring, so it is
+                comparable across rank counts and to hardware bandwidth
+    bus/memcpy  busbw / memcpy bandwidth of the same size
+    xMPI, xgloo speedup of ours over that method = their time / our time (>1: ours is faster)
+
+The environment is left alone (e.g. OMP_NUM_THREADS); torch.get_num_threads() is reported.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+import ringreduce as hvd  # before mpi4py.MPI, so MPI starts with the thread level ringreduce needs
+
+hvd.init()
+from mpi4py import MPI  # noqa: E402
+
+COMM = MPI.COMM_WORLD
+RANK, NRANKS = COMM.rank, COMM.size
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+METHODS = ["ours", "ours_", "mpi", "gloo"]
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def size_label(nbytes: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
+
+
+def default_iters(nbytes: int) -> int:
+    """About 1 GiB of payload per measurement: 100 calls for small sizes, 5 for 256M."""
+    return max(5, min(100, (1 << 30) // nbytes))
+
+
+def time_it(fn, iters: int, barrier=COMM.Barrier) -> float:
+    """Warm up, then the median over `iters` of one call's time, each call after a barrier."""
+    for _ in range(max(1, min(5, iters // 5))):
+        fn()
+    times = []
+    for _ in range(iters):
+        barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def slowest(seconds: float) -> float:
+    return COMM.allreduce(seconds, op=MPI.MAX)
+
+
+# In-place methods reduce zeros, so repeated sums neither overflow nor change the data.
+
+def bench_ours(nbytes: int, dtype: torch.dtype, iters: int) -> float:
+    t = torch.ones(nbytes // dtype.itemsize, dtype=dtype)
+    out = hvd.allreduce(t, op=hvd.Sum)
+    assert torch.all(out == NRANKS), "ringreduce.allreduce returned a wrong sum"
+    return slowest(time_it(lambda: hvd.allreduce(t, op=hvd.Sum), iters))
+
+
+def bench_ours_inplace(nbytes: int, dtype: torch.dtype, iters: int) -> float:
+    t = torch.zeros(nbytes // dtype.itemsize, dtype=dtype)
+    return slowest(time_it(lambda: hvd.allreduce_(t, op=hvd.Sum), iters))
+
+
+def bench_mpi(nbytes: int, dtype: torch.dtype, iters: int) -> float | None:
+    if dtype == torch.bfloat16:
+        return None  # MPI has no bfloat16 type to sum
+    send = np.ones(nbytes // 4, dtype=np.float32)
+    recv = np.empty_like(send)
+    return slowest(time_it(lambda: COMM.Allreduce(send, recv, op=MPI.SUM), iters))
+
+
+def bench_gloo(nbytes: int, dtype: torch.dtype, iters: int) -> float:
+    import torch.distributed as dist
+
+    t = torch.zeros(nbytes // dtype.itemsize, dtype=dtype)
+    return slowest(time_it(lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM), iters))
+
+
+def bench_memcpy(nbytes: int, iters: int) -> float:
+    """Rank 0 copies alone; the others wait in a barrier that sleeps instead of spinning."""
+    if RANK == 0:
+        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        seconds = time_it(lambda: dst.copy_(src), iters, barrier=lambda: None)
+        COMM.Barrier()
+    else:
+        request = COMM.Ibarrier()
+        while not request.Test():
+            time.sleep(0.001)
+        seconds = 0.0
+    return COMM.bcast(seconds, root=0)
+
+
+def init_gloo() -> None:
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    port = None
+    if RANK == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = COMM.bcast(port, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=RANK,
+                            world_size=NRANKS, timeout=datetime.timedelta(minutes=5))
+
+
+def metadata(args) -> dict:
+    return {
+        "ranks": NRANKS,
+        "mpi_library": MPI.Get_library_version().strip(),
+        "mpi4py": __import__("mpi4py").__version__,
+        "torch": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+        "ringreduce": hvd.__version__,
+        "hostname": socket.gethostname(),
+        "hosts": sorted(set(COMM.allgather(socket.gethostname()))),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "python": sys.version.split()[0],
+        "argv": sys.argv,
+        "iters": args.iters or "adaptive",
+    }
+
+
+def fmt(value, spec: str, width: int) -> str:
+    return f"{'n/a' if value is None else format(value, spec):>{width}}"
+
+
+HEADER = (f"{'size':>6} {'dtype':>9} {'method':>7} {'iters':>5} {'time(us)':>11} "
+          f"{'algbw':>8} {'busbw':>8} {'bus/memcpy':>10} {'xMPI':>6} {'xgloo':>6}")
+
+
+def row(r: dict) -> str:
+    return (f"{r['size']:>6} {r['dtype']:>9} {r['method']:>7} {r['iters']:>5} "
+            f"{fmt(r['latency_us'], '.1f', 11)} {fmt(r['algbw_GBps'], '.3f', 8)} "
+            f"{fmt(r['busbw_GBps'], '.3f', 8)} {fmt(r['busbw_over_memcpy'], '.3f', 10)} "
+            f"{fmt(r.get('speedup_vs_mpi'), '.2f', 6)} {fmt(r.get('speedup_vs_gloo'), '.2f', 6)}")
+
+
+def plot(path: str, results: list[dict], memcpy: list[dict], meta: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for dtype in dict.fromkeys(r["dtype"] for r in results):
+        for method in METHODS:
+            points = [(r["size_bytes"], r["busbw_GBps"]) for r in results
+                      if r["dtype"] == dtype and r["method"] == method and r["busbw_GBps"]]
+            if points:
+                ax.plot(*zip(*points), marker="o",
+                        linestyle="-" if dtype == "float32" else ":", label=f"{method} {dtype}")
+    biggest = max(memcpy, key=lambda m: m["size_bytes"])
+    ax.axhline(biggest["bw_GBps"], color="black", linestyle="--",
+               label=f"memcpy, rank 0, {size_label(biggest['size_bytes'])}")
+    sizes = [m["size_bytes"] for m in memcpy]
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [size_label(s) for s in sizes])
+    ax.set_xlabel("message size per rank (bytes)")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.set_title(f"allreduce busbw, {meta['ranks']} ranks on {meta['hostname']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="4K,64K,1M,16M,64M,256M")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None)
+    parser.add_argument("--no-gloo", action="store_true")
+    args = parser.parse_args()
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    dtypes = args.dtypes.split(",")
+    if unknown := set(dtypes) - set(DTYPES):
+        parser.error(f"unknown dtype(s) {sorted(unknown)}; choose from {sorted(DTYPES)}")
+    if bad := [s for s in sizes if s <= 0 or s % 4]:
+        parser.error(f"sizes must be positive multiples of 4 bytes, got {bad}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (fail now, not after the whole run)
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install -e '.[bench]'")
+    if not args.no_gloo:
+        init_gloo()
+
+    meta = metadata(args)
+    if RANK == 0:
+        print(f"allreduce benchmark: {NRANKS} ranks on {', '.join(meta['hosts'])}, "
+              f"{meta['mpi_library'].splitlines()[0]}, torch {meta['torch']} "
+              f"({meta['torch_num_threads']} threads), {meta['date']}")
+        print("GB/s = 1e9 B/s; time = max over ranks of the median; xMPI/xgloo = their time / ours")
+        print(HEADER, flush=True)
+
+    bench = {"ours": bench_ours, "ours_": bench_ours_inplace, "mpi": bench_mpi,
+             "gloo": None if args.no_gloo else bench_gloo}
+    results, memcpy = [], []
+    for nbytes in sizes:
+        iters = args.iters or default_iters(nbytes)
+        copy_s = bench_memcpy(nbytes, iters)
+        memcpy.append({"size_bytes": nbytes, "size": size_label(nbytes), "iters": iters,
+                       "time_s": copy_s, "bw_GBps": nbytes / copy_s / 1e9})
+        if RANK == 0:
+            print(f"{size_label(nbytes):>6} {'-':>9} {'memcpy':>7} {iters:>5} "
+                  f"{copy_s * 1e6:>11.1f} {memcpy[-1]['bw_GBps']:>8.3f}", flush=True)
+        for dtype in dtypes:
+            times = {m: fn(nbytes, DTYPES[dtype], iters) if fn else None
+                     for m, fn in bench.items()}
+            for method, seconds in times.items():
+                if method == "gloo" and args.no_gloo:
+                    continue
+                algbw = nbytes / seconds / 1e9 if seconds else None
+                busbw = algbw * 2 * (NRANKS - 1) / NRANKS if algbw is not None else None
+                r = {"size_bytes": nbytes, "size": size_label(nbytes), "dtype": dtype,
+                     "method": method, "iters": iters, "time_s": seconds,
+                     "latency_us": seconds * 1e6 if seconds else None,
+                     "algbw_GBps": algbw, "busbw_GBps": busbw,
+                     "busbw_over_memcpy": busbw / memcpy[-1]["bw_GBps"] if busbw else None}
+                if method.startswith("ours"):
+                    for other in ("mpi", "gloo"):
+                        theirs = times[other]
+                        r[f"speedup_vs_{other}"] = theirs / seconds if theirs else None
+                results.append(r)
+                if RANK == 0:
+                    print(row(r), flush=True)
+
+    if RANK == 0:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "memcpy": memcpy, "results": results}, f, indent=2)
+            print(f"wrote {args.json}")
+        if args.plot:
+            plot(args.plot, results, memcpy, meta)
+            print(f"wrote {args.plot}")
+    if not args.no_gloo:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

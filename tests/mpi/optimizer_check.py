@@ -1,0 +1,285 @@
+"""DistributedOptimizer on N ranks against one process training on the whole batch."""
+import copy
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from mpi4py import MPI
+
+import ringreduce as hvd
+from ringreduce.world import world
+
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+BATCH = 24  # divides by 1, 2, 3 and 4
+SMALL_BUCKETS = dict(fusion_threshold=2048, first_bucket_bytes=512)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.fc1 = nn.Linear(4 * 6 * 6, 32)
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(F.relu(self.conv(x)).flatten(1))))
+
+
+def data(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, 1, 8, 8, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+
+
+def shard(t):
+    per = BATCH // n
+    return t[r * per:(r + 1) * per]
+
+
+def fresh_model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def params_equal_across_ranks(model, what):
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = MPI.COMM_WORLD.allgather(flat.numpy().tobytes())
+    assert all(b == everyone[0] for b in everyone), f"{what}: parameters differ across ranks"
+
+
+def assert_close(model, reference, what, tol=1e-5):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p, q, rtol=tol, atol=tol), \
+            f"{what}: {name} differs by {(p - q).abs().max().item()}"
+
+
+def train(make_opt, steps=4, distributed=True, passes=1, clip=None, amp=False, sched=False,
+          **kwargs):
+    model = fresh_model()
+    opt = make_opt(model.parameters())
+    if distributed:
+        opt = hvd.DistributedOptimizer(opt, model.named_parameters(),
+                                       backward_passes_per_step=passes, **kwargs)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if sched else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if amp else None
+    for step in range(steps):
+        x, y = data(step)
+        if distributed:
+            x, y = shard(x), shard(y)
+        opt.zero_grad()
+        for part_x, part_y in zip(x.chunk(passes), y.chunk(passes)):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                loss = F.cross_entropy(model(part_x), part_y) / passes
+            (scaler.scale(loss) if amp else loss).backward()
+        if amp:
+            if distributed:
+                opt.synchronize()
+            scaler.unscale_(opt)
+            ctx = opt.skip_synchronize() if distributed else _nothing()
+            with ctx:
+                scaler.step(opt)
+            scaler.update()
+        elif clip is not None:
+            if distributed:
+                opt.synchronize()
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
+            with (opt.skip_synchronize() if distributed else _nothing()):
+                opt.step()
+        else:
+            opt.step()
+        if scheduler:
+            scheduler.step()
+    return model, opt
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def check_equivalence():
+    for name, make in (("sgd", sgd), ("adam", adam)):
+        for extra in ({}, SMALL_BUCKETS, dict(gradient_as_bucket_view=True, **SMALL_BUCKETS),
+                      dict(groups=3)):
+            model, _ = train(make, **extra)
+            reference, _ = train(make, distributed=False)
+            what = f"{name} {extra}"
+            params_equal_across_ranks(model, what)
+            if n == 1:   # one rank: exactly the bare optimizer
+                assert all(torch.equal(p, q) for p, q in
+                           zip(model.parameters(), reference.parameters())), what
+            assert_close(model, reference, what)
+
+
+def check_features():
+    reference, _ = train(sgd, distributed=False, passes=2)
+    model, _ = train(sgd, passes=2, **SMALL_BUCKETS)
+    assert_close(model, reference, "backward_passes_per_step=2")
+    params_equal_across_ranks(model, "backward_passes_per_step=2")
+
+    model, _ = train(sgd, clip=0.5)
+    reference, _ = train(sgd, distributed=False, clip=0.5)
+    assert_close(model, reference, "clipping after synchronize")
+
+    model, _ = train(sgd, compression=hvd.Compression.fp16, **SMALL_BUCKETS)
+    reference, _ = train(sgd, distributed=False)
+    assert_close(model, reference, "fp16 compression", tol=2e-2)
+    params_equal_across_ranks(model, "fp16 compression")
+
+    model, opt = train(sgd, sched=True)
+    reference, _ = train(sgd, distributed=False, sched=True)
+    assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["lr"] == 0.025
+    assert_close(model, reference, "LR scheduler")
+
+    model, _ = train(adam, amp=True)
+    reference, _ = train(adam, distributed=False, amp=True)
+    params_equal_across_ranks(model, "AMP pattern")
+    assert_close(model, reference, "AMP pattern", tol=5e-2)
+
+
+def check_unused_and_frozen():
+    model = nn.ModuleDict({"used": nn.Linear(4, 1, bias=False), "sometimes": nn.Linear(4, 1),
+                           "frozen": nn.Linear(4, 1)})
+    for p in model.parameters():
+        nn.init.zeros_(p)
+    model["frozen"].weight.requires_grad_(False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   model.named_parameters(), fusion_threshold=16)
+    x = torch.ones(1, 4)
+    loss = model["used"](x).sum() * (r + 1) + model["frozen"](x).sum()
+    if r != 0:      # rank 0 never produces the gradient of "sometimes"
+        loss = loss + model["sometimes"](x).sum() * r
+    loss.backward()
+    opt.step()
+    # gradients averaged over ranks, with rank 0's missing ones counted as zeros
+    want_used = -sum(k + 1 for k in range(n)) / n
+    want_sometimes = -sum(range(n)) / n
+    assert torch.equal(model["used"].weight, torch.full((1, 4), want_used)), model["used"].weight
+    assert torch.equal(model["sometimes"].weight, torch.full((1, 4), want_sometimes))
+    assert torch.equal(model["frozen"].weight, torch.zeros(1, 4))
+    params_equal_across_ranks(model, "unused/frozen")
+
+
+def expect(error, fragment, fn):
+    try:
+        fn()
+    except error as e:
+        assert fragment in str(e), f"{fragment!r} not in {e}"
+        return
+    raise AssertionError(f"no {error.__name__} ({fragment})")
+
+
+def check_errors():
+    model = fresh_model()
+    named = list(model.named_parameters())
+    opt = lambda: torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: E731
+    D = hvd.DistributedOptimizer
+    expect(ValueError, "unique", lambda: D(opt(), [("w", p) for _, p in named]))
+    expect(ValueError, "no name", lambda: D(opt(), named[:2]))
+    expect(ValueError, "tuples", lambda: D(opt(), [p for _, p in named]))
+    expect(ValueError, "backward_passes_per_step", lambda: D(opt(), named,
+                                                             backward_passes_per_step=0))
+    expect(ValueError, "backward_passes_per_step", lambda: D(opt(), named,
+                                                             backward_passes_per_step=1.5))
+    expect(ValueError, "gradient_predivide_factor", lambda: D(opt(), named, op=hvd.Sum,
+                                                              gradient_predivide_factor=2.0))
+    expect(ValueError, "compression", lambda: D(opt(), named, gradient_as_bucket_view=True,
+                                                compression=hvd.Compression.fp16))
+    dist = D(opt(), named)
+    x, y = data(0)
+    F.cross_entropy(model(shard(x)), shard(y)).backward()
+    expect(hvd.RingReduceError, "before optimizer.step()", dist.zero_grad)
+    expect(hvd.RingReduceError, "backward_passes_per_step is 1",
+           lambda: F.cross_entropy(model(shard(x)), shard(y)).backward())
+    dist.synchronize()
+    dist.step()
+    dist.zero_grad()
+    # predivide: sum(g / f) * f / n is the plain average
+    m1, m2 = fresh_model(), fresh_model()
+    o1 = D(torch.optim.SGD(m1.parameters(), lr=0.1), m1.named_parameters())
+    o2 = D(torch.optim.SGD(m2.parameters(), lr=0.1), m2.named_parameters(),
+           gradient_predivide_factor=2.0)
+    for m, o in ((m1, o1), (m2, o2)):
+        F.cross_entropy(m(shard(x)), shard(y)).backward()
+        o.step()
+    assert_close(m1, m2, "gradient_predivide_factor", tol=1e-6)
+
+
+def check_overlap():
+    """The first bucket is handed to the engine before backward has produced every gradient."""
+    model = fresh_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   model.named_parameters(), **SMALL_BUCKETS)
+    engine = world().engine
+    engine.events = []
+    # conv.weight is registered first, so its gradient is among the last of backward
+    model.conv.weight.register_post_accumulate_grad_hook(
+        lambda p: engine.record("conv.weight", "gradient ready"))
+    x, y = data(0)
+    F.cross_entropy(model(shard(x)), shard(y)).backward()
+    opt.step()
+    events = [(name, phase) for _, name, phase in engine.events]
+    engine.events = None
+    first = events.index(("bucket.0", "submitted"))
+    last_grad = events.index(("conv.weight", "gradient ready"))
+    assert first < last_grad, events
+    assert len(opt._buckets) > 2 and ("bucket.1", "submitted") in events[:last_grad], events
+
+
+def check_state_helpers():
+    torch.manual_seed(r)            # every rank starts from different weights
+    model = Net()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    params_equal_across_ranks(model, "broadcast_parameters(state_dict)")
+    torch.manual_seed(r + 10)
+    other = Net()
+    hvd.broadcast_parameters(other.named_parameters(), root_rank=n - 1)
+    params_equal_across_ranks(other, "broadcast_parameters(named_parameters)")
+
+    opt = torch.optim.Adam(model.parameters(), lr=0.001 * (r + 1))
+    hvd.broadcast_optimizer_state(opt, root_rank=0)          # before the first step: empty
+    assert opt.param_groups[0]["lr"] == 0.001 and not opt.state
+    x, y = data(r)
+    for _ in range(r + 1):          # local steps, a different number per rank
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    dist = hvd.DistributedOptimizer(opt, model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(dist, root_rank=0)
+    state = dist.state_dict()["state"]
+    assert float(state[0]["step"]) == 1.0, state[0]["step"]   # rank 0 took one step
+    flat = torch.cat([state[i]["exp_avg"].reshape(-1) for i in sorted(state)])
+    everyone = MPI.COMM_WORLD.allgather(flat.numpy().tobytes())
+    assert all(b == everyone[0] for b in everyone), "optimizer state differs across ranks"
+    for _ in range(2):              # and training goes on in step
+        F.cross_entropy(model(shard(x)), shard(y)).backward()
+        dist.step()
+        dist.zero_grad()
+    params_equal_across_ranks(model, "after broadcast_optimizer_state")
+    saved = copy.deepcopy(dist.state_dict())   # load_state_dict keeps the wrapper working
+    dist.load_state_dict(saved)
+    F.cross_entropy(model(shard(x)), shard(y)).backward()
+    dist.step()
+    params_equal_across_ranks(model, "after load_state_dict")
+
+    assert hvd.broadcast_object({"epoch": r, "tag": "x"}, root_rank=n - 1) == \
+        {"epoch": n - 1, "tag": "x"}
+    assert hvd.allgather_object(r * 10) == [k * 10 for k in range(n)]
+
+
+for check in (check_equivalence, check_features, check_unused_and_frozen, check_errors,
+              check_overlap, check_state_helpers):
+    check()
+    hvd.barrier()
+print(f"OK rank {r}", flush=True)
