@@ -1,0 +1,378 @@
+"""Training-throughput benchmark: ringreduce against DDP (gloo), one flat MPI Allreduce, and none.
+
+Run it under MPI, one process per rank, e.g.
+
+    mpiexec -n 2 python scripts/bench_train.py
+    mpiexec -n 2 python scripts/bench_train.py --models mlp10m --steps 3 --reps 1 --warmup 1 \\
+        --json out.json --plot out.png      # --plot needs `pip install -e .[bench]`
+
+Options: --models (mlp,cnn,mlp10m; default mlp,cnn), --methods (default below), --steps per
+repetition (20), --warmup steps (3), --reps (3), --batch per rank (32), --lr (0.01),
+--json FILE, --plot FILE.png.
+
+Synthetic data: each rank trains on its own fixed pool of random batches (seeded by rank), with
+SGD (momentum 0.9) on cross-entropy, one torch thread per rank (torch.set_num_threads(1)).
+Every method starts from the same seeded model and sees the same batches.
+
+Models (float32):
+    mlp       3*64*64 -> 1580 -> 1580 -> 1000, ReLU: about 23.5M parameters
+    mlp10m    3*64*64 -> 714 -> 714 -> 1000, ReLU: about 10.0M parameters
+    cnn       ResNet-18 (BasicBlock, BatchNorm, written here: no torchvision) on 3x64x64 images,
+              1000 classes: about 11.7M parameters
+
+Methods, measured one after another in this process (default order, by expected peak memory):
+    none             plain optimizer, no gradient communication: each rank trains alone (ceiling)
+    ringreduce_view  hvd.DistributedOptimizer(..., gradient_as_bucket_view=True): grads are
+                     views of the bucket buffers (no pack/unpack copies)
+    ringreduce       hvd.DistributedOptimizer: buckets are reduced while backward runs
+    allreduce_after  after backward: concatenate all grads into one flat buffer, one
+                     comm.Allreduce (mpi4py, in place, NumPy views), divide by size, copy back
+    ddp              torch.nn.parallel.DistributedDataParallel, gloo backend over loopback TCP
+                     (defaults: 25 MB buckets, broadcast_buffers=True, which for the cnn also
+                     broadcasts the BatchNorm buffers from rank 0 at each forward)
+
+Timing: --warmup steps, then --reps repetitions of --steps steps; each repetition starts after
+an MPI barrier and its time is the largest over the ranks. A step is zero_grad, forward,
+backward, optimizer step (which waits for the reduction).
+
+Columns:
+    samples/s   ranks * batch * steps / time, median over the repetitions (the whole job)
+    x none      samples/s / samples/s of none: the fraction of the no-communication ceiling
+    x ddp       samples/s / samples/s of ddp (>1: faster than DDP)
+    step(ms)    time of one step (1000 * time / steps, the same median repetition)
+    sync        whether all ranks hold the same parameters afterwards (checksums of the
+                parameters agree to 1e-6 relative; "-" for none, whose ranks diverge)
+    peakRSS     VmHWM in MiB while the method ran (the kernel's peak RSS counter is reset
+                before each method through /proc/self/clear_refs; "n/a" where that is refused),
+                largest over the ranks
+    maxrss      getrusage(RUSAGE_SELF).ru_maxrss in MiB after the method, largest over the
+                ranks. It is cumulative over the process (never goes down), which is why the
+                methods run in increasing order of expected memory; +maxrss is its increase
+                during the method.
+The header of each model gives its parameter count and gradient size (MiB = 2**20 bytes).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ringreduce as hvd  # before mpi4py.MPI, so MPI starts with the thread level ringreduce needs
+
+hvd.init()
+from mpi4py import MPI  # noqa: E402
+
+COMM = MPI.COMM_WORLD
+RANK, NRANKS = COMM.rank, COMM.size
+METHODS = ["none", "ringreduce_view", "ringreduce", "allreduce_after", "ddp"]
+MODELS = ["mlp", "cnn", "mlp10m"]
+IMAGE = (3, 64, 64)
+CLASSES = 1000
+MiB = float(1 << 20)
+
+
+# ---------------------------------------------------------------------------- models
+
+def mlp(hidden: int) -> nn.Module:
+    width = IMAGE[0] * IMAGE[1] * IMAGE[2]
+    return nn.Sequential(nn.Flatten(), nn.Linear(width, hidden), nn.ReLU(),
+                         nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, CLASSES))
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                      nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + (x if self.down is None else self.down(x)))
+
+
+def resnet18() -> nn.Module:
+    layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+              nn.MaxPool2d(3, 2, 1)]
+    cin = 64
+    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, CLASSES)]
+    return nn.Sequential(*layers)
+
+
+BUILD = {"mlp": lambda: mlp(1580), "mlp10m": lambda: mlp(714), "cnn": resnet18}
+
+
+# ---------------------------------------------------------------------------- methods
+
+def init_gloo() -> None:
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    port = None
+    if RANK == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = COMM.bcast(port, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=RANK,
+                            world_size=NRANKS, timeout=datetime.timedelta(minutes=5))
+
+
+def setup(method: str, model: nn.Module, lr: float):
+    """(module to call, optimizer, hook run between backward and step) for one method."""
+    sgd = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if method == "none":
+        return model, sgd, None
+    if method in ("ringreduce", "ringreduce_view"):
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
+                                       gradient_as_bucket_view=method == "ringreduce_view")
+        return model, opt, None
+    if method == "ddp":
+        return nn.parallel.DistributedDataParallel(model), sgd, None
+    if method == "allreduce_after":
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        params = [p for p in model.parameters() if p.requires_grad]
+        flat = torch.empty(sum(p.numel() for p in params))
+        views, offset = [], 0
+        for p in params:
+            views.append(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        array = flat.numpy()
+
+        def reduce_grads() -> None:
+            torch.cat([p.grad.reshape(-1) for p in params], out=flat)
+            COMM.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+            flat.div_(NRANKS)
+            for p, v in zip(params, views):
+                p.grad.copy_(v)
+
+        return model, sgd, reduce_grads
+    raise ValueError(method)
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak RSS (VmHWM) of this process to its current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def vm_hwm_mib() -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / MiB
+    except OSError:
+        pass
+    return None
+
+
+def maxrss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MiB   # KiB on Linux
+
+
+def run_method(name: str, method: str, batches, args) -> dict:
+    torch.manual_seed(0)
+    model = BUILD[name]()
+    model.train()
+    before = maxrss_mib()
+    can_reset = reset_peak_rss()
+    module, opt, between = setup(method, model, args.lr)
+
+    def step(i: int) -> None:
+        x, y = batches[i % len(batches)]
+        opt.zero_grad()
+        F.cross_entropy(module(x), y).backward()
+        if between is not None:
+            between()
+        opt.step()
+
+    for i in range(args.warmup):
+        step(i)
+    times = []
+    for _ in range(args.reps):
+        COMM.Barrier()
+        start = time.perf_counter()
+        for i in range(args.steps):
+            step(i)
+        times.append(COMM.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    seconds = statistics.median(times)
+
+    checksum = sum(p.detach().double().sum().item() for p in model.parameters())
+    sums = COMM.allgather(checksum)
+    in_sync = max(sums) - min(sums) <= 1e-6 * max(1.0, max(abs(s) for s in sums))
+    peak = vm_hwm_mib() if can_reset else None
+    after = maxrss_mib()
+    del module, opt, between, model
+    gc.collect()
+    return {
+        "model": name, "method": method, "time_s": seconds, "rep_times_s": times,
+        "samples_per_s": NRANKS * args.batch * args.steps / seconds,
+        "step_ms": 1000 * seconds / args.steps,
+        "params_in_sync": None if method == "none" else in_sync,
+        "peak_rss_mib_per_rank": COMM.allgather(peak),
+        "maxrss_mib_per_rank": COMM.allgather(after),
+        "maxrss_increase_mib_per_rank": COMM.allgather(after - before),
+    }
+
+
+# ---------------------------------------------------------------------------- output
+
+def metadata(args) -> dict:
+    return {
+        "ranks": NRANKS,
+        "mpi_library": MPI.Get_library_version().strip(),
+        "mpi4py": __import__("mpi4py").__version__,
+        "torch": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+        "ringreduce": hvd.__version__,
+        "hostname": socket.gethostname(),
+        "hosts": sorted(set(COMM.allgather(socket.gethostname()))),
+        "cpu_count": os.cpu_count(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "python": sys.version.split()[0],
+        "argv": sys.argv,
+        "batch_per_rank": args.batch, "steps": args.steps, "warmup": args.warmup,
+        "reps": args.reps, "lr": args.lr, "optimizer": "SGD(momentum=0.9)",
+    }
+
+
+def fmt(value, spec: str, width: int) -> str:
+    return f"{'n/a' if value is None else format(value, spec):>{width}}"
+
+
+HEADER = (f"{'method':>16} {'samples/s':>10} {'x none':>7} {'x ddp':>7} {'step(ms)':>9} "
+          f"{'sync':>5} {'peakRSS':>8} {'maxrss':>8} {'+maxrss':>8}")
+
+
+def row(r: dict) -> str:
+    sync = {None: "-", True: "yes", False: "NO"}[r["params_in_sync"]]
+    peaks = [p for p in r["peak_rss_mib_per_rank"] if p is not None]
+    return (f"{r['method']:>16} {r['samples_per_s']:>10.1f} {fmt(r['vs_none'], '.3f', 7)} "
+            f"{fmt(r['vs_ddp'], '.3f', 7)} {r['step_ms']:>9.1f} {sync:>5} "
+            f"{fmt(max(peaks) if peaks else None, '.0f', 8)} "
+            f"{max(r['maxrss_mib_per_rank']):>8.0f} "
+            f"{max(r['maxrss_increase_mib_per_rank']):>8.0f}")
+
+
+def plot(path: str, results: list[dict], models: list[dict], meta: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 4.5), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        rows = [r for r in results if r["model"] == m["model"]]
+        bars = ax.bar([r["method"] for r in rows], [r["samples_per_s"] for r in rows],
+                      color=[f"C{METHODS.index(r['method'])}" for r in rows])
+        ax.bar_label(bars, labels=[f"{r['samples_per_s']:.0f}" for r in rows], fontsize="small")
+        ax.set_title(f"{m['model']} ({m['params'] / 1e6:.1f}M params)")
+        ax.set_ylabel("samples/s (whole job)")
+        ax.tick_params(axis="x", labelrotation=30)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"training throughput, {meta['ranks']} ranks x batch {meta['batch_per_rank']}, "
+                 f"1 thread/rank, {meta['hostname']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="mlp,cnn")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None)
+    args = parser.parse_args()
+    models, methods = args.models.split(","), args.methods.split(",")
+    if unknown := set(models) - set(MODELS):
+        parser.error(f"unknown model(s) {sorted(unknown)}; choose from {MODELS}")
+    if unknown := set(methods) - set(METHODS):
+        parser.error(f"unknown method(s) {sorted(unknown)}; choose from {METHODS}")
+    if args.steps < 1 or args.reps < 1 or args.warmup < 0 or args.batch < 1:
+        parser.error("--steps, --reps and --batch must be >= 1, --warmup >= 0")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (fail now, not after the whole run)
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install -e '.[bench]'")
+    torch.set_num_threads(1)
+    if "ddp" in methods:
+        init_gloo()
+
+    meta = metadata(args)
+    if RANK == 0:
+        print(f"training benchmark: {NRANKS} ranks on {', '.join(meta['hosts'])}, "
+              f"{meta['mpi_library'].splitlines()[0]}, torch {meta['torch']} "
+              f"(1 thread/rank), batch {args.batch}/rank, {args.reps} reps x {args.steps} steps "
+              f"after {args.warmup} warm-up, {meta['date']}", flush=True)
+
+    results, model_info = [], []
+    for name in models:
+        torch.manual_seed(1000 + RANK)   # each rank its own data, the same for every method
+        batches = [(torch.randn(args.batch, *IMAGE), torch.randint(0, CLASSES, (args.batch,)))
+                   for _ in range(4)]
+        torch.manual_seed(0)
+        params = sum(p.numel() for p in BUILD[name]().parameters())
+        info = {"model": name, "params": params, "grad_mib": params * 4 / MiB}
+        model_info.append(info)
+        if RANK == 0:
+            print(f"\n{name}: {params:,} parameters, gradients {info['grad_mib']:.1f} MiB "
+                  "(float32)")
+            print(HEADER, flush=True)
+        rows = [run_method(name, method, batches, args) for method in methods]
+        base = {r["method"]: r["samples_per_s"] for r in rows}
+        for r in rows:
+            r["vs_none"] = r["samples_per_s"] / base["none"] if "none" in base else None
+            r["vs_ddp"] = r["samples_per_s"] / base["ddp"] if "ddp" in base else None
+            if RANK == 0:
+                print(row(r), flush=True)
+        results += rows
+
+    if RANK == 0:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "models": model_info, "results": results}, f, indent=2)
+            print(f"wrote {args.json}")
+        if args.plot:
+            plot(args.plot, results, model_info, meta)
+            print(f"wrote {args.plot}")
+    if "ddp" in methods:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
