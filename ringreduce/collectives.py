@@ -2,7 +2,7 @@
 
 Every collective validates its input on the caller's thread (so a local mistake raises on the
 rank that made it, before any MPI traffic), then hands the engine a piece of work that first
-checks the signature across ranks (`negotiation.check`) and then moves the data. Results are
+checks the signature across ranks (`Negotiator.check`) and then moves the data. Results are
 written to the caller's tensor only after the collective succeeded.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from . import negotiation, ring
+from . import ring
 from .buffers import SUPPORTED, as_array
 from .compression import Compression, Compressor
 from .engine import Engine, Handle
@@ -163,7 +163,7 @@ def _grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str]
         signature["tensors (dtype, shape)"] = tuple(_describe(t) for t in work_tensors)
 
     def work() -> list[torch.Tensor]:
-        negotiation.check(engine.comm, signature)
+        engine.negotiator.check(signature)
         _reduce_tensors(engine, work_tensors, op, prescale, postscale)
         results = [compression.decompress(w, ctx).view_as(t)
                    for w, (_, ctx), t in zip(work_tensors, compressed, checked)]
@@ -260,7 +260,7 @@ def _allgather_work(tensor: torch.Tensor, name: Optional[str]) -> Work:
                  "trailing shape": tuple(t.shape[1:])}
 
     def work() -> torch.Tensor:
-        firsts = negotiation.check(engine.comm, signature, per_rank=t.shape[0])
+        firsts = engine.negotiator.check(signature, per_rank=t.shape[0])
         out = torch.empty((int(firsts.sum()), *t.shape[1:]), dtype=t.dtype)
         row = math.prod(t.shape[1:])
         engine.comm.Allgatherv(as_array(t), [as_array(out), (firsts * row).tolist()])
@@ -292,7 +292,7 @@ def _broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
                  "shape": shape}
 
     def work() -> torch.Tensor:
-        negotiation.check(engine.comm, signature)
+        engine.negotiator.check(signature)
         out = t if engine.comm.rank == root else torch.empty_like(t)
         engine.comm.Bcast(as_array(out), root=root)
         if in_place:
@@ -349,7 +349,7 @@ def _alltoall_work(tensor: torch.Tensor, splits: Any, name: Optional[str]) -> Wo
                  "trailing shape": tuple(t.shape[1:])}
 
     def work() -> Any:
-        negotiation.check(engine.comm, signature)
+        engine.negotiator.check(signature)
         recv_splits = np.empty(comm.size, dtype=np.int64)
         engine.comm.Alltoall(send_splits, recv_splits)
         out = torch.empty((int(recv_splits.sum()), *t.shape[1:]), dtype=t.dtype)
@@ -389,7 +389,7 @@ def _reducescatter_work(tensor: torch.Tensor, name: Optional[str], op: Any,
                  "shape": shape, "prescale": prescale_factor, "postscale": postscale_factor}
 
     def work() -> torch.Tensor:
-        negotiation.check(comm, signature)
+        engine.negotiator.check(signature)
         rows = ring.balanced_counts(t.shape[0], comm.size)
         row = math.prod(t.shape[1:])
         bounds = ring.chunk_bounds([r * row for r in rows])
@@ -428,7 +428,7 @@ def barrier() -> None:
     name = _name(None, "barrier")
 
     def work() -> None:
-        negotiation.check(engine.comm, {"collective": "barrier"})
+        engine.negotiator.check({"collective": "barrier"})
         engine.comm.Barrier()
 
     engine.run(name, work)

@@ -56,6 +56,12 @@ SETTINGS: dict[str, Setting] = {
                 "group the ranks into this many simulated nodes (contiguous blocks of ranks) "
                 "instead of splitting by shared memory; 0 = off. For testing multi-node topology "
                 "on one machine"),
+        Setting("stall_check_time", 60.0, float,
+                "seconds a rank waits for the others to join a collective before it logs which "
+                "ranks are missing (and again every such interval); 0 = off"),
+        Setting("stall_shutdown_time", 0.0, float,
+                "seconds of such waiting after which the job is aborted with that message; "
+                "0 = never"),
         Setting("abort_on_error", True, _parse_bool,
                 "an uncaught exception on any rank aborts the whole MPI job (non-zero exit) "
                 "instead of leaving the other ranks waiting in a collective"),

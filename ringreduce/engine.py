@@ -19,6 +19,10 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from .errors import RingReduceError
+from .negotiation import Negotiator
+from .stall import StallWatch
+
+_IDLE_POKE_SECONDS = 0.05
 
 
 class Handle:
@@ -73,6 +77,8 @@ class Engine:
     def __init__(self, comm: Any, settings: Optional[dict] = None) -> None:
         self.comm = comm
         self.settings = dict(settings or {})
+        self.negotiator = Negotiator(comm, StallWatch(
+            comm, self.settings.get("stall_check_time", 0), self.settings.get("stall_shutdown_time", 0)))
         self.scratch = ScratchPool()
         self.events: Optional[list[tuple[float, str, str]]] = None  # set to a list to record
         self._cv = threading.Condition()
@@ -121,6 +127,8 @@ class Engine:
             self._stopping = True
             self._cv.notify_all()
         self._thread.join()
+        if self.negotiator.watch.board is not None:
+            self.negotiator.watch.board.free()
 
     def _claim_name(self, handle: Handle) -> None:
         if self._stopping:
@@ -141,7 +149,8 @@ class Engine:
         while True:
             with self._cv:
                 while not self._stopping and (self._busy or not self._queue):
-                    self._cv.wait()
+                    if not self._cv.wait(timeout=_IDLE_POKE_SECONDS) and not self._busy:
+                        self.comm.Iprobe()  # MPI progress, so other ranks' reads of us complete
                 if not self._queue:
                     return
                 handle = self._queue.popleft()

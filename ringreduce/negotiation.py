@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from .errors import MismatchError
+from .stall import StallWatch
 
 Signature = Mapping[str, Any]
 
@@ -23,20 +24,39 @@ def digest(signature: Signature) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
 
 
-def check(comm: Any, signature: Signature, per_rank: int = 0,
-          precomputed: Optional[int] = None) -> np.ndarray:
-    """Raise `MismatchError` on every rank unless all signatures agree; return every rank's
-    `per_rank` value, indexed by rank. `precomputed` is the signature's digest when the caller
-    made it once up front (the optimizer's buckets)."""
-    value = digest(signature) if precomputed is None else precomputed
-    header = np.array([value, per_rank], dtype=np.int64)
-    if comm.size == 1:
-        return header[1:]
-    headers = np.empty((comm.size, 2), dtype=np.int64)
-    comm.Allgather(header, headers)
-    if (headers[:, 0] != headers[0, 0]).any():
-        raise MismatchError(describe_mismatch(comm.allgather(dict(signature))))
-    return headers[:, 1]
+class Negotiator:
+    """Runs the signature check of each collective, with the stall watch around the wait."""
+
+    def __init__(self, comm: Any, watch: StallWatch) -> None:
+        self.comm = comm
+        self.watch = watch
+        self._header = np.zeros(2, dtype=np.int64)
+        self._headers = np.zeros((comm.size, 2), dtype=np.int64)
+
+    def check(self, signature: Signature, per_rank: int = 0,
+              precomputed: Optional[int] = None) -> np.ndarray:
+        """Raise `MismatchError` on every rank unless all signatures agree; return every rank's
+        `per_rank` value, indexed by rank. `precomputed` is the signature's digest when the
+        caller made it once up front (the optimizer's buckets)."""
+        self.watch.begin(_label(signature))
+        self._header[0] = digest(signature) if precomputed is None else precomputed
+        self._header[1] = per_rank
+        if self.comm.size == 1:
+            return self._header[1:].copy()
+        self.watch.wait(self.comm.Iallgather(self._header, self._headers))
+        if (self._headers[:, 0] != self._headers[0, 0]).any():
+            raise MismatchError(describe_mismatch(self.comm.allgather(dict(signature))))
+        return self._headers[:, 1].copy()
+
+
+def _label(signature: Signature) -> str:
+    """How the stall watch names a collective: kind, name, and a bucket's parameters."""
+    text = f"{signature.get('collective')} '{signature.get('name')}'"
+    params = signature.get("parameters")
+    if params:
+        shown = ", ".join(params[:8]) + (f", ... ({len(params)} in all)" if len(params) > 8 else "")
+        text += f" (parameters: {shown})"
+    return text
 
 
 def describe_mismatch(signatures: list[Signature]) -> str:

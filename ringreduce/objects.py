@@ -8,7 +8,6 @@ from typing import Any, Iterable, Mapping, Union
 
 import torch
 
-from . import negotiation
 from .collectives import _name, _root, broadcast_async_, synchronize
 from .world import world
 
@@ -48,7 +47,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> A
     engine = world().engine
 
     def work() -> Any:
-        negotiation.check(engine.comm, {"collective": "broadcast_object", "name": name,
+        engine.negotiator.check({"collective": "broadcast_object", "name": name,
                                         "root_rank": root})
         return engine.comm.bcast(obj if engine.comm.rank == root else None, root=root)
 
@@ -61,7 +60,7 @@ def allgather_object(obj: Any, name: str | None = None) -> list:
     engine = world("allgather_object()").engine
 
     def work() -> list:
-        negotiation.check(engine.comm, {"collective": "allgather_object", "name": name})
+        engine.negotiator.check({"collective": "allgather_object", "name": name})
         return engine.comm.allgather(obj)
 
     return engine.run(name, work)

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from . import fusion, negotiation
+from . import fusion
 from .buffers import as_array
 from .collectives import Average, Sum, _op, reduce_flat
 from .compression import Compression, Compressor
@@ -130,7 +130,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         def work() -> None:
             engine.record(bucket.name, "reduce start")
-            negotiation.check(engine.comm, bucket.signature, precomputed=bucket.digest)
+            engine.negotiator.check(bucket.signature, precomputed=bucket.digest)
             reduce_flat(engine, as_array(bucket.buffer), bucket.buffer.dtype, op, pre, post)
             bucket.unpack()
             engine.record(bucket.name, "reduce done")

@@ -126,7 +126,7 @@ def bench_memcpy(nbytes: int, iters: int) -> float:
     if RANK == 0:
         src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
         seconds = time_it(lambda: dst.copy_(src), iters, barrier=lambda: None)
-        COMM.Barrier()
+        COMM.Ibarrier().Wait()  # a blocking Barrier would not match the others' Ibarrier
     else:
         request = COMM.Ibarrier()
         while not request.Test():
@@ -200,6 +200,7 @@ def plot(path: str, results: list[dict], memcpy: list[dict], meta: dict) -> None
                label=f"memcpy, rank 0, {size_label(biggest['size_bytes'])}")
     sizes = [m["size_bytes"] for m in memcpy]
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")  # busbw spans orders of magnitude from 4K to 256M
     ax.set_xticks(sizes, [size_label(s) for s in sizes])
     ax.set_xlabel("message size per rank (bytes)")
     ax.set_ylabel("busbw (GB/s)")
@@ -236,7 +237,7 @@ def main() -> None:
     meta = metadata(args)
     if RANK == 0:
         print(f"allreduce benchmark: {NRANKS} ranks on {', '.join(meta['hosts'])}, "
-              f"{meta['mpi_library'].splitlines()[0]}, torch {meta['torch']} "
+              f"{' '.join(meta['mpi_library'].splitlines()[0].split())}, torch {meta['torch']} "
               f"({meta['torch_num_threads']} threads), {meta['date']}")
         print("GB/s = 1e9 B/s; time = max over ranks of the median; xMPI/xgloo = their time / ours")
         print(HEADER, flush=True)

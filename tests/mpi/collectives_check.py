@@ -4,9 +4,7 @@ Inputs are small integers (or halves of them), so every reduction is exact in ev
 results are compared for exact equality; results of each allreduce are also compared bitwise
 across ranks. Run under mpiexec at any rank count.
 """
-import sys
 
-import numpy as np
 import torch
 from mpi4py import MPI
 

@@ -70,7 +70,7 @@ assert torch.equal(hvd.synchronize(h), torch.ones(1000))
 # Cross-rank mismatches: MismatchError on every rank, naming the tensor and each rank's value.
 if n > 1:
     x = torch.ones(3 + r)
-    msg = expect(hvd.MismatchError, ["'shape_mm'", "'shape'", "rank 0: (3,)", f"rank 1: (4,)"],
+    msg = expect(hvd.MismatchError, ["'shape_mm'", "'shape'", "rank 0: (3,)", "rank 1: (4,)"],
                  hvd.allreduce_, x, name="shape_mm")
     assert torch.equal(x, torch.ones(3 + r)), "input changed by a failed collective"
     dtype = torch.float32 if r == 0 else torch.float64

@@ -1,0 +1,70 @@
+"""Fault injection in a small training loop: python fault_check.py MODE VICTIM_RANK
+
+MODE: raise_in_backward | raise_before_collective | sigkill | sleep (past the stall time) |
+      engine_error (every rank's reduction fails inside the engine thread).
+"""
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+import ringreduce as hvd
+
+mode, victim = sys.argv[1], int(sys.argv[2])
+hvd.init()
+r = hvd.rank()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters())
+
+
+class FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(f"injected failure in backward on rank {r}")
+
+
+if mode == "engine_error":
+    import ringreduce.optimizer as optimizer_module
+
+    def broken_reduce(*args, **kwargs):
+        raise OSError("injected failure inside the engine thread")
+
+    optimizer_module.reduce_flat = broken_reduce
+    loss = model(torch.ones(4, 8)).sum()
+    loss.backward()
+    try:
+        opt.step()
+    except hvd.RingReduceError as e:
+        assert isinstance(e.__cause__, OSError), repr(e.__cause__)
+        assert "bucket.0" in str(e) and "injected failure inside the engine" in str(e), e
+        print(f"CAUGHT {type(e).__name__}: {e}", flush=True)
+        print(f"OK rank {r}", flush=True)
+        sys.exit(0)
+    raise AssertionError("step() did not raise")
+
+for step in range(1000):
+    x = torch.randn(4, 8)
+    if r == victim and step == 3:
+        if mode == "raise_before_collective":
+            raise RuntimeError(f"injected failure before a collective on rank {r}")
+        if mode == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "sleep":
+            time.sleep(float(os.environ.get("FAULT_SLEEP", "60")))
+        if mode == "raise_in_backward":
+            x = FailInBackward.apply(x.requires_grad_())
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+    if mode == "sleep" and step == 5:
+        break
+print(f"OK rank {r}", flush=True)

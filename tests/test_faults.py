@@ -1,0 +1,52 @@
+"""A failing, killed or stalled rank ends the job quickly with a message; nothing hangs."""
+import pytest
+
+from conftest import run_mpi, run_ok
+
+
+@pytest.mark.parametrize("mode,message", [
+    ("raise_in_backward", "injected failure in backward on rank 1"),
+    ("raise_before_collective", "injected failure before a collective on rank 1"),
+])
+@pytest.mark.parametrize("n", [2, 3])
+def test_exception_on_one_rank_aborts_the_job(mode, message, n):
+    result = run_mpi(n, "fault_check.py", mode, "1", timeout=60)
+    assert result.returncode != 0
+    assert result.seconds < 30, f"took {result.seconds:.1f}s to exit"
+    assert result.output.count(message) == 1, result.output[-3000:]   # printed once
+    assert "rank 1 raised an uncaught exception; aborting the job" in result.output
+    assert "OK rank" not in result.output
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_sigkilled_rank_ends_the_job(n):
+    result = run_mpi(n, "fault_check.py", "sigkill", str(n - 1), timeout=60)
+    assert result.returncode != 0
+    assert result.seconds < 30, f"took {result.seconds:.1f}s to exit"
+    assert "OK rank" not in result.output
+
+
+def test_stall_is_reported_with_missing_ranks_and_parameter_names():
+    env = {"RINGREDUCE_STALL_CHECK_TIME": "1", "FAULT_SLEEP": "3.5"}
+    result = run_ok(3, "fault_check.py", "sleep", "2", env=env, timeout=90)
+    stall = [line for line in result.output.splitlines() if "ringreduce: stall" in line]
+    assert stall, result.output[-3000:]
+    assert any("which ranks [2] have not submitted" in line for line in stall), stall
+    assert any("(parameters: 2.bias, 2.weight" in line for line in stall), stall
+    assert all("rank 2 has waited" not in line for line in stall), stall
+
+
+def test_stall_shutdown_aborts_the_job():
+    env = {"RINGREDUCE_STALL_CHECK_TIME": "1", "RINGREDUCE_STALL_SHUTDOWN_TIME": "3",
+           "FAULT_SLEEP": "120"}
+    result = run_mpi(2, "fault_check.py", "sleep", "1", env=env, timeout=90)
+    assert result.returncode != 0
+    assert result.seconds < 30, f"took {result.seconds:.1f}s to exit"
+    assert "Shutting the job down after 3 s" in result.output
+    assert "which ranks [1] have not submitted" in result.output
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_engine_thread_error_reaches_step_with_its_cause(n):
+    result = run_ok(n, "fault_check.py", "engine_error", "0", timeout=60)
+    assert "CAUGHT RingReduceError" in result.output
