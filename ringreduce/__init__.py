@@ -10,10 +10,12 @@ from .collectives import (Adasum, Average, Max, Min, Product, Sum, allgather, al
                           reducescatter_async, synchronize)
 from .compression import Compression
 from .engine import Handle
-from .errors import HorovodInternalError, MismatchError, NotInitializedError, RingReduceError
+from . import checkpoint
+from .errors import (ConsistencyError, HorovodInternalError, MismatchError, NotInitializedError,
+                     RingReduceError)
 from .kernels import ReduceOp
 from .objects import (allgather_object, broadcast_object, broadcast_optimizer_state,
-                      broadcast_parameters)
+                      broadcast_parameters, check_consistency)
 from .optimizer import DistributedOptimizer
 from .world import (cross_rank, cross_size, init, is_initialized, local_rank, local_size, rank,
                     shutdown, size)
@@ -28,7 +30,9 @@ __all__ = [
     "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "barrier", "poll",
     "synchronize", "Handle", "DistributedOptimizer", "broadcast_parameters",
-    "broadcast_optimizer_state", "broadcast_object", "allgather_object",
+    "broadcast_optimizer_state", "broadcast_object", "allgather_object", "check_consistency",
+    "checkpoint",
     "Compression", "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "RingReduceError", "HorovodInternalError", "MismatchError", "NotInitializedError",
+    "ConsistencyError",
 ]

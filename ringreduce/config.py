@@ -62,6 +62,9 @@ SETTINGS: dict[str, Setting] = {
         Setting("stall_shutdown_time", 0.0, float,
                 "seconds of such waiting after which the job is aborted with that message; "
                 "0 = never"),
+        Setting("consistency_check_steps", 0, int,
+                "DistributedOptimizer: every this many steps, check that all parameters are "
+                "bitwise identical across ranks (check_consistency); 0 = never"),
         Setting("abort_on_error", True, _parse_bool,
                 "an uncaught exception on any rank aborts the whole MPI job (non-zero exit) "
                 "instead of leaving the other ranks waiting in a collective"),

@@ -21,4 +21,8 @@ class MismatchError(RingReduceError):
     """
 
 
+class ConsistencyError(RingReduceError):
+    """Tensors that should be identical on every rank are not (see `check_consistency`)."""
+
+
 HorovodInternalError = RingReduceError

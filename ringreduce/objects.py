@@ -4,11 +4,14 @@ Objects travel pickled (mpi4py's lowercase calls), through the engine like every
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Iterable, Mapping, Union
 
+import numpy as np
 import torch
 
 from .collectives import _name, _root, broadcast_async_, synchronize
+from .errors import ConsistencyError
 from .world import world
 
 Params = Union[Mapping[str, torch.Tensor], Iterable[Any]]
@@ -64,3 +67,46 @@ def allgather_object(obj: Any, name: str | None = None) -> list:
         return engine.comm.allgather(obj)
 
     return engine.run(name, work)
+
+
+def check_consistency(tensors: Union[torch.nn.Module, Params], name: str | None = None) -> None:
+    """Raise `ConsistencyError` on every rank unless every tensor (a module's parameters and
+    buffers, a state_dict, named tensors or a list) is bitwise identical on all ranks; the
+    error names the first tensor that differs and which ranks hold which version."""
+    if isinstance(tensors, torch.nn.Module):
+        items = list(tensors.named_parameters()) + list(tensors.named_buffers())
+    elif isinstance(tensors, Mapping):
+        items = sorted(tensors.items())
+    else:
+        items = [t if isinstance(t, tuple) else (str(i), t) for i, t in enumerate(tensors)]
+    items = [(n, t) for n, t in items if isinstance(t, torch.Tensor)]
+    digests = np.array([_digest(t) for _, t in items], dtype=np.int64)
+    name = _name(name, "check_consistency")
+    engine = world("check_consistency()").engine
+    signature = {"collective": "check_consistency", "name": name,
+                 "tensors": tuple(n for n, _ in items)}
+
+    def work() -> np.ndarray:
+        engine.negotiator.check(signature)
+        everyone = np.empty((engine.comm.size, len(digests)), dtype=np.int64)
+        engine.comm.Allgather(digests, everyone)
+        return everyone
+
+    everyone = engine.run(name, work)
+    for index, (tensor_name, _) in enumerate(items):
+        column = everyone[:, index]
+        if (column != column[0]).any():
+            groups: dict[int, list[int]] = {}
+            for rank, value in enumerate(column):
+                groups.setdefault(int(value), []).append(rank)
+            versions = "; ".join(f"ranks {ranks} hold version {v & 0xFFFFFFFF:08x}"
+                                 for v, ranks in groups.items())
+            raise ConsistencyError(
+                f"ringreduce: tensor '{tensor_name}' differs across ranks ({versions}); the "
+                "ranks have diverged: broadcast_parameters() from one rank, and look for "
+                "updates made on some ranks only")
+
+
+def _digest(tensor: torch.Tensor) -> int:
+    raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)

@@ -14,6 +14,7 @@ param_groups and state, so isinstance checks, LR schedulers and state_dict keep 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -24,6 +25,7 @@ from .collectives import Average, Sum, _op, reduce_flat
 from .compression import Compression, Compressor
 from .engine import Handle
 from .errors import RingReduceError
+from .objects import check_consistency
 from .world import world
 
 
@@ -56,6 +58,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sparse_as_dense = sparse_as_dense
         self._passes = backward_passes_per_step
         self._names = {id(p): n for n, p in named}
+        self._named = named
+        self._consistency_every = w.engine.settings["consistency_check_steps"]
+        self._steps_taken = 0
         wire = compression.wire_dtype
 
         def wire_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -73,8 +78,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._views:
             self._point_grads_at_buckets()
         self._skip_sync = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient)
-                       for b in self._buckets for p in b.params]
+        # The hooks live in torch's C++ parameter objects, which the garbage collector cannot
+        # see through: hold the optimizer weakly there, and drop the hooks with it.
+        me = weakref.ref(self)
+
+        def on_gradient(p: torch.Tensor) -> None:
+            optimizer = me()
+            if optimizer is not None:
+                optimizer._on_gradient(p)
+
+        hooks = [p.register_post_accumulate_grad_hook(on_gradient)
+                 for b in self._buckets for p in b.params]
+        weakref.finalize(self, _remove_hooks, hooks)
         self._reset_step()
 
     # ------------------------------------------------------------ backward
@@ -170,6 +185,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "synchronize(); call optimizer.synchronize() first")
         result = super(self.__class__, self).step(closure)
         self._reset_step()
+        self._steps_taken += 1
+        if self._consistency_every and self._steps_taken % self._consistency_every == 0:
+            check_consistency(self._named, name=f"check_consistency.step{self._steps_taken}")
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -218,6 +236,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                    gradient_predivide_factor, groups, sparse_as_dense, gradient_as_bucket_view,
                    fusion_threshold, first_bucket_bytes)
     return wrapped
+
+
+def _remove_hooks(hooks: list) -> None:
+    for hook in hooks:
+        hook.remove()
 
 
 def _named_parameters(param_groups: Sequence[dict], named: Any) -> list[tuple[str, torch.Tensor]]:

@@ -42,18 +42,24 @@ Columns:
     step(ms)    time of one step (1000 * time / steps, the same median repetition)
     sync        whether all ranks hold the same parameters afterwards (checksums of the
                 parameters agree to 1e-6 relative; "-" for none, whose ranks diverge)
-    peakRSS     VmHWM in MiB while the method ran (the kernel's peak RSS counter is reset
-                before each method through /proc/self/clear_refs; "n/a" where that is refused),
-                largest over the ranks
-    maxrss      getrusage(RUSAGE_SELF).ru_maxrss in MiB after the method, largest over the
-                ranks. It is cumulative over the process (never goes down), which is why the
-                methods run in increasing order of expected memory; +maxrss is its increase
-                during the method.
-The header of each model gives its parameter count and gradient size (MiB = 2**20 bytes).
+    peakRSS     peak resident memory of the rank (MiB) while the method ran, largest over the
+                ranks: before each method the kernel's peak counter is reset to the current RSS
+                (write "5" to /proc/self/clear_refs, Linux >= 4.0) and VmHWM of
+                /proc/self/status is read after the timed steps. Where the reset is refused,
+                it is getrusage(RUSAGE_SELF).ru_maxrss instead, which is cumulative over the
+                process (it never goes down): the row then says "(cumulative)", and the
+                default method order, by increasing expected memory, keeps it readable.
+    +peak       peakRSS minus the rank's RSS when the method started (before its model was
+                built), largest over the ranks: what the method's model, gradients, momentum,
+                buffers and activations added. The first method also pays one-time costs of
+                the process (torch's first forward and backward), so compare the others.
+The header of each model gives its parameter count and gradient size (MiB = 2**20 bytes):
+a copy of the gradients, e.g. unfused .grad tensors next to bucket buffers, costs that much.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import gc
 import json
@@ -181,15 +187,26 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def vm_hwm_mib() -> float | None:
+def status_mib(field: str) -> float:
+    """A memory field of /proc/self/status ("VmRSS", "VmHWM") in MiB; NaN where absent."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024 / MiB
     except OSError:
         pass
-    return None
+    return float("nan")
+
+
+def release_memory() -> None:
+    """Free the last method's model and optimizer and hand the freed heap back to the OS
+    (glibc malloc_trim), so that the next method starts from a clean RSS."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass   # not glibc
 
 
 def maxrss_mib() -> float:
@@ -197,11 +214,11 @@ def maxrss_mib() -> float:
 
 
 def run_method(name: str, method: str, batches, args) -> dict:
+    cumulative = not reset_peak_rss()
+    start_rss = status_mib("VmRSS")
     torch.manual_seed(0)
     model = BUILD[name]()
     model.train()
-    before = maxrss_mib()
-    can_reset = reset_peak_rss()
     module, opt, between = setup(method, model, args.lr)
 
     def step(i: int) -> None:
@@ -222,22 +239,20 @@ def run_method(name: str, method: str, batches, args) -> dict:
             step(i)
         times.append(COMM.allreduce(time.perf_counter() - start, op=MPI.MAX))
     seconds = statistics.median(times)
+    peak = maxrss_mib() if cumulative else status_mib("VmHWM")
 
     checksum = sum(p.detach().double().sum().item() for p in model.parameters())
     sums = COMM.allgather(checksum)
     in_sync = max(sums) - min(sums) <= 1e-6 * max(1.0, max(abs(s) for s in sums))
-    peak = vm_hwm_mib() if can_reset else None
-    after = maxrss_mib()
-    del module, opt, between, model
-    gc.collect()
     return {
         "model": name, "method": method, "time_s": seconds, "rep_times_s": times,
         "samples_per_s": NRANKS * args.batch * args.steps / seconds,
         "step_ms": 1000 * seconds / args.steps,
         "params_in_sync": None if method == "none" else in_sync,
         "peak_rss_mib_per_rank": COMM.allgather(peak),
-        "maxrss_mib_per_rank": COMM.allgather(after),
-        "maxrss_increase_mib_per_rank": COMM.allgather(after - before),
+        "start_rss_mib_per_rank": COMM.allgather(start_rss),
+        "peak_rss_increase_mib_per_rank": COMM.allgather(peak - start_rss),
+        "peak_rss_cumulative": any(COMM.allgather(cumulative)),
     }
 
 
@@ -267,17 +282,16 @@ def fmt(value, spec: str, width: int) -> str:
 
 
 HEADER = (f"{'method':>16} {'samples/s':>10} {'x none':>7} {'x ddp':>7} {'step(ms)':>9} "
-          f"{'sync':>5} {'peakRSS':>8} {'maxrss':>8} {'+maxrss':>8}")
+          f"{'sync':>5} {'peakRSS':>8} {'+peak':>7}")
 
 
 def row(r: dict) -> str:
     sync = {None: "-", True: "yes", False: "NO"}[r["params_in_sync"]]
-    peaks = [p for p in r["peak_rss_mib_per_rank"] if p is not None]
     return (f"{r['method']:>16} {r['samples_per_s']:>10.1f} {fmt(r['vs_none'], '.3f', 7)} "
             f"{fmt(r['vs_ddp'], '.3f', 7)} {r['step_ms']:>9.1f} {sync:>5} "
-            f"{fmt(max(peaks) if peaks else None, '.0f', 8)} "
-            f"{max(r['maxrss_mib_per_rank']):>8.0f} "
-            f"{max(r['maxrss_increase_mib_per_rank']):>8.0f}")
+            f"{max(r['peak_rss_mib_per_rank']):>8.0f} "
+            f"{max(r['peak_rss_increase_mib_per_rank']):>7.0f}"
+            f"{' (cumulative)' if r['peak_rss_cumulative'] else ''}")
 
 
 def plot(path: str, results: list[dict], models: list[dict], meta: dict) -> None:
@@ -296,8 +310,10 @@ def plot(path: str, results: list[dict], models: list[dict], meta: dict) -> None
         ax.set_ylabel("samples/s (whole job)")
         ax.tick_params(axis="x", labelrotation=30)
         ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(f"training throughput, {meta['ranks']} ranks x batch {meta['batch_per_rank']}, "
-                 f"1 thread/rank, {meta['hostname']}")
+    ranks = f"{meta['ranks']} rank{'s' * (meta['ranks'] != 1)}"
+    fig.suptitle(f"training throughput: {ranks} x batch {meta['batch_per_rank']}"
+                 f"\n1 torch thread/rank, {meta['hostname']}, {meta['date'][:10]}",
+                 fontsize="medium")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -332,7 +348,8 @@ def main() -> None:
 
     meta = metadata(args)
     if RANK == 0:
-        print(f"training benchmark: {NRANKS} ranks on {', '.join(meta['hosts'])}, "
+        ranks = f"{NRANKS} rank{'s' * (NRANKS != 1)}"
+        print(f"training benchmark: {ranks} on {', '.join(meta['hosts'])}, "
               f"{meta['mpi_library'].splitlines()[0]}, torch {meta['torch']} "
               f"(1 thread/rank), batch {args.batch}/rank, {args.reps} reps x {args.steps} steps "
               f"after {args.warmup} warm-up, {meta['date']}", flush=True)
@@ -350,7 +367,10 @@ def main() -> None:
             print(f"\n{name}: {params:,} parameters, gradients {info['grad_mib']:.1f} MiB "
                   "(float32)")
             print(HEADER, flush=True)
-        rows = [run_method(name, method, batches, args) for method in methods]
+        rows = []
+        for method in methods:
+            rows.append(run_method(name, method, batches, args))
+            release_memory()
         base = {r["method"]: r["samples_per_s"] for r in rows}
         for r in rows:
             r["vs_none"] = r["samples_per_s"] / base["none"] if "none" in base else None

@@ -45,6 +45,10 @@ expect(ValueError, ["'a2a'", "non-negative"], hvd.alltoall, torch.ones(n, 2),
        splits=[-1] + [1] * (n - 1) if n > 1 else [-1], name="a2a")
 expect(ValueError, ["'a2b'", "summing"], hvd.alltoall, torch.ones(n, 2), splits=[2] * n,
        name="a2b")
+expect(ValueError, ["'dev'", here, "meta"], hvd.allreduce, torch.ones(2, device="meta"),
+       name="dev")
+expect(ValueError, ["'dev2'", here, "meta"], hvd.broadcast_, torch.ones(2, device="meta"), 0,
+       name="dev2")
 expect(ValueError, ["Adasum"], hvd.allreduce, torch.ones(2), op=hvd.Adasum)
 expect(ValueError, ["not both"], hvd.allreduce, torch.ones(2), average=True, op=hvd.Sum)
 expect(TypeError, ["'iscale'", "floating"], hvd.allreduce, torch.ones(2, dtype=torch.int32),
@@ -94,6 +98,15 @@ if n > 1:
     assert torch.equal(hvd.synchronize(handles[0]), torch.ones(10))
     expect(hvd.MismatchError, ["'async_mm'"], hvd.synchronize, handles[1])
     assert torch.equal(hvd.synchronize(handles[2]), torch.ones(10))
+
+# Empty and 0-d tensors give correct results in every collective.
+assert hvd.allreduce(torch.ones(0, 3)).shape == (0, 3)
+assert hvd.allgather(torch.ones(0, 2)).shape == (0, 2)
+assert hvd.broadcast(torch.ones(0), 0).shape == (0,)
+assert hvd.alltoall(torch.ones(0, 2)).shape == (0, 2)
+assert hvd.reducescatter(torch.ones(0, 2)).shape == (0, 2)
+assert hvd.broadcast(torch.tensor(float(r)), 0).item() == 0.0
+assert hvd.allreduce(torch.tensor(2, dtype=torch.int32), op=hvd.Product).item() == 2 ** n
 
 # Still usable afterwards.
 assert torch.equal(hvd.allreduce(torch.ones(5) * r, op=hvd.Sum), torch.full((5,), n * (n - 1) / 2))
