@@ -25,7 +25,12 @@ SUPPORTED = tuple(STORAGE_DTYPES)
 
 
 def as_array(tensor: torch.Tensor) -> np.ndarray:
-    """A flat NumPy view of a contiguous CPU tensor's memory (no copy)."""
+    """A flat NumPy view of a contiguous CPU tensor's memory (no copy); a CuPy view for a
+    CUDA tensor."""
+    if tensor.is_cuda:   # GPU hook
+        from .cuda import as_device_array
+
+        return as_device_array(tensor)
     flat = tensor.reshape(-1)
     if tensor.dtype == torch.bfloat16:
         return flat.view(torch.int16).numpy().view(np.uint16)

@@ -15,11 +15,11 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from . import ring
+from . import negotiation, ring
 from .buffers import SUPPORTED, as_array
 from .compression import Compression, Compressor
 from .engine import Engine, Handle
-from .kernels import ReduceOp, divide, reducer, scale
+from .kernels import ReduceOp, combiner, divide, reducer, scale
 from .world import world
 
 Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum,
@@ -48,8 +48,13 @@ def _tensor(tensor: Any, what: str, name: str) -> torch.Tensor:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED)
         raise TypeError(f"{where}: dtype {tensor.dtype} is not supported (supported: {names})"
                         + ("; cast booleans to uint8" if tensor.dtype == torch.bool else ""))
+    if tensor.device.type == "cuda":
+        from . import cuda   # GPU hook; imported here because cuda.py imports this module
+
+        return cuda.device_tensor(tensor, what, where)
     if tensor.device.type != "cpu":
-        raise ValueError(f"{where}: tensor is on {tensor.device}; this build reduces CPU tensors")
+        raise ValueError(f"{where}: tensor is on {tensor.device}; ringreduce reduces CPU and "
+                         "CUDA tensors")
     return tensor.detach().contiguous()
 
 
@@ -96,20 +101,34 @@ def _describe(t: torch.Tensor) -> tuple:
 
 # ---------------------------------------------------------------- allreduce
 
-def reduce_flat(engine: Engine, array: np.ndarray, dtype: torch.dtype, op: ReduceOp,
-                prescale: float = 1.0, postscale: float = 1.0) -> None:
-    """Allreduce one flat array in place on the engine's thread (no signature check): the
-    small-message path up to `small_message_bytes`, the segmented ring above it."""
-    comm = engine.comm
-    scale(array, dtype, prescale)
+def _finisher(dtype: torch.dtype, op: ReduceOp, size: int,
+              postscale: float) -> Optional[Callable[[np.ndarray], None]]:
+    """What happens to each finished chunk: the division of Average, then the postscale."""
+    if op != Average and postscale == 1.0:
+        return None
 
     def finish(part: np.ndarray) -> None:
         if op == Average:
-            divide(part, dtype, comm.size)
+            divide(part, dtype, size)
         scale(part, dtype, postscale)
 
+    return finish
+
+
+def reduce_flat(engine: Engine, array: np.ndarray, dtype: torch.dtype, op: ReduceOp,
+                prescale: float = 1.0, postscale: float = 1.0) -> None:
+    """Allreduce one flat array in place over MPI (no signature check): the small-message path
+    up to `small_message_bytes`, the segmented ring above it."""
+    if hasattr(array, "__cuda_array_interface__"):   # GPU hook: a CuPy array
+        from . import cuda
+
+        return cuda.reduce_device(engine, array, dtype, op, prescale, postscale)
+    comm = engine.comm
+    scale(array, dtype, prescale)
+    finish = _finisher(dtype, op, comm.size, postscale)
     if comm.size == 1 or array.size == 0:
-        finish(array)
+        if finish is not None:
+            finish(array)
         return
     kernel = reducer(dtype, op)
     if array.nbytes <= engine.settings["small_message_bytes"]:
@@ -121,24 +140,70 @@ def reduce_flat(engine: Engine, array: np.ndarray, dtype: torch.dtype, op: Reduc
     scratch = engine.scratch.get("ring", array.dtype, ring.scratch_elements(bounds, segment))
     ring.reduce_scatter(comm, array, bounds, kernel, scratch, segment)
     lo, hi = bounds[comm.rank]
-    finish(array[lo:hi])
+    if finish is not None:
+        finish(array[lo:hi])
     ring.allgather(comm, array, bounds)
 
 
-def _reduce_tensors(engine: Engine, tensors: Sequence[torch.Tensor], op: ReduceOp,
-                    prescale: float, postscale: float) -> None:
-    """Allreduce tensors in place; several tensors of one dtype travel as one fused buffer."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype, group in by_dtype.items():
-        if len(group) == 1:
-            reduce_flat(engine, as_array(group[0]), dtype, op, prescale, postscale)
-            continue
-        fused = torch.cat([t.reshape(-1) for t in group])
-        reduce_flat(engine, as_array(fused), dtype, op, prescale, postscale)
-        for t, part in zip(group, fused.split([t.numel() for t in group])):
-            t.copy_(part.view_as(t))
+def allreduce_flat(engine: Engine, src: np.ndarray, dst: np.ndarray, dtype: torch.dtype,
+                   op: ReduceOp, prescale: float = 1.0, postscale: float = 1.0,
+                   signature: Optional[dict] = None, digest: Optional[int] = None) -> None:
+    """Check `signature` across ranks (None: checked already), then allreduce the flat array
+    `src` into `dst` (which may be `src`). Ranks that share a node reduce through shared
+    memory straight out of `src`, the signature check riding on the first exchange; otherwise
+    the signature goes first and the ring over MPI runs in place in `dst`."""
+    node = engine.node
+    if signature is not None and digest is None:
+        digest = negotiation.digest(signature)
+    if node is None or not isinstance(dst, np.ndarray):
+        if signature is not None:
+            engine.negotiator.check(signature, precomputed=digest)
+        if dst is not src:
+            dst[...] = src
+        reduce_flat(engine, dst, dtype, op, prescale, postscale)
+        return
+    if node.cross.size > 1 and signature is not None:   # node-local headers see one node only
+        engine.negotiator.check(signature, precomputed=digest)
+    if prescale != 1.0:
+        if dst is not src:
+            dst[...] = src
+        scale(dst, dtype, prescale)
+        src = dst
+    finish = _finisher(dtype, op, engine.comm.size, postscale)
+    combine = combiner(dtype, op)
+    sig = signature or {}
+    label = negotiation.label(sig) if sig else "allreduce"
+
+    def signatures() -> list:
+        return engine.comm.allgather(dict(sig))
+
+    if node.fits_small(src.nbytes):
+        node.small_allreduce(src, dst, combine, finish, digest or 0, label, signatures)
+    else:
+        name = str(sig.get("name", "allreduce"))
+        node.large_allreduce(src, dst, combine, finish, digest or 0, label, signatures,
+                             lambda phase: engine.span(name, phase))
+
+
+def _reduce_fused(engine: Engine, tensors: Sequence[torch.Tensor], op: ReduceOp,
+                  prescale: float, postscale: float, signature: dict) -> list[torch.Tensor]:
+    """Several tensors: one fused buffer per dtype, reduced in place; returns views of it."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    results: list[Any] = [None] * len(tensors)
+    for dtype, members in by_dtype.items():
+        fused = torch.cat([tensors[i].reshape(-1) for i in members])
+        array = as_array(fused)
+        allreduce_flat(engine, array, array, dtype, op, prescale, postscale, signature)
+        signature = None            # checked with the first group
+        for i, part in zip(members, fused.split([tensors[i].numel() for i in members])):
+            results[i] = part.view_as(tensors[i])
+    return results
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.is_contiguous() and b.is_contiguous()
 
 
 def _grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str], op: Any,
@@ -152,27 +217,32 @@ def _grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str]
                for i, t in enumerate(tensors)]
     for i, t in enumerate(checked):
         _check_scaling(t, prescale, postscale, kind, name)
-    compressed = [compression.compress(t) for t in checked]
-    # Work on copies: the caller's tensors stay untouched until the result is complete.
-    work_tensors = [t.clone() if w is t else w for (w, _), t in zip(compressed, checked)]
+    wires, contexts = zip(*(compression.compress(t) for t in checked)) if checked else ((), ())
     signature = {"collective": "allreduce", "name": name, "op": op.name,
                  "prescale": prescale, "postscale": postscale}
-    if len(work_tensors) == 1:
-        signature["dtype"], signature["shape"] = _describe(work_tensors[0])
+    if len(wires) == 1:
+        signature["dtype"], signature["shape"] = _describe(wires[0])
     else:
-        signature["tensors (dtype, shape)"] = tuple(_describe(t) for t in work_tensors)
+        signature["tensors (dtype, shape)"] = tuple(_describe(t) for t in wires)
 
     def work() -> list[torch.Tensor]:
-        engine.negotiator.check(signature)
-        _reduce_tensors(engine, work_tensors, op, prescale, postscale)
-        results = [compression.decompress(w, ctx).view_as(t)
-                   for w, (_, ctx), t in zip(work_tensors, compressed, checked)]
-        if in_place:
-            with torch.no_grad():   # parameters are leaves that require grad
-                for original, result in zip(tensors, results):
+        if len(wires) == 1 and contexts[0] is None:     # straight from input to output
+            out = tensors[0] if in_place and _same_memory(wires[0], tensors[0]) \
+                else torch.empty_like(wires[0])
+            allreduce_flat(engine, as_array(wires[0]), as_array(out), wires[0].dtype, op,
+                           prescale, postscale, signature)
+            results = [out]
+        else:
+            results = _reduce_fused(engine, wires, op, prescale, postscale, signature)
+            results = [compression.decompress(r, ctx).view_as(t)
+                       for r, ctx, t in zip(results, contexts, checked)]
+        if not in_place:
+            return results
+        with torch.no_grad():   # parameters are leaves that require grad
+            for original, result in zip(tensors, results):
+                if result is not original:
                     original.copy_(result)
-            return list(tensors)
-        return results
+        return list(tensors)
 
     return name, work
 

@@ -18,6 +18,11 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"expected 0/1/true/false, got {text!r}")
 
 
+def _parse_bool_or_auto(text: str) -> Any:
+    """'auto' (decide at run time), or a boolean."""
+    return "auto" if text.strip().lower() == "auto" else _parse_bool(text)
+
+
 def _parse_bytes(text: str) -> int:
     """Integer byte counts, with optional K/M/G suffix (powers of 1024)."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
@@ -47,6 +52,11 @@ SETTINGS: dict[str, Setting] = {
         Setting("segment_bytes", 1 << 20, _parse_bytes,
                 "the ring sends each chunk in segments of this size so that receiving the next "
                 "segment overlaps reducing the current one"),
+        Setting("shared_memory", True, _parse_bool,
+                "ranks on one node allreduce through an MPI-3 shared-memory window (the ring "
+                "over MPI then only runs between nodes); 0 = always the ring over MPI"),
+        Setting("block_bytes", 8 << 20, _parse_bytes,
+                "shared-memory allreduce: bytes per rank per block of a large buffer"),
         Setting("fusion_threshold", 16 << 20, _parse_bytes,
                 "DistributedOptimizer: the byte cap of one gradient bucket"),
         Setting("first_bucket_bytes", 1 << 20, _parse_bytes,
@@ -65,9 +75,16 @@ SETTINGS: dict[str, Setting] = {
         Setting("consistency_check_steps", 0, int,
                 "DistributedOptimizer: every this many steps, check that all parameters are "
                 "bitwise identical across ranks (check_consistency); 0 = never"),
+        Setting("cuda_aware", "auto", _parse_bool_or_auto,
+                "1: hand CUDA device pointers straight to MPI; 0: stage GPU buffers through "
+                "pinned host memory; auto: ask the MPI library at init()"),
         Setting("abort_on_error", True, _parse_bool,
                 "an uncaught exception on any rank aborts the whole MPI job (non-zero exit) "
                 "instead of leaving the other ranks waiting in a collective"),
+        Setting("timeline", "", str,
+                "write a Chrome-trace/Perfetto timeline of every collective's phases to this "
+                "path, one file per rank ('{rank}' in the path, else '.rank<r>' before the "
+                "extension); empty = off"),
     )
 }
 

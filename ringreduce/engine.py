@@ -12,9 +12,10 @@ in the caller's thread, so the engine thread never dies of a user's mistake.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -81,6 +82,8 @@ class Engine:
             comm, self.settings.get("stall_check_time", 0), self.settings.get("stall_shutdown_time", 0)))
         self.scratch = ScratchPool()
         self.events: Optional[list[tuple[float, str, str]]] = None  # set to a list to record
+        self.timeline: Any = None   # a timeline.Timeline while one is being written
+        self.node: Any = None       # a shm.NodeShm when ranks share this node
         self._cv = threading.Condition()
         self._queue: collections.deque[Handle] = collections.deque()
         self._in_flight: dict[str, Handle] = {}
@@ -90,9 +93,26 @@ class Engine:
         self._thread.start()
 
     def record(self, name: str, phase: str) -> None:
-        """Note a phase of a collective (for tests and the timeline); free when not recording."""
+        """Note an instant in a collective's life (for tests and the timeline); free when
+        nobody listens."""
         if self.events is not None:
             self.events.append((time.perf_counter(), name, phase))
+        timeline = self.timeline    # read once: another thread may stop the timeline
+        if timeline is not None:
+            timeline.instant(name, phase)
+
+    @contextlib.contextmanager
+    def span(self, name: str, phase: str) -> Iterator[None]:
+        """Time a phase of a collective (pack, negotiate, reduce-scatter, allgather, unpack)."""
+        timeline = self.timeline
+        if timeline is None:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            timeline.span(name, phase, start, time.perf_counter())
 
     def submit(self, name: str, work: Callable[[], Any]) -> Handle:
         """Queue `work` to run after everything submitted before it; returns its handle."""
@@ -127,6 +147,8 @@ class Engine:
             self._stopping = True
             self._cv.notify_all()
         self._thread.join()
+        if self.node is not None:
+            self.node.free()
         if self.negotiator.watch.board is not None:
             self.negotiator.watch.board.free()
 

@@ -71,7 +71,8 @@ def plan(named: Sequence[tuple[str, torch.Tensor]], threshold: int, first_bucket
     for n, p in reversed(trainable):
         nbytes = p.numel() * wire(p.dtype).itemsize
         cap = first_bucket if not groups else threshold
-        if current and (wire(p.dtype) != wire(current[0][1].dtype) or current_bytes + nbytes > cap):
+        if current and (wire(p.dtype) != wire(current[0][1].dtype) or current_bytes + nbytes > cap
+                        or p.device != current[0][1].device):   # one device per bucket
             groups.append(current)
             current, current_bytes = [], 0
         current.append((n, p))
@@ -84,7 +85,11 @@ def plan(named: Sequence[tuple[str, torch.Tensor]], threshold: int, first_bucket
 def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire) -> Bucket:
     dtype = wire(members[0][1].dtype)
     total = sum(p.numel() for _, p in members)
-    buffer = torch.zeros(total, dtype=dtype)
+    device = members[0][1].device   # the bucket lives where its parameters do
+    if any(p.device != device for _, p in members):
+        raise ValueError(f"ringreduce: bucket {index} (parameters {[n for n, _ in members]}) "
+                         "spans several devices; each group must hold parameters of one device")
+    buffer = torch.zeros(total, dtype=dtype, device=device)
     views, offset = [], 0
     for _, p in members:
         views.append(buffer[offset:offset + p.numel()].view(p.shape))

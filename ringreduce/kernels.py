@@ -1,7 +1,8 @@
 """Which reduction kernel runs for a (dtype, op): NumPy ufuncs, or torch's CPU kernels for the
 half types NumPy lacks (bfloat16) or runs slowly (float16).
 
-Every kernel works in place on flat arrays from `buffers.as_array`: `target = target op source`.
+Kernels work on flat arrays from `buffers.as_array`: `out = a op b`, or in place
+`target = target op source`.
 Elementwise kernels are deterministic, which the ring's bitwise-identical guarantee relies on.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from .buffers import as_tensor
 
 Kernel = Callable[[np.ndarray, np.ndarray], None]
+Combine = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 
 
 class ReduceOp(enum.IntEnum):
@@ -35,22 +37,31 @@ _TORCH_UFUNC = {ReduceOp.Sum: torch.add, ReduceOp.Average: torch.add, ReduceOp.M
                 ReduceOp.Max: torch.maximum, ReduceOp.Product: torch.mul}
 
 
-def reducer(dtype: torch.dtype, op: ReduceOp) -> Kernel:
-    """The in-place kernel `target = target op source` for `dtype`."""
+def combiner(dtype: torch.dtype, op: ReduceOp) -> Combine:
+    """The kernel `out = a op b` for `dtype` (out may be a or b)."""
     if dtype in _HALF:
         fn = _TORCH_UFUNC[op]
 
-        def torch_kernel(target: np.ndarray, source: np.ndarray) -> None:
-            t = as_tensor(target, dtype)
-            fn(t, as_tensor(source, dtype), out=t)
+        def torch_kernel(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+            fn(as_tensor(a, dtype), as_tensor(b, dtype), out=as_tensor(out, dtype))
 
         return torch_kernel
     ufunc = _NUMPY_UFUNC[op]
 
-    def numpy_kernel(target: np.ndarray, source: np.ndarray) -> None:
-        ufunc(target, source, out=target)
+    def numpy_kernel(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        ufunc(a, b, out=out)
 
     return numpy_kernel
+
+
+def reducer(dtype: torch.dtype, op: ReduceOp) -> Kernel:
+    """The in-place kernel `target = target op source` for `dtype`."""
+    combine = combiner(dtype, op)
+
+    def kernel(target: np.ndarray, source: np.ndarray) -> None:
+        combine(target, source, target)
+
+    return kernel
 
 
 def scale(array: np.ndarray, dtype: torch.dtype, factor: float) -> None:

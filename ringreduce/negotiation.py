@@ -30,6 +30,7 @@ class Negotiator:
     def __init__(self, comm: Any, watch: StallWatch) -> None:
         self.comm = comm
         self.watch = watch
+        self.node: Any = None   # the engine's shm.NodeShm, when ranks share this node
         self._header = np.zeros(2, dtype=np.int64)
         self._headers = np.zeros((comm.size, 2), dtype=np.int64)
 
@@ -38,18 +39,21 @@ class Negotiator:
         """Raise `MismatchError` on every rank unless all signatures agree; return every rank's
         `per_rank` value, indexed by rank. `precomputed` is the signature's digest when the
         caller made it once up front (the optimizer's buckets)."""
-        self.watch.begin(_label(signature))
+        self.watch.begin(label(signature))
         self._header[0] = digest(signature) if precomputed is None else precomputed
         self._header[1] = per_rank
         if self.comm.size == 1:
             return self._header[1:].copy()
-        self.watch.wait(self.comm.Iallgather(self._header, self._headers))
+        if self.node is not None and self.node.cross.size == 1:     # one node: shared memory
+            return self.node.exchange_headers(int(self._header[0]), per_rank,
+                                              lambda: self.comm.allgather(dict(signature)))
+        self.watch.wait(self.comm.Iallgather(self._header, self._headers).Test)
         if (self._headers[:, 0] != self._headers[0, 0]).any():
             raise MismatchError(describe_mismatch(self.comm.allgather(dict(signature))))
         return self._headers[:, 1].copy()
 
 
-def _label(signature: Signature) -> str:
+def label(signature: Signature) -> str:
     """How the stall watch names a collective: kind, name, and a bucket's parameters."""
     text = f"{signature.get('collective')} '{signature.get('name')}'"
     params = signature.get("parameters")

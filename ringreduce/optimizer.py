@@ -14,14 +14,15 @@ param_groups and state, so isinstance checks, LR schedulers and state_dict keep 
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from . import fusion
+from . import cuda, fusion, timeline
 from .buffers import as_array
-from .collectives import Average, Sum, _op, reduce_flat
+from .collectives import Average, Sum, _op, allreduce_flat
 from .compression import Compression, Compressor
 from .engine import Handle
 from .errors import RingReduceError
@@ -73,6 +74,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._buckets = fusion.plan(named, threshold, first, wire_dtype, _explicit_groups(
             groups, named))
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        for bucket in self._buckets:
+            _describe(bucket)
         self._views = gradient_as_bucket_view
         self._view_of = {id(p): v for b in self._buckets for p, v in zip(b.params, b.views)}
         if self._views:
@@ -100,6 +103,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._next_bucket = 0               # buckets are submitted strictly in order
         self._handles: list[Handle] = []
         self._synchronized = False
+        self._first_gradient_at: dict[int, float] = {}  # bucket index -> time (timeline only)
 
     def _point_grads_at_buckets(self) -> None:
         for bucket in self._buckets:
@@ -108,6 +112,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _on_gradient(self, p: torch.Tensor) -> None:
         key = id(p)
+        if self._engine.timeline is not None:   # "waiting for gradients" starts at the first
+            self._first_gradient_at.setdefault(self._bucket_of[key].index, time.perf_counter())
         self._pass_count[key] += 1
         count = self._pass_count[key]
         if count > self._passes:
@@ -130,27 +136,54 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             view.copy_(p.grad)   # the gradient was re-created (set_to_none): view it again
             p.grad = view
         self._waiting[bucket.index] -= 1
+        if self._waiting[bucket.index] == 0:
+            self._engine.record(bucket.name, "gradients ready")
         self._submit_ready_buckets()
 
     def _submit_ready_buckets(self, force: bool = False) -> None:
         while self._next_bucket < len(self._buckets) and (
                 force or self._waiting[self._next_bucket] == 0):
             bucket = self._buckets[self._next_bucket]
-            bucket.pack()
-            self._handles.append(self._engine.submit(bucket.name, self._reduce_work(bucket)))
+            self._trace_waiting(bucket)
+            ready = None   # GPU: an event on torch's stream, after which the bucket is packed
+            with self._engine.span(bucket.name, "pack"):
+                if bucket.buffer.is_cuda:
+                    ready = cuda.pack(bucket)
+                else:
+                    bucket.pack()
+            self._handles.append(self._engine.submit(bucket.name,
+                                                     self._reduce_work(bucket, ready)))
             self._next_bucket += 1
 
-    def _reduce_work(self, bucket: fusion.Bucket):
+    def _reduce_work(self, bucket: fusion.Bucket, ready: Any = None):
         engine, op, pre, post = self._engine, self._op, self._prescale, self._postscale
 
         def work() -> None:
             engine.record(bucket.name, "reduce start")
-            engine.negotiator.check(bucket.signature, precomputed=bucket.digest)
-            reduce_flat(engine, as_array(bucket.buffer), bucket.buffer.dtype, op, pre, post)
-            bucket.unpack()
+            array = as_array(bucket.buffer)
+            with engine.span(bucket.name, "allreduce"), cuda.after(ready):
+                allreduce_flat(engine, array, array, bucket.buffer.dtype, op, pre, post,
+                               bucket.signature, bucket.digest)
+            with engine.span(bucket.name, "unpack"):
+                if bucket.buffer.is_cuda:
+                    cuda.unpack(bucket)   # and waits: complete before synchronize() returns
+                else:
+                    bucket.unpack()
             engine.record(bucket.name, "reduce done")
 
         return work
+
+    def _trace_waiting(self, bucket: fusion.Bucket) -> None:
+        """While a timeline runs: name the bucket's parameters for its events, and emit its
+        "waiting for gradients" span, from its first gradient hook of the step until now (its
+        submission), the part of backward that its communication can overlap."""
+        tl = self._engine.timeline
+        if tl is None:
+            return
+        _describe(bucket)   # again: another optimizer's buckets may have the same names
+        start = self._first_gradient_at.get(bucket.index)
+        if start is not None:
+            tl.span(bucket.name, "waiting for gradients", start, time.perf_counter())
 
     # ------------------------------------------------------------ public methods
 
@@ -236,6 +269,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                    gradient_predivide_factor, groups, sparse_as_dense, gradient_as_bucket_view,
                    fusion_threshold, first_bucket_bytes)
     return wrapped
+
+
+def _describe(bucket: fusion.Bucket) -> None:
+    """Tell the timeline which parameters a bucket's events are about."""
+    timeline.describe(bucket.name, parameters=bucket.names,
+                      bytes=bucket.buffer.numel() * bucket.buffer.element_size())
 
 
 def _remove_hooks(hooks: list) -> None:

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -78,13 +78,13 @@ class StallWatch:
             self.board.publish(self.begun)
         return self.begun
 
-    def wait(self, request: Any) -> None:
-        """Wait for `request` without hogging the core; report stalls while waiting."""
-        if request.Test():
+    def wait(self, done: Callable[[], bool]) -> None:
+        """Wait until `done()` without hogging the core; report stalls while waiting."""
+        if done():
             return
         start = time.monotonic()
         next_report = start + self.check_time if self.check_time > 0 else float("inf")
-        while not request.Test():
+        while not done():
             now = time.monotonic()
             if now - start < _SPIN_SECONDS:
                 os.sched_yield()

@@ -74,12 +74,34 @@ def init(comm: Any = None, **settings: Any) -> None:
             local = ours.Split_type(MPI.COMM_TYPE_SHARED, key=ours.rank)
         cross = ours.Split(color=local.rank, key=ours.rank)
 
+        from .cuda import resolve_cuda_aware   # GPU path: the choice is made and logged once
+
+        resolved["cuda_aware"], how = resolve_cuda_aware(resolved["cuda_aware"], MPI, ours)
+        log.info("ringreduce: rank %d: CUDA-aware MPI: %s (%s)", ours.rank,
+                 "yes, device buffers go straight to MPI" if resolved["cuda_aware"]
+                 else "no, GPU buffers are staged through pinned host memory", how)
+
         from .engine import Engine
 
-        _world = World(ours, local, cross, Engine(ours, resolved), level)
+        engine = Engine(ours, resolved)
+        # Shared memory inside nodes needs the same rank count on every node, so that each
+        # local rank's chunk has the same size as its peers' on the other nodes.
+        uniform = len(set(ours.allgather(local.size))) == 1
+        if resolved["shared_memory"] and local.size > 1 and uniform:
+            from .shm import NodeShm
+
+            engine.node = NodeShm(local, cross, engine.negotiator.watch,
+                                  resolved["small_message_bytes"], resolved["block_bytes"],
+                                  engine.scratch.get, resolved["segment_bytes"])
+            engine.negotiator.node = engine.node
+        _world = World(ours, local, cross, engine, level)
         if resolved["abort_on_error"] and ours.size > 1:
             _install_abort_hooks()
         atexit.register(shutdown)
+        if resolved["timeline"]:
+            from .timeline import start_timeline
+
+            start_timeline(resolved["timeline"])
         log.debug("rank %d/%d: local %d/%d, cross %d/%d, thread level %d", ours.rank, ours.size,
                   local.rank, local.size, cross.rank, cross.size, level)
 
@@ -92,6 +114,9 @@ def shutdown() -> None:
     if world is None:
         return
     world.engine.shutdown()
+    from .timeline import _detach
+
+    _detach(world.engine)      # after the engine thread ended: no event is cut off
     for c in (world.cross, world.local, world.comm):
         c.Free()
 

@@ -38,7 +38,7 @@ if mode == "engine_error":
     def broken_reduce(*args, **kwargs):
         raise OSError("injected failure inside the engine thread")
 
-    optimizer_module.reduce_flat = broken_reduce
+    optimizer_module.allreduce_flat = broken_reduce
     loss = model(torch.ones(4, 8)).sum()
     loss.backward()
     try:

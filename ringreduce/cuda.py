@@ -1,0 +1,405 @@
+"""Everything GPU: CuPy views of CUDA tensors, streams, CUDA-aware MPI detection, the pinned
+staging pipeline, and our kernels from native/*.cu (compiled at run time by CuPy, cached).
+
+CuPy is imported only when a CUDA tensor shows up, so `import ringreduce` works without it.
+
+The path is chosen once at init() (`RINGREDUCE_CUDA_AWARE`, detected by default):
+- CUDA-aware MPI: ring.py runs on the CuPy arrays themselves; MPI reads device memory and the
+  reductions run on the GPU.
+- Otherwise: the buffer travels through two pinned host slots piece by piece; each piece is
+  reduced by the host path (`reduce_flat`, where the data then is) while the next piece is
+  copied down and the previous one copied back.
+Either way our work runs on our own stream, which first waits for an event on torch's stream,
+and a reduction returns only once its result is in device memory, so any stream may read it.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+
+from . import collectives, ring
+from .errors import RingReduceError
+from .kernels import ReduceOp
+
+NATIVE = Path(__file__).resolve().parent.parent / "native"
+STAGING_PIECE_BYTES = 4 << 20   # one piece of the staging pipeline; the same on every rank
+THREADS = 256
+MAX_BLOCKS = 4096
+MAX_ROWS = 65535                # CUDA's limit on gridDim.y: tensors per batched copy
+REDUCTIONS = ("allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_")
+_HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_UFUNC = {ReduceOp.Sum: "add", ReduceOp.Average: "add", ReduceOp.Min: "minimum",
+          ReduceOp.Max: "maximum", ReduceOp.Product: "multiply"}
+
+
+# ---------------------------------------------------------------- CuPy and views
+
+def cupy_module() -> Any:
+    """CuPy, or an error saying how to install it."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise RingReduceError(
+            "ringreduce: CUDA tensors need CuPy; install ringreduce with the extra matching "
+            "your torch's CUDA: pip install 'ringreduce[cuda12]' or 'ringreduce[cuda13]'"
+        ) from exc
+    return cupy
+
+
+def as_device_array(tensor: torch.Tensor) -> Any:
+    """A flat CuPy view of a contiguous CUDA tensor's memory (no copy); bfloat16, which CuPy
+    lacks, as uint16 storage, as on the CPU side."""
+    cp = cupy_module()
+    flat = tensor.detach().reshape(-1)
+    if tensor.dtype == torch.bfloat16:
+        return cp.asarray(flat.view(torch.int16)).view(cp.uint16)
+    return cp.asarray(flat)
+
+
+def device_tensor(tensor: torch.Tensor, what: str, where: str) -> torch.Tensor:
+    """The tensor collective `what` works on for a CUDA `tensor`, or a clear error.
+
+    Reductions run on the device. broadcast_ (and so broadcast_parameters) goes through a
+    host copy, written back in place. The other collectives take CPU tensors only.
+    """
+    cupy_module()
+    current = torch.cuda.current_device()
+    if tensor.device.index != current:
+        raise ValueError(
+            f"{where}: tensor is on {tensor.device} but this rank's current device is "
+            f"cuda:{current}; call torch.cuda.set_device(ringreduce.local_rank()) right after "
+            "init(), before creating the model, and keep its tensors on that device")
+    if what in REDUCTIONS:
+        return tensor.detach().contiguous()
+    if what == "broadcast_":
+        return tensor.detach().cpu()
+    raise ValueError(f"{where}: CUDA tensors are supported by allreduce, grouped_allreduce and "
+                     "broadcast_ (broadcast_parameters); pass tensor.cpu() here and move the "
+                     "result back")
+
+
+# ---------------------------------------------------------------- CUDA-aware MPI
+
+def resolve_cuda_aware(setting: Any, MPI: Any, comm: Any) -> tuple[bool, str]:
+    """Whether device pointers may go to MPI, and how we know: the setting when it says 0 or
+    1, otherwise what the MPI library answers."""
+    if setting != "auto":
+        return bool(setting), "set by RINGREDUCE_CUDA_AWARE or init(cuda_aware=)"
+    return query_cuda_support(MPI, comm)
+
+
+def query_cuda_support(MPI: Any, comm: Any) -> tuple[bool, str]:
+    """Ask the MPI library: MPIX_Query_cuda_support() (MPICH, Open MPI), else the MPI 4.1
+    memory allocation kinds of `comm`; a library that answers neither is taken as not aware."""
+    for library in (None, MPI.__file__):   # the global namespace, then mpi4py's dependencies
+        query = getattr(ctypes.CDLL(library), "MPIX_Query_cuda_support", None)
+        if query is not None:
+            return bool(query()), "MPIX_Query_cuda_support()"
+    info = comm.Get_info()
+    try:
+        kinds = info.Get("mpi_memory_alloc_kinds")
+    finally:
+        info.Free()
+    if kinds is not None:
+        return supports_cuda_memory(kinds), f"mpi_memory_alloc_kinds={kinds!r}"
+    return False, "the MPI library offers no CUDA query"
+
+
+def supports_cuda_memory(kinds: str) -> bool:
+    """Whether an MPI 4.1 memory-kinds string ('mpi,system,cuda:device') admits CUDA device
+    memory: 'cuda' with no restrictor, or with 'device' among its restrictors."""
+    for kind in kinds.split(","):
+        name, _, restrictors = kind.strip().partition(":")
+        if name == "cuda" and (not restrictors or "device" in restrictors.split(":")):
+            return True
+    return False
+
+
+# ---------------------------------------------------------------- streams and events
+
+_ready = threading.local()
+
+
+@contextlib.contextmanager
+def after(event: Optional[Any]) -> Iterator[None]:
+    """Inside this block, reductions on this thread wait for `event` (recorded where the data
+    was produced) instead of for torch's current stream of this thread. None: no change."""
+    previous = getattr(_ready, "event", None)
+    _ready.event = event if event is not None else previous
+    try:
+        yield
+    finally:
+        _ready.event = previous
+
+
+@functools.lru_cache(maxsize=None)
+def _stream(device: int) -> torch.cuda.Stream:
+    """Our stream on `device`, made once: our copies and kernels never queue behind training."""
+    return torch.cuda.Stream(device=device)
+
+
+def _cupy_stream(stream: torch.cuda.Stream) -> Any:
+    """CuPy's handle on a torch stream, so CuPy's kernels queue on it (CuPy 14 spells it
+    Stream.from_external, earlier versions ExternalStream)."""
+    cp = cupy_module()
+    if hasattr(cp.cuda.Stream, "from_external"):
+        return cp.cuda.Stream.from_external(stream)
+    return cp.cuda.ExternalStream(stream.cuda_stream, stream.device.index)
+
+
+def pack(bucket: Any) -> torch.cuda.Event:
+    """Copy a bucket's gradients into its buffer in one launch on torch's current stream (where
+    backward produced them) and return the event the reduction waits for."""
+    stream = torch.cuda.current_stream(bucket.buffer.device)
+    moves = [(p.grad, view) for p, view in zip(bucket.params, bucket.views)
+             if p.grad is None or p.grad.data_ptr() != view.data_ptr()]
+    if not _batched_copy(moves, stream):
+        bucket.pack()
+    return stream.record_event()
+
+
+def unpack(bucket: Any) -> None:
+    """Copy the reduced buffer back into the gradients, in one launch where it can, and wait
+    for it: the gradients are complete when the optimizer's synchronize() returns."""
+    device = bucket.buffer.device
+    moves = [(view, p.grad) for p, view in zip(bucket.params, bucket.views)
+             if p.grad is None or p.grad.data_ptr() != view.data_ptr()]
+    if _batched_copy(moves, _stream(device.index)):
+        _stream(device.index).synchronize()
+    else:   # missing gradients are allocated, so on torch's stream like any tensor of theirs
+        bucket.unpack()
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _batched_copy(moves: Sequence[tuple[Any, Any]], stream: torch.cuda.Stream) -> bool:
+    """Copy every (source, target) tensor pair in one launch on `stream`; False, copying
+    nothing, when some pair does not qualify (a missing tensor, a cast, a strided source)."""
+    if not moves:
+        return True
+    if len(moves) > MAX_ROWS or any(
+            s is None or t is None or s.dtype != t.dtype or not s.is_contiguous()
+            or not t.is_contiguous() for s, t in moves):
+        return False
+    cp = cupy_module()
+    table = np.array([[s.data_ptr() for s, _ in moves], [t.data_ptr() for _, t in moves],
+                      [s.numel() for s, _ in moves]], dtype=np.int64)
+    kernel = _kernel("batched_copy", f"batched_copy_{moves[0][0].element_size()}")
+    with cp.cuda.Device(stream.device.index), _cupy_stream(stream):
+        on_device = cp.asarray(table)
+        _launch(kernel, max(s.numel() for s, _ in moves),
+                (on_device[0], on_device[1], on_device[2]), rows=len(moves))
+    return True
+
+
+# ---------------------------------------------------------------- kernels
+
+def kernel_source(name: str) -> str:
+    """The CUDA source native/<name>.cu."""
+    return (NATIVE / f"{name}.cu").read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def _module(name: str) -> Any:
+    """native/<name>.cu as a CuPy module; CuPy compiles it on first use and caches the binary
+    on disk, so later runs load it without compiling."""
+    return cupy_module().RawModule(code=kernel_source(name))
+
+
+def _kernel(module: str, function: str) -> Any:
+    return _module(module).get_function(function)
+
+
+def _launch(kernel: Any, elements: int, args: tuple, rows: int = 1) -> None:
+    """Launch a grid-stride kernel over `elements` on CuPy's current stream."""
+    blocks = min(max(1, -(-elements // THREADS)), MAX_BLOCKS)
+    kernel((blocks, rows), (THREADS,), args)
+
+
+def _scale(array: Any, dtype: torch.dtype, factor: float) -> None:
+    """array *= factor in place, rounded once (floating dtypes only; factor 1 is free)."""
+    if factor == 1.0 or array.size == 0:
+        return
+    if dtype in _HALF:
+        _launch(_kernel("half", f"{_HALF[dtype]}_scale"), array.size,
+                (array, np.int64(array.size), np.float32(factor)))
+    else:
+        cupy_module().multiply(array, factor, out=array)
+
+
+def _finish(part: Any, dtype: torch.dtype, op: ReduceOp, ranks: int, postscale: float) -> None:
+    """The owner's last touch on a reduced chunk. Floats: Average and postscale fused into one
+    multiply by postscale/ranks. Integers: floor division for Average."""
+    if dtype.is_floating_point:
+        _scale(part, dtype, postscale / ranks if op == ReduceOp.Average else postscale)
+    elif op == ReduceOp.Average and ranks > 1:
+        cupy_module().floor_divide(part, ranks, out=part)
+
+
+def _device_reducer(dtype: torch.dtype, op: ReduceOp,
+                    stream: torch.cuda.Stream) -> Callable[[Any, Any], None]:
+    """`target = target op source` on the GPU, finished before it returns: ring.py reuses the
+    source slot and sends the target right after."""
+    if dtype in _HALF:
+        kernel = _kernel("half", f"{_HALF[dtype]}_reduce")
+
+        def launch(target: Any, source: Any) -> None:
+            _launch(kernel, target.size, (target, source, np.int64(target.size), np.int32(op)))
+    else:
+        ufunc = getattr(cupy_module(), _UFUNC[op])
+
+        def launch(target: Any, source: Any) -> None:
+            ufunc(target, source, out=target)
+
+    def reduce(target: Any, source: Any) -> None:
+        launch(target, source)
+        stream.synchronize()
+
+    return reduce
+
+
+# ---------------------------------------------------------------- device memory we keep
+
+_scratch_blocks: dict[tuple[int, str], Any] = {}
+_pinned_blocks: dict[int, np.ndarray] = {}
+_landed_events: dict[int, list] = {}
+
+
+def _scratch(device: int, purpose: str, dtype: Any, count: int) -> Any:
+    """Reusable device scratch, one growing block per device and purpose."""
+    nbytes = count * np.dtype(dtype).itemsize
+    block = _scratch_blocks.get((device, purpose))
+    if block is None or block.nbytes < nbytes:
+        block = _scratch_blocks[(device, purpose)] = cupy_module().empty(max(nbytes, 64),
+                                                                          dtype=np.uint8)
+    return block[:nbytes].view(dtype)
+
+
+def _pinned(device: int, nbytes: int) -> np.ndarray:
+    """Pinned host memory for staging, one growing block per device, so steps allocate none."""
+    block = _pinned_blocks.get(device)
+    if block is None or block.nbytes < nbytes:
+        import cupyx
+
+        block = _pinned_blocks[device] = cupyx.empty_pinned((nbytes,), dtype=np.uint8)
+    return block[:nbytes]
+
+
+# ---------------------------------------------------------------- the staging pipeline
+
+class DeviceCopies:
+    """Asynchronous copies between a device array and two pinned host slots, in order on one
+    stream; an event per slot says when the copy down into it has landed. In-order copies make
+    two slots enough: the copy down into a slot is queued after the copy back out of it."""
+
+    def __init__(self, array: Any, slots: np.ndarray, stream: torch.cuda.Stream,
+                 landed: list) -> None:
+        self.array, self.slots, self.stream, self.landed = array, slots, stream, landed
+        self._runtime = cupy_module().cuda.runtime
+
+    def slot(self, k: int) -> np.ndarray:
+        return self.slots[k % 2]
+
+    def down(self, k: int, lo: int, hi: int) -> None:
+        self._copy(self.slot(k).ctypes.data, self._address(lo), hi - lo,
+                   self._runtime.memcpyDeviceToHost)
+        self.landed[k % 2].record(self.stream)
+
+    def up(self, k: int, lo: int, hi: int) -> None:
+        self._copy(self._address(lo), self.slot(k).ctypes.data, hi - lo,
+                   self._runtime.memcpyHostToDevice)
+
+    def wait(self, k: int) -> None:
+        self.landed[k % 2].synchronize()
+
+    def drain(self) -> None:
+        self.stream.synchronize()
+
+    def _address(self, index: int) -> int:
+        return self.array.data.ptr + index * self.array.itemsize
+
+    def _copy(self, target: int, source: int, count: int, kind: int) -> None:
+        self._runtime.memcpyAsync(target, source, count * self.array.itemsize, kind,
+                                  self.stream.cuda_stream)
+
+
+def staged_allreduce(copies: Any, length: int, piece: int,
+                     reduce_host: Callable[[np.ndarray], None]) -> None:
+    """Reduce a device buffer of `length` elements piece by piece through host slots: the copy
+    down of piece k+1 is queued before piece k's MPI work starts, and piece k's copy back right
+    after it ends, so copies in both directions run while MPI works."""
+    bounds = [(lo, min(lo + piece, length)) for lo in range(0, length, piece)]
+    if bounds:
+        copies.down(0, *bounds[0])
+    for k, (lo, hi) in enumerate(bounds):
+        if k + 1 < len(bounds):
+            copies.down(k + 1, *bounds[k + 1])
+        copies.wait(k)
+        reduce_host(copies.slot(k)[:hi - lo])
+        copies.up(k, lo, hi)
+    copies.drain()
+
+
+# ---------------------------------------------------------------- allreduce on the device
+
+def reduce_device(engine: Any, array: Any, dtype: torch.dtype, op: ReduceOp,
+                  prescale: float = 1.0, postscale: float = 1.0) -> None:
+    """Allreduce a flat CuPy array in place (the device side of `reduce_flat`). Starts after
+    the event set by `after`, or else after torch's current stream of this thread; returns with
+    the result in device memory."""
+    cp = cupy_module()
+    device = array.device.id
+    stream = _stream(device)
+    ready = getattr(_ready, "event", None)
+    stream.wait_event(ready if ready is not None
+                      else torch.cuda.current_stream(device).record_event())
+    with cp.cuda.Device(device), _cupy_stream(stream):
+        if engine.settings["cuda_aware"] or engine.comm.size == 1:
+            _reduce_in_device_memory(engine, array, dtype, op, prescale, postscale, stream)
+        else:
+            _reduce_staged(engine, array, dtype, op, prescale, postscale, stream)
+
+
+def _reduce_in_device_memory(engine: Any, array: Any, dtype: torch.dtype, op: ReduceOp,
+                             prescale: float, postscale: float,
+                             stream: torch.cuda.Stream) -> None:
+    """CUDA-aware MPI: the same ring as on the CPU, on device memory, reducing on the GPU."""
+    comm = engine.comm
+    _scale(array, dtype, prescale)
+
+    def finish(part: Any) -> None:
+        _finish(part, dtype, op, comm.size, postscale)
+        stream.synchronize()   # the allgather sends it next
+
+    stream.synchronize()       # MPI reads device memory: our queued work must be done
+    if comm.size == 1 or array.size == 0:
+        finish(array)
+        return
+    reduce = _device_reducer(dtype, op, stream)
+    if array.nbytes <= engine.settings["small_message_bytes"]:
+        gathered = _scratch(array.device.id, "gather", array.dtype, comm.size * array.size)
+        ring.gather_allreduce(comm, array, reduce, gathered.reshape(comm.size, -1), finish)
+        return
+    segment = max(1, engine.settings["segment_bytes"] // array.itemsize)
+    bounds = ring.chunk_bounds(ring.balanced_counts(array.size, comm.size))
+    scratch = _scratch(array.device.id, "ring", array.dtype,
+                       ring.scratch_elements(bounds, segment))
+    ring.ring_allreduce(comm, array, reduce, scratch, segment, finish)
+
+
+def _reduce_staged(engine: Any, array: Any, dtype: torch.dtype, op: ReduceOp,
+                   prescale: float, postscale: float, stream: torch.cuda.Stream) -> None:
+    """MPI without CUDA support: pieces go through pinned host memory and the host path."""
+    device = array.device.id
+    piece = max(1, STAGING_PIECE_BYTES // array.itemsize)
+    slots = _pinned(device, 2 * piece * array.itemsize).view(array.dtype).reshape(2, piece)
+    landed = _landed_events.setdefault(device, [torch.cuda.Event(), torch.cuda.Event()])
+    staged_allreduce(DeviceCopies(array, slots, stream, landed), array.size, piece,
+                     lambda host: collectives.reduce_flat(engine, host, dtype, op, prescale,
+                                                          postscale))
