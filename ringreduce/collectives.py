@@ -19,7 +19,7 @@ from . import negotiation, ring
 from .buffers import SUPPORTED, as_array
 from .compression import Compression, Compressor
 from .engine import Engine, Handle
-from .kernels import ReduceOp, combiner, divide, reducer, scale
+from .kernels import ReduceOp, combiner, divide, finishing_combiner, reducer, scale
 from .world import world
 
 Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum,
@@ -171,6 +171,9 @@ def allreduce_flat(engine: Engine, src: np.ndarray, dst: np.ndarray, dtype: torc
         src = dst
     finish = _finisher(dtype, op, engine.comm.size, postscale)
     combine = combiner(dtype, op)
+    # One node: the owner's last step can also divide and scale, saving a pass over its chunk.
+    last = finishing_combiner(dtype, op, engine.comm.size, postscale) \
+        if finish is not None and node.cross.size == 1 else None
     sig = signature or {}
     label = negotiation.label(sig) if sig else "allreduce"
 
@@ -178,11 +181,11 @@ def allreduce_flat(engine: Engine, src: np.ndarray, dst: np.ndarray, dtype: torc
         return engine.comm.allgather(dict(sig))
 
     if node.fits_small(src.nbytes):
-        node.small_allreduce(src, dst, combine, finish, digest or 0, label, signatures)
+        node.small_allreduce(src, dst, combine, finish, digest or 0, label, signatures, last)
     else:
         name = str(sig.get("name", "allreduce"))
         node.large_allreduce(src, dst, combine, finish, digest or 0, label, signatures,
-                             lambda phase: engine.span(name, phase))
+                             lambda phase: engine.span(name, phase), last)
 
 
 def _reduce_fused(engine: Engine, tensors: Sequence[torch.Tensor], op: ReduceOp,

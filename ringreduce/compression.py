@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from .kernels import cast
+
 
 class Compressor:
     """Sends tensors unchanged."""
@@ -19,11 +21,11 @@ class Compressor:
     def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         if cls.wire_dtype is None or not cls.applies_to(tensor.dtype):
             return tensor, None
-        return tensor.to(cls.wire_dtype), tensor.dtype
+        return cast(tensor, cls.wire_dtype), tensor.dtype
 
     @classmethod
     def decompress(cls, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return tensor if ctx is None else tensor.to(ctx)
+        return tensor if ctx is None else cast(tensor, ctx)
 
     @classmethod
     def applies_to(cls, dtype: torch.dtype) -> bool:

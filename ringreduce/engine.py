@@ -47,16 +47,23 @@ class Handle:
 
     def _run(self) -> None:
         try:
-            self._result = self._work()
+            self._result = _call(self.name, self._work)
         except RingReduceError as exc:
             self._error = exc
-        except Exception as exc:  # MPI failures and bugs reach the caller with their cause
-            error = RingReduceError(f"ringreduce: collective '{self.name}' failed: {exc}")
-            error.__cause__ = exc
-            self._error = error
         finally:
             self._work = None
             self._done.set()
+
+
+def _call(name: str, work: Callable[[], Any]) -> Any:
+    """Run a collective; failures other than ours reach the caller as RingReduceError with
+    their cause chained."""
+    try:
+        return work()
+    except RingReduceError:
+        raise
+    except Exception as exc:  # MPI failures and bugs
+        raise RingReduceError(f"ringreduce: collective '{name}' failed: {exc}") from exc
 
 
 class ScratchPool:
@@ -118,7 +125,7 @@ class Engine:
         """Queue `work` to run after everything submitted before it; returns its handle."""
         handle = Handle(name, work)
         with self._cv:
-            self._claim_name(handle)
+            self._claim_name(name, handle)
             self._queue.append(handle)
             self._cv.notify_all()
         self.record(name, "submitted")
@@ -126,21 +133,22 @@ class Engine:
 
     def run(self, name: str, work: Callable[[], Any]) -> Any:
         """Run `work` now and return its result: inline when the engine is idle, else queued."""
-        handle = Handle(name, work)
         with self._cv:
-            self._claim_name(handle)
-            inline = not self._queue and not self._busy
-            if inline:
+            if not self._queue and not self._busy:
+                self._claim_name(name, None)
                 self._busy = True
+                handle = None
             else:
+                handle = Handle(name, work)
+                self._claim_name(name, handle)
                 self._queue.append(handle)
                 self._cv.notify_all()
-        if inline:
-            try:
-                handle._run()
-            finally:
-                self._finish(handle)
-        return handle.wait()
+        if handle is not None:
+            return handle.wait()
+        try:
+            return _call(name, work)
+        finally:
+            self._finish(name)
 
     def shutdown(self) -> None:
         with self._cv:
@@ -152,20 +160,21 @@ class Engine:
         if self.negotiator.watch.board is not None:
             self.negotiator.watch.board.free()
 
-    def _claim_name(self, handle: Handle) -> None:
+    def _claim_name(self, name: str, handle: Optional[Handle]) -> None:
         if self._stopping:
             raise RingReduceError("ringreduce: the engine is shut down; call init() again")
-        if handle.name in self._in_flight:
+        if name in self._in_flight:
             raise ValueError(
-                f"ringreduce: a collective named '{handle.name}' is still in flight on rank "
+                f"ringreduce: a collective named '{name}' is still in flight on rank "
                 f"{self.comm.rank}; wait for it (synchronize) before reusing the name")
-        self._in_flight[handle.name] = handle
+        self._in_flight[name] = handle
 
-    def _finish(self, handle: Handle) -> None:
+    def _finish(self, name: str) -> None:
         with self._cv:
             self._busy = False
-            self._in_flight.pop(handle.name, None)
-            self._cv.notify_all()
+            self._in_flight.pop(name, None)
+            if self._queue:     # wake the engine thread only when there is work for it
+                self._cv.notify_all()
 
     def _loop(self) -> None:
         while True:
@@ -180,4 +189,4 @@ class Engine:
             try:
                 handle._run()
             finally:
-                self._finish(handle)
+                self._finish(handle.name)

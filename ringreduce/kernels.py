@@ -1,5 +1,7 @@
-"""Which reduction kernel runs for a (dtype, op): NumPy ufuncs, or torch's CPU kernels for the
-half types NumPy lacks (bfloat16) or runs slowly (float16).
+"""Which reduction kernel runs for a (dtype, op): NumPy ufuncs; our C kernels from native/
+(`ringreduce._native`) for bfloat16 and float16 sums, for a last reduction step fused with
+Average's division and the postscale, and for the compression casts; torch's CPU kernels for
+the other half-precision ops, and everywhere when the extension is not built.
 
 Kernels work on flat arrays from `buffers.as_array`: `out = a op b`, or in place
 `target = target op source`.
@@ -7,8 +9,9 @@ Elementwise kernels are deterministic, which the ring's bitwise-identical guaran
 """
 from __future__ import annotations
 
+import ctypes
 import enum
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -37,8 +40,75 @@ _TORCH_UFUNC = {ReduceOp.Sum: torch.add, ReduceOp.Average: torch.add, ReduceOp.M
                 ReduceOp.Max: torch.maximum, ReduceOp.Product: torch.mul}
 
 
+def _load_native() -> Optional[ctypes.CDLL]:
+    try:
+        from . import _native
+    except ImportError:
+        return None
+    lib = ctypes.CDLL(_native.__file__)
+    p, n, f = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_float
+    names = ["rr_sum_f32", "rr_sum_bf16"] + (["rr_sum_f16"] if lib.rr_has_f16c() else [])
+    for name in names:
+        getattr(lib, name).argtypes = [p, p, p, n, f, f]
+    casts = ["rr_f32_to_bf16", "rr_bf16_to_f32"] + (
+        ["rr_f32_to_f16", "rr_f16_to_f32"] if lib.rr_has_f16c() else [])
+    for name in casts:
+        getattr(lib, name).argtypes = [p, p, n]
+    lib.has_f16c = bool(lib.rr_has_f16c())
+    return lib
+
+
+NATIVE = _load_native()
+_NATIVE_SUM = {torch.float32: "rr_sum_f32", torch.bfloat16: "rr_sum_bf16",
+               torch.float16: "rr_sum_f16"}
+_NATIVE_CAST = {(torch.float32, torch.bfloat16): "rr_f32_to_bf16",
+                (torch.bfloat16, torch.float32): "rr_bf16_to_f32",
+                (torch.float32, torch.float16): "rr_f32_to_f16",
+                (torch.float16, torch.float32): "rr_f16_to_f32"}
+
+
+def _native(name: str) -> Optional[Callable]:
+    return getattr(NATIVE, name, None) if NATIVE is not None and (
+        "f16" not in name or NATIVE.has_f16c) else None
+
+
+def _native_sum(dtype: torch.dtype, divisor: float = 1.0, scale: float = 1.0) -> Optional[Combine]:
+    fn = _native(_NATIVE_SUM.get(dtype, ""))
+    if fn is None:
+        return None
+
+    def native_kernel(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        fn(a.ctypes.data, b.ctypes.data, out.ctypes.data, out.size, divisor, scale)
+
+    return native_kernel
+
+
+def finishing_combiner(dtype: torch.dtype, op: ReduceOp, ranks: int,
+                       postscale: float) -> Optional[Combine]:
+    """`out = (a + b) / ranks * postscale` (Average) or `* postscale` (Sum) in one pass, for
+    the last step of a reduction; None where no such kernel exists (then combine and finish
+    run separately). For float32 the bits equal those of the separate passes."""
+    if op not in (ReduceOp.Sum, ReduceOp.Average) or not dtype.is_floating_point:
+        return None
+    return _native_sum(dtype, float(ranks) if op == ReduceOp.Average else 1.0, postscale)
+
+
+def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """tensor.to(dtype), through our kernels for the compression casts."""
+    fn = _native(_NATIVE_CAST.get((tensor.dtype, dtype), ""))
+    if fn is None or not tensor.is_contiguous() or tensor.device.type != "cpu":
+        return tensor.to(dtype)
+    out = torch.empty(tensor.shape, dtype=dtype)
+    fn(tensor.data_ptr(), out.data_ptr(), tensor.numel())
+    return out
+
+
 def combiner(dtype: torch.dtype, op: ReduceOp) -> Combine:
     """The kernel `out = a op b` for `dtype` (out may be a or b)."""
+    if dtype in _HALF and op in (ReduceOp.Sum, ReduceOp.Average):
+        native = _native_sum(dtype)
+        if native is not None:
+            return native
     if dtype in _HALF:
         fn = _TORCH_UFUNC[op]
 

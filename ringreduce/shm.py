@@ -112,7 +112,8 @@ class NodeShm:
         return nbytes <= self.small_bytes
 
     def small_allreduce(self, src: np.ndarray, dst: np.ndarray, combine: Combine, finish: Finish,
-                        digest: int, label: str, signatures: Callable[[], list]) -> None:
+                        digest: int, label: str, signatures: Callable[[], list],
+                        last: Optional[Combine] = None) -> None:
         """Header and data in one step, then every rank reduces all slots in rank order."""
         me, flag = self.local.rank, self.raised + 1
         self.watch.begin(label)
@@ -121,12 +122,12 @@ class NodeShm:
         self._raise_flag_and_wait()
         self._check_headers(signatures)
         slots = [self._slot(r, flag, src.dtype, src.size) for r in range(self.local.size)]
-        _reduce_in_order(slots, dst, combine)
-        self._finish(dst, combine, finish)
+        _reduce_in_order(slots, dst, combine, last)
+        self._finish(dst, combine, None if last is not None else finish)
 
     def large_allreduce(self, src: np.ndarray, dst: np.ndarray, combine: Combine, finish: Finish,
                         digest: int, label: str, signatures: Callable[[], list],
-                        span: Callable[[str], Any]) -> None:
+                        span: Callable[[str], Any], last: Optional[Combine] = None) -> None:
         """Block by block: copy in what peers own, reduce our chunk from every area, copy out."""
         me, n = self.local.rank, self.local.size
         self.watch.begin(label)
@@ -151,8 +152,8 @@ class NodeShm:
                 # our own input first: `out` may be that very memory (in place)
                 inputs = [src[start + lo:start + hi]] + [areas[r][lo:hi] for r in range(n)
                                                          if r != me]
-                _reduce_in_order(inputs, out, combine)
-                self._finish(out, combine, finish)
+                _reduce_in_order(inputs, out, combine, last)
+                self._finish(out, combine, None if last is not None else finish)
                 areas[me][lo:hi] = out
             self._raise_flag_and_wait()
             with span("allgather"):
@@ -175,15 +176,17 @@ class NodeShm:
             finish(part)
 
 
-def _reduce_in_order(inputs: list, out: np.ndarray, combine: Combine) -> None:
-    """out = inputs[0] op inputs[1] op ...; `out` may alias inputs[0] only."""
+def _reduce_in_order(inputs: list, out: np.ndarray, combine: Combine,
+                     last: Optional[Combine] = None) -> None:
+    """out = inputs[0] op inputs[1] op ...; `out` may alias inputs[0] only. `last`, when given,
+    does the final step (a kernel that also finishes the result)."""
     if len(inputs) == 1:
         if out is not inputs[0]:
             out[...] = inputs[0]
         return
-    combine(inputs[0], inputs[1], out)
-    for more in inputs[2:]:
-        combine(out, more, out)
+    steps = [inputs[0]] + [out] * (len(inputs) - 2)
+    for k, (a, b) in enumerate(zip(steps, inputs[1:])):
+        (last if last is not None and k == len(inputs) - 2 else combine)(a, b, out)
 
 
 def _round_up(value: int, multiple: int) -> int:

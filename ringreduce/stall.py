@@ -17,7 +17,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 log = logging.getLogger("ringreduce")
-_SPIN_SECONDS = 0.001   # poll flat out this long, then yield the core between polls
+_BUSY_SECONDS = 0.00005  # poll flat out this long (as MPI does): a peer is usually close
+_YIELD_SECONDS = 0.001   # then yield the core between polls (oversubscribed ranks), then sleep
 
 
 class ProgressBoard:
@@ -86,7 +87,9 @@ class StallWatch:
         next_report = start + self.check_time if self.check_time > 0 else float("inf")
         while not done():
             now = time.monotonic()
-            if now - start < _SPIN_SECONDS:
+            if now - start < _BUSY_SECONDS:
+                continue
+            if now - start < _YIELD_SECONDS:
                 os.sched_yield()
                 continue
             time.sleep(0.0001)

@@ -83,3 +83,36 @@ def test_views_share_memory():
     view[0] = 0x3F80  # 1.0 in bfloat16
     assert t[0].item() == 1.0
     assert np.shares_memory(as_array(t), view)
+
+
+def test_native_extension_is_built_and_loaded():
+    assert kernels.NATIVE is not None, "ringreduce._native was not built by pip install"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_native_sums_equal_torch(dtype):
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(10_007, generator=g).to(dtype) for _ in range(2))
+    out = torch.empty_like(a)
+    kernels.combiner(dtype, hvd.Sum)(as_array(a), as_array(b), as_array(out))
+    assert torch.equal(out, a + b)
+    kernels.combiner(dtype, hvd.Sum)(as_array(a), as_array(b), as_array(a))   # out aliases a
+    assert torch.equal(a, out)
+
+
+def test_fused_last_step_equals_separate_passes_in_float32():
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(10_007, generator=g), torch.randn(10_007, generator=g)
+    out = torch.empty_like(a)
+    kernels.finishing_combiner(torch.float32, hvd.Average, 3, 0.5)(
+        as_array(a), as_array(b), as_array(out))
+    assert torch.equal(out, (a + b) / 3 * 0.5)
+    assert kernels.finishing_combiner(torch.int32, hvd.Average, 3, 1.0) is None
+    assert kernels.finishing_combiner(torch.float32, hvd.Max, 3, 1.0) is None
+
+
+@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16])
+def test_native_casts_equal_torch(wire):
+    x = torch.randn(10_007) * 1000
+    assert torch.equal(kernels.cast(x, wire), x.to(wire))
+    assert torch.equal(kernels.cast(x.to(wire), torch.float32), x.to(wire).float())
