@@ -147,11 +147,14 @@ def reduce_flat(engine: Engine, array: np.ndarray, dtype: torch.dtype, op: Reduc
 
 def allreduce_flat(engine: Engine, src: np.ndarray, dst: np.ndarray, dtype: torch.dtype,
                    op: ReduceOp, prescale: float = 1.0, postscale: float = 1.0,
-                   signature: Optional[dict] = None, digest: Optional[int] = None) -> None:
+                   signature: Optional[dict] = None, digest: Optional[int] = None,
+                   shared: Optional[list[np.ndarray]] = None) -> None:
     """Check `signature` across ranks (None: checked already), then allreduce the flat array
     `src` into `dst` (which may be `src`). Ranks that share a node reduce through shared
     memory straight out of `src`, the signature check riding on the first exchange; otherwise
-    the signature goes first and the ring over MPI runs in place in `dst`."""
+    the signature goes first and the ring over MPI runs in place in `dst`. `shared`: when src
+    is dst and lives in memory from `NodeShm.allocate`, every local rank's copy of it (typed):
+    then ranks reduce straight out of each other's buffers."""
     node = engine.node
     if signature is not None and digest is None:
         digest = negotiation.digest(signature)
@@ -175,12 +178,18 @@ def allreduce_flat(engine: Engine, src: np.ndarray, dst: np.ndarray, dtype: torc
     last = finishing_combiner(dtype, op, engine.comm.size, postscale) \
         if finish is not None and node.cross.size == 1 else None
     sig = signature or {}
-    label = negotiation.label(sig) if sig else "allreduce"
+
+    def label() -> str:
+        return negotiation.label(sig) if sig else "allreduce"
 
     def signatures() -> list:
         return engine.comm.allgather(dict(sig))
 
-    if node.fits_small(src.nbytes):
+    if shared is not None and prescale == 1.0:
+        name = str(sig.get("name", "allreduce"))
+        node.shared_allreduce(shared, combine, finish, digest or 0, label, signatures,
+                              lambda phase: engine.span(name, phase), last)
+    elif node.fits_small(src.nbytes):
         node.small_allreduce(src, dst, combine, finish, digest or 0, label, signatures, last)
     else:
         name = str(sig.get("name", "allreduce"))

@@ -7,8 +7,8 @@ The path is chosen once at init() (`RINGREDUCE_CUDA_AWARE`, detected by default)
 - CUDA-aware MPI: ring.py runs on the CuPy arrays themselves; MPI reads device memory and the
   reductions run on the GPU.
 - Otherwise: the buffer travels through two pinned host slots piece by piece; each piece is
-  reduced by the host path (`reduce_flat`, where the data then is) while the next piece is
-  copied down and the previous one copied back.
+  reduced by the host path (`allreduce_flat`: shared memory within a node, the ring over MPI
+  between nodes) while the next piece is copied down and the previous one copied back.
 Either way our work runs on our own stream, which first waits for an event on torch's stream,
 and a reduction returns only once its result is in device memory, so any stream may read it.
 """
@@ -401,5 +401,5 @@ def _reduce_staged(engine: Any, array: Any, dtype: torch.dtype, op: ReduceOp,
     slots = _pinned(device, 2 * piece * array.itemsize).view(array.dtype).reshape(2, piece)
     landed = _landed_events.setdefault(device, [torch.cuda.Event(), torch.cuda.Event()])
     staged_allreduce(DeviceCopies(array, slots, stream, landed), array.size, piece,
-                     lambda host: collectives.reduce_flat(engine, host, dtype, op, prescale,
-                                                          postscale))
+                     lambda host: collectives.allreduce_flat(engine, host, host, dtype, op,
+                                                             prescale, postscale))

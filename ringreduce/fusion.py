@@ -8,11 +8,12 @@ is made once here; steps reuse them, so the hot path allocates nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from . import negotiation
+from .buffers import STORAGE_DTYPES, as_tensor
 
 
 @dataclass
@@ -24,6 +25,7 @@ class Bucket:
     views: list[torch.Tensor]            # buffer slices shaped like each parameter
     signature: dict = field(default_factory=dict)
     digest: int = 0
+    shared: Optional[list] = None        # every local rank's buffer, when in shared memory
 
     @property
     def name(self) -> str:
@@ -48,11 +50,13 @@ class Bucket:
 
 def plan(named: Sequence[tuple[str, torch.Tensor]], threshold: int, first_bucket: int,
          wire_dtype=None, explicit_groups: Optional[Sequence[Sequence[torch.Tensor]]] = None,
-         ) -> list[Bucket]:
+         allocate_shared: Optional[Callable[[int], tuple[list, int]]] = None) -> list[Bucket]:
     """Buckets over the parameters that require grad, in reverse registration order.
 
     `wire_dtype(dtype)` gives the buffer dtype for a parameter dtype (for compression);
-    `explicit_groups` (lists of parameters) each become one bucket, before the rest.
+    `explicit_groups` (lists of parameters) each become one bucket, before the rest;
+    `allocate_shared(nbytes)` (every local rank's bytes, and our index among them) places CPU
+    buckets in shared memory, where ranks of a node reduce straight out of each other's.
     """
     wire = wire_dtype or (lambda dtype: dtype)
     trainable = [(n, p) for n, p in named if p.requires_grad]
@@ -79,17 +83,25 @@ def plan(named: Sequence[tuple[str, torch.Tensor]], threshold: int, first_bucket
         current_bytes += nbytes
     if current:
         groups.append(current)
-    return [_make_bucket(i, group, wire) for i, group in enumerate(groups)]
+    return [_make_bucket(i, group, wire, allocate_shared) for i, group in enumerate(groups)]
 
 
-def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire) -> Bucket:
+def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire,
+                 allocate_shared: Optional[Callable[[int], tuple[list, int]]]) -> Bucket:
     dtype = wire(members[0][1].dtype)
     total = sum(p.numel() for _, p in members)
     device = members[0][1].device   # the bucket lives where its parameters do
     if any(p.device != device for _, p in members):
         raise ValueError(f"ringreduce: bucket {index} (parameters {[n for n, _ in members]}) "
                          "spans several devices; each group must hold parameters of one device")
-    buffer = torch.zeros(total, dtype=dtype, device=device)
+    shared = None
+    if allocate_shared is not None and device.type == "cpu":
+        blocks, me = allocate_shared(total * dtype.itemsize)
+        shared = [block.view(STORAGE_DTYPES[dtype]) for block in blocks]
+        buffer = as_tensor(shared[me], dtype)
+        buffer.zero_()
+    else:
+        buffer = torch.zeros(total, dtype=dtype, device=device)
     views, offset = [], 0
     for _, p in members:
         views.append(buffer[offset:offset + p.numel()].view(p.shape))
@@ -99,4 +111,4 @@ def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire) -> B
                  "dtype": str(dtype).removeprefix("torch."), "shape": (total,),
                  "parameters": tuple(names)}
     return Bucket(index, names, [p for _, p in members], buffer, views, signature,
-                  negotiation.digest(signature))
+                  negotiation.digest(signature), shared)

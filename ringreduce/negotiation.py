@@ -39,7 +39,7 @@ class Negotiator:
         """Raise `MismatchError` on every rank unless all signatures agree; return every rank's
         `per_rank` value, indexed by rank. `precomputed` is the signature's digest when the
         caller made it once up front (the optimizer's buckets)."""
-        self.watch.begin(label(signature))
+        self.watch.begin(lambda: label(signature))
         self._header[0] = digest(signature) if precomputed is None else precomputed
         self._header[1] = per_rank
         if self.comm.size == 1:

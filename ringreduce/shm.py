@@ -52,20 +52,34 @@ class NodeShm:
         self.segments = [np.frombuffer(self.win.Shared_query(r)[0], dtype=np.uint8)
                          for r in range(local.size)]
         self.flags = [seg[:8].view(np.int64) for seg in self.segments]
+        self._headers = [[seg[_LINE + parity * _LINE:][:8 * _HEADER_WORDS].view(np.int64)
+                          for seg in self.segments] for parity in (0, 1)]
         self.flags[local.rank][0] = 0
         self.raised = 0         # flags this rank has raised; the same count on every rank
+        self._windows: list[Any] = []   # from allocate()
         self.win.Sync()
         local.Barrier()
 
     def free(self) -> None:
+        for win in self._windows:
+            win.Free()
         self.win.Unlock_all()
         self.win.Free()
+
+    def allocate(self, nbytes: int) -> list[np.ndarray]:
+        """Shared memory for buffers that live there for good (the optimizer's buckets): every
+        local rank's block of `nbytes`, as bytes, indexed by local rank. Collective."""
+        from mpi4py import MPI
+
+        win = MPI.Win.Allocate_shared(max(nbytes, 1), disp_unit=1, comm=self.local)
+        self._windows.append(win)
+        return [np.frombuffer(win.Shared_query(r)[0], dtype=np.uint8)[:nbytes]
+                for r in range(self.local.size)]
 
     # ------------------------------------------------------------------ pieces of a segment
 
     def _header(self, rank: int, flag: int) -> np.ndarray:
-        start = _LINE + (flag % 2) * _LINE
-        return self.segments[rank][start:start + 8 * _HEADER_WORDS].view(np.int64)
+        return self._headers[flag % 2][rank]
 
     def _slot(self, rank: int, flag: int, dtype: np.dtype, count: int) -> np.ndarray:
         start = 3 * _LINE + (flag % 2) * self.small_bytes
@@ -90,12 +104,13 @@ class NodeShm:
     def _check_headers(self, signatures: Callable[[], list]) -> np.ndarray:
         """After a flag: raise MismatchError on every local rank unless the digests agree;
         return every local rank's per-rank value."""
-        headers = np.stack([self._header(r, self.raised) for r in range(self.local.size)])
-        if (headers[:, 0] != headers[0, 0]).any():
+        headers = self._headers[self.raised % 2]
+        digest = headers[0][0]
+        if any(h[0] != digest for h in headers):
             from .negotiation import describe_mismatch
 
             raise MismatchError(describe_mismatch(signatures()))
-        return headers[:, 2].copy()
+        return np.array([h[2] for h in headers], dtype=np.int64)
 
     def exchange_headers(self, digest: int, per_rank: int,
                          signatures: Callable[[], list]) -> np.ndarray:
@@ -112,7 +127,7 @@ class NodeShm:
         return nbytes <= self.small_bytes
 
     def small_allreduce(self, src: np.ndarray, dst: np.ndarray, combine: Combine, finish: Finish,
-                        digest: int, label: str, signatures: Callable[[], list],
+                        digest: int, label: Any, signatures: Callable[[], list],
                         last: Optional[Combine] = None) -> None:
         """Header and data in one step, then every rank reduces all slots in rank order."""
         me, flag = self.local.rank, self.raised + 1
@@ -126,7 +141,7 @@ class NodeShm:
         self._finish(dst, combine, None if last is not None else finish)
 
     def large_allreduce(self, src: np.ndarray, dst: np.ndarray, combine: Combine, finish: Finish,
-                        digest: int, label: str, signatures: Callable[[], list],
+                        digest: int, label: Any, signatures: Callable[[], list],
                         span: Callable[[str], Any], last: Optional[Combine] = None) -> None:
         """Block by block: copy in what peers own, reduce our chunk from every area, copy out."""
         me, n = self.local.rank, self.local.size
@@ -160,6 +175,32 @@ class NodeShm:
                 for c, (clo, chi) in enumerate(bounds):
                     if c != me:
                         dst[start + clo:start + chi] = areas[c][clo:chi]
+
+    def shared_allreduce(self, buffers: list[np.ndarray], combine: Combine, finish: Finish,
+                         digest: int, label: Any, signatures: Callable[[], list],
+                         span: Callable[[str], Any], last: Optional[Combine] = None) -> None:
+        """In place, on a buffer from `allocate` (`buffers[r]`: local rank r's copy): reduce
+        our chunk straight out of every rank's buffer, then copy every peer's finished chunk.
+        No staging copies; a third flag keeps a rank from refilling its buffer while a peer
+        still copies from it."""
+        me, n = self.local.rank, self.local.size
+        self.watch.begin(label)
+        self._publish_header(digest, buffers[me].nbytes, 0)
+        self._raise_flag_and_wait()
+        self._check_headers(signatures)
+        bounds = ring.chunk_bounds(ring.balanced_counts(buffers[me].size, n))
+        lo, hi = bounds[me]
+        with span("reduce-scatter"):
+            out = buffers[me][lo:hi]
+            inputs = [out] + [buffers[r][lo:hi] for r in range(n) if r != me]
+            _reduce_in_order(inputs, out, combine, last)
+            self._finish(out, combine, None if last is not None else finish)
+        self._raise_flag_and_wait()
+        with span("allgather"):
+            for c, (clo, chi) in enumerate(bounds):
+                if c != me:
+                    buffers[me][clo:chi] = buffers[c][clo:chi]
+        self._raise_flag_and_wait()
 
     def _finish(self, part: np.ndarray, combine: Combine, finish: Finish) -> None:
         """Between nodes, this node's partial result goes around our ring (among the ranks of

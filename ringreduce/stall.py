@@ -67,10 +67,11 @@ class StallWatch:
         self.shutdown_time = shutdown_time
         self.board = ProgressBoard(comm) if comm.size > 1 else None
         self.begun = 0
-        self._names: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self._names: collections.OrderedDict[int, Any] = collections.OrderedDict()
 
-    def begin(self, description: str) -> int:
-        """Count one more collective begun on this rank, and remember what it was."""
+    def begin(self, description: Any) -> int:
+        """Count one more collective begun on this rank, and remember what it was (a string, or
+        a callable making one: formatted only if a stall is reported)."""
         self.begun += 1
         self._names[self.begun] = description
         if len(self._names) > 10_000:
@@ -103,9 +104,13 @@ class StallWatch:
                     abort(message + f" Shutting the job down after {self.shutdown_time:g} s "
                           "(RINGREDUCE_STALL_SHUTDOWN_TIME).")
 
+    def _name(self, count: int) -> str:
+        description = self._names.get(count, "")
+        return description() if callable(description) else description
+
     def describe(self, waited: float) -> str:
         where = (f"ringreduce: stall: rank {self.comm.rank} has waited {waited:.0f} s in "
-                 f"collective #{self.begun} {self._names.get(self.begun, '?')}")
+                 f"collective #{self.begun} {self._name(self.begun)}")
         counts = self.board.read_all(timeout=2.0) if self.board is not None else None
         if counts is None:
             return (where + ", and some rank does not answer at all (stuck in native code, or "
@@ -113,7 +118,7 @@ class StallWatch:
         missing = [r for r, c in enumerate(counts) if c < self.begun]
         if not missing:
             return where + "; every rank has begun it, so a rank is slow or stuck inside it."
-        behind = "; ".join(f"rank {r} last began #{c} {self._names.get(int(c), '')}".rstrip()
+        behind = "; ".join(f"rank {r} last began #{c} {self._name(int(c))}".rstrip()
                            for r, c in zip(missing, counts[missing]))
         return (f"{where}, which ranks {missing} have not submitted ({behind}). Those ranks are "
                 "stuck in their own code, or submit collectives in a different order or number "
