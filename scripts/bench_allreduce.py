@@ -13,6 +13,9 @@ about 5 for 256M), --json FILE, --plot FILE.png, --no-gloo (skip torch.distribut
 Methods, each reducing (Sum) a buffer of SIZE bytes on every rank:
     ours      ringreduce.allreduce(t, op=Sum)   (out of place, synchronous)
     ours_     ringreduce.allreduce_(t, op=Sum)  (in place)
+    bucket    what DistributedOptimizer does with a gradient bucket: an in-place allreduce of a
+              buffer that lives in the node's shared memory, so ranks reduce straight out of
+              each other's buffers ("n/a" with one rank per node or shared memory off)
     mpi       comm.Allreduce(send, recv, op=MPI.SUM) on NumPy arrays ("n/a" for bfloat16,
               which MPI cannot sum)
     gloo      torch.distributed.all_reduce with the gloo backend, over loopback TCP
@@ -54,7 +57,7 @@ from mpi4py import MPI  # noqa: E402
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-METHODS = ["ours", "ours_", "mpi", "gloo"]
+METHODS = ["ours", "ours_", "bucket", "mpi", "gloo"]
 
 
 def parse_size(text: str) -> int:
@@ -104,6 +107,27 @@ def bench_ours(nbytes: int, dtype: torch.dtype, iters: int) -> float:
 def bench_ours_inplace(nbytes: int, dtype: torch.dtype, iters: int) -> float:
     t = torch.zeros(nbytes // dtype.itemsize, dtype=dtype)
     return slowest(time_it(lambda: hvd.allreduce_(t, op=hvd.Sum), iters))
+
+
+def bench_bucket(nbytes: int, dtype: torch.dtype, iters: int) -> float | None:
+    from ringreduce.buffers import STORAGE_DTYPES
+    from ringreduce.collectives import allreduce_flat
+    from ringreduce.world import world
+
+    engine = world().engine
+    if engine.node is None:
+        return None
+    blocks = engine.run(f"bench.allocate.{nbytes}", lambda: engine.node.allocate(nbytes))
+    shared = [b.view(STORAGE_DTYPES[dtype]) for b in blocks]
+    mine = shared[engine.node.local.rank]
+    mine[...] = 0
+
+    def reduce() -> None:
+        engine.run("bench.bucket", lambda: allreduce_flat(
+            engine, mine, mine, dtype, hvd.Sum, signature={"name": "bench.bucket"},
+            shared=shared))
+
+    return slowest(time_it(reduce, iters))
 
 
 def bench_mpi(nbytes: int, dtype: torch.dtype, iters: int) -> float | None:
@@ -242,7 +266,8 @@ def main() -> None:
         print("GB/s = 1e9 B/s; time = max over ranks of the median; xMPI/xgloo = their time / ours")
         print(HEADER, flush=True)
 
-    bench = {"ours": bench_ours, "ours_": bench_ours_inplace, "mpi": bench_mpi,
+    bench = {"ours": bench_ours, "ours_": bench_ours_inplace, "bucket": bench_bucket,
+             "mpi": bench_mpi,
              "gloo": None if args.no_gloo else bench_gloo}
     results, memcpy = [], []
     for nbytes in sizes:
