@@ -7,6 +7,7 @@ written to the caller's tensor only after the collective succeeded.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import warnings
@@ -67,6 +68,8 @@ def _op(op: Any, average: Optional[bool], what: str) -> ReduceOp:
         return Average if average else Sum
     if op is None:
         return Average
+    if op.__class__ is ReduceOp and op != Adasum:
+        return op
     try:
         op = ReduceOp(op)
     except ValueError:
@@ -101,6 +104,7 @@ def _describe(t: torch.Tensor) -> tuple:
 
 # ---------------------------------------------------------------- allreduce
 
+@functools.lru_cache(maxsize=None)
 def _finisher(dtype: torch.dtype, op: ReduceOp, size: int,
               postscale: float) -> Optional[Callable[[np.ndarray], None]]:
     """What happens to each finished chunk: the division of Average, then the postscale."""
@@ -540,11 +544,33 @@ def _run(work: Work) -> Any:
 def _allreduce_work(tensor: torch.Tensor, average: Optional[bool], name: Optional[str], op: Any,
                     pre: float, post: float, compression: type[Compressor],
                     in_place: bool) -> Work:
-    """The grouped work for one tensor, yielding that tensor rather than a one-element list."""
+    """One tensor: straight from the input into the output (or in place), with none of the
+    grouping machinery, since a small allreduce is dominated by Python overhead."""
     kind = "allreduce_" if in_place else "allreduce"
-    name, grouped = _grouped_allreduce_work([tensor], name, op, average, pre, post, compression,
-                                            in_place, kind)
-    return name, lambda: grouped()[0]
+    if compression is not Compression.none:
+        name, grouped = _grouped_allreduce_work([tensor], name, op, average, pre, post,
+                                                compression, in_place, kind)
+        return name, lambda: grouped()[0]
+    engine = world(f"{kind}()").engine
+    op = _op(op, average, kind)
+    name = _name(name, kind)
+    t = _tensor(tensor, kind, name)
+    _check_scaling(t, pre, post, kind, name)
+    dtype, shape = _describe(t)
+    signature = {"collective": "allreduce", "name": name, "op": op.name, "prescale": pre,
+                 "postscale": post, "dtype": dtype, "shape": shape}
+
+    def work() -> torch.Tensor:
+        out = tensor if in_place and _same_memory(t, tensor) else torch.empty_like(t)
+        allreduce_flat(engine, as_array(t), as_array(out), t.dtype, op, pre, post, signature)
+        if not in_place:
+            return out
+        if out is not tensor:
+            with torch.no_grad():   # parameters are leaves that require grad
+                tensor.copy_(out)
+        return tensor
+
+    return name, work
 
 
 # ---------------------------------------------------------------- autograd

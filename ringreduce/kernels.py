@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 from typing import Callable, Optional
 
 import numpy as np
@@ -83,6 +84,7 @@ def _native_sum(dtype: torch.dtype, divisor: float = 1.0, scale: float = 1.0) ->
     return native_kernel
 
 
+@functools.lru_cache(maxsize=None)
 def finishing_combiner(dtype: torch.dtype, op: ReduceOp, ranks: int,
                        postscale: float) -> Optional[Combine]:
     """`out = (a + b) / ranks * postscale` (Average) or `* postscale` (Sum) in one pass, for
@@ -103,6 +105,7 @@ def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def combiner(dtype: torch.dtype, op: ReduceOp) -> Combine:
     """The kernel `out = a op b` for `dtype` (out may be a or b)."""
     if dtype in _HALF and op in (ReduceOp.Sum, ReduceOp.Average):
@@ -124,6 +127,7 @@ def combiner(dtype: torch.dtype, op: ReduceOp) -> Combine:
     return numpy_kernel
 
 
+@functools.lru_cache(maxsize=None)
 def reducer(dtype: torch.dtype, op: ReduceOp) -> Kernel:
     """The in-place kernel `target = target op source` for `dtype`."""
     combine = combiner(dtype, op)

@@ -54,6 +54,8 @@ class NodeShm:
         self.flags = [seg[:8].view(np.int64) for seg in self.segments]
         self._headers = [[seg[_LINE + parity * _LINE:][:8 * _HEADER_WORDS].view(np.int64)
                           for seg in self.segments] for parity in (0, 1)]
+        self._slots = [[seg[3 * _LINE + parity * self.small_bytes:][:self.small_bytes]
+                        for seg in self.segments] for parity in (0, 1)]
         self.flags[local.rank][0] = 0
         self.raised = 0         # flags this rank has raised; the same count on every rank
         self._windows: list[Any] = []   # from allocate()
@@ -82,8 +84,7 @@ class NodeShm:
         return self._headers[flag % 2][rank]
 
     def _slot(self, rank: int, flag: int, dtype: np.dtype, count: int) -> np.ndarray:
-        start = 3 * _LINE + (flag % 2) * self.small_bytes
-        return self.segments[rank][start:start + count * dtype.itemsize].view(dtype)
+        return self._slots[flag % 2][rank][:count * dtype.itemsize].view(dtype)
 
     def _area(self, rank: int, flag: int, dtype: np.dtype, count: int) -> np.ndarray:
         start = 3 * _LINE + 2 * self.small_bytes + (flag // 2 % 2) * self.block_bytes
