@@ -1,0 +1,52 @@
+// Reduction and scaling of 16-bit floats held as unsigned short storage (CuPy has no bfloat16).
+// Each value is widened to float, combined, and rounded back once to nearest even, as torch
+// computes these dtypes. No headers: NVRTC compiles this without a CUDA include path.
+// Op codes are ringreduce.ReduceOp's values: Average 0, Sum 1, Min 3, Max 4, Product 5.
+
+__device__ float bf16_to_float(unsigned short h) {
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+
+__device__ unsigned short float_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40);  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
+__device__ float fp16_to_float(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ unsigned short float_to_fp16(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ float combine(float a, float b, int op) {
+    if (op == 3 || op == 4) {           // min/max propagate NaN, as torch.minimum/maximum do
+        if (a != a) return a;
+        if (b != b) return b;
+        return op == 3 ? fminf(a, b) : fmaxf(a, b);
+    }
+    return op == 5 ? a * b : a + b;
+}
+
+#define HALF_KERNELS(NAME, TO_FLOAT, FROM_FLOAT)                                              \
+extern "C" __global__ void NAME##_reduce(unsigned short* target, const unsigned short* source, \
+                                         long long n, int op) {                              \
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;               \
+         i += (long long)blockDim.x * gridDim.x)                                              \
+        target[i] = FROM_FLOAT(combine(TO_FLOAT(target[i]), TO_FLOAT(source[i]), op));        \
+}                                                                                             \
+extern "C" __global__ void NAME##_scale(unsigned short* x, long long n, float factor) {       \
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;               \
+         i += (long long)blockDim.x * gridDim.x)                                              \
+        x[i] = FROM_FLOAT(TO_FLOAT(x[i]) * factor);                                           \
+}
+
+HALF_KERNELS(bf16, bf16_to_float, float_to_bf16)
+HALF_KERNELS(fp16, fp16_to_float, float_to_fp16)

@@ -1,0 +1,205 @@
+"""The GPU check (run by scripts/gpu_check.sh under mpiexec -n 2; the ranks share GPU 0).
+
+1. allreduce of CUDA tensors for every dtype and op, on the staging path and (where the MPI
+   supports it) the CUDA-aware path, against a reference built from every rank's inputs, and
+   bitwise identical across ranks; grouped, in-place, async, scaled and compressed variants;
+2. a few DistributedOptimizer steps of a small model against one process on the whole batch;
+3. busbw of allreduce from 1 MiB to 256 MiB on each path, next to the device-to-device copy
+   bandwidth of the same GPU.
+Every rank prints 'OK rank <r>' at the end.
+"""
+import argparse
+import hashlib
+import time
+
+import torch
+from mpi4py import MPI
+
+import ringreduce as hvd
+from ringreduce import cuda
+
+DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+          torch.bfloat16, torch.float32, torch.float64]
+OPS = [hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product]
+# Lengths that take the small-message path, the ring, and more than one staging piece.
+LENGTHS = [0, 1, 17, 40_001, 1_300_007]
+SIZES_MIB = [1, 4, 16, 64, 256]
+world = MPI.COMM_WORLD
+
+
+def inputs(rank, length, dtype, op, device):
+    """Small integers, so every reduction is exact in every dtype."""
+    g = torch.Generator().manual_seed(7919 * rank + 31 * length + int(op))
+    lo, hi = (-2, 3) if op == hvd.Product else (-8, 9)
+    x = torch.randint(0 if dtype == torch.uint8 else lo, hi, (length,), generator=g)
+    return x.to(dtype).to(device)
+
+
+def reference(length, dtype, op, n, pre=1.0, post=1.0):
+    xs = torch.stack([inputs(k, length, dtype, op, "cpu").double() * pre for k in range(n)])
+    out = {hvd.Sum: lambda: xs.sum(0), hvd.Average: lambda: xs.sum(0),
+           hvd.Min: lambda: xs.min(0).values, hvd.Max: lambda: xs.max(0).values,
+           hvd.Product: lambda: xs.prod(0)}[op]().to(dtype)
+    if op == hvd.Average:
+        out = out / n if dtype.is_floating_point else torch.div(out, n, rounding_mode="floor")
+    return out * post if post != 1.0 else out
+
+
+def same_everywhere(t, what):
+    digest = hashlib.blake2b(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).digest()
+    assert len(set(world.allgather(digest))) == 1, f"{what}: results differ across ranks"
+
+
+def check(got, want, what):
+    got = got.cpu()
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype} {got.shape}"
+    assert torch.equal(got, want), f"{what}: got {got[:6]} want {want[:6]}"
+
+
+def check_allreduce(path, device):
+    n = hvd.size()
+    for dtype in DTYPES:
+        for op in OPS:
+            for length in LENGTHS:
+                what = f"{path} allreduce {dtype} {op.name} length {length}"
+                got = hvd.allreduce(inputs(hvd.rank(), length, dtype, op, device), op=op)
+                assert got.device == device, f"{what}: result on {got.device}"
+                check(got, reference(length, dtype, op, n), what)
+                same_everywhere(got, what)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        t = inputs(hvd.rank(), 40_001, dtype, hvd.Sum, device)
+        hvd.allreduce_(t, op=hvd.Average, prescale_factor=2.0, postscale_factor=0.5)
+        check(t, reference(40_001, dtype, hvd.Average, n, 2.0, 0.5), f"{path} scaled {dtype}")
+    group = [inputs(hvd.rank(), k, d, hvd.Sum, device)
+             for k, d in ((5, torch.float32), (300_001, torch.bfloat16), (7, torch.int64))]
+    for i, got in enumerate(hvd.grouped_allreduce(group, op=hvd.Sum)):
+        check(got, reference(group[i].numel(), group[i].dtype, hvd.Sum, n), f"{path} group {i}")
+    handle = hvd.allreduce_async(inputs(hvd.rank(), 70_001, torch.float32, hvd.Sum, device),
+                                 op=hvd.Sum, compression=hvd.Compression.fp16)
+    check(hvd.synchronize(handle), reference(70_001, torch.float32, hvd.Sum, n),
+          f"{path} fp16-compressed async")
+    for dtype in (torch.float16, torch.bfloat16):   # rounding: as torch's own add, bit for bit
+        g = [torch.Generator().manual_seed(k) for k in range(n)]
+        xs = [torch.randn(300_007, generator=gk).to(dtype) for gk in g]
+        got = hvd.allreduce(xs[hvd.rank()].to(device), op=hvd.Sum)
+        check(got, xs[0] + xs[1], f"{path} rounding {dtype}")
+    print(f"rank {hvd.rank()}: {path}: allreduce of every dtype and op matches", flush=True)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 8, 3, padding=1)
+        self.fc1 = torch.nn.Linear(8 * 8 * 8, 64)
+        self.fc2 = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = torch.nn.functional.max_pool2d(torch.relu(self.conv(x)), 2)
+        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
+
+
+def train(model, batches, distributed, **options):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if distributed:
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             first_bucket_bytes=4096, **options)
+    for x, y in batches:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model
+
+
+def check_training(path, device):
+    """Each rank trains on its half of every batch; one process trains on whole batches."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(32, 1, 16, 16, generator=g), torch.randint(0, 10, (32,), generator=g))
+               for _ in range(5)]
+    torch.manual_seed(1)
+    initial = Net().to(device).state_dict()
+    single = Net().to(device)
+    single.load_state_dict(initial)
+    train(single, [(x.to(device), y.to(device)) for x, y in batches], False)
+    r, n = hvd.rank(), hvd.size()
+    mine = [(x.chunk(n)[r].to(device), y.chunk(n)[r].to(device)) for x, y in batches]
+    for options in ({}, {"gradient_as_bucket_view": True}):
+        model = Net().to(device)
+        model.load_state_dict(initial)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        train(model, mine, True, **options)
+        hvd.check_consistency(model)
+        for (name, a), b in zip(model.named_parameters(), single.parameters()):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), \
+                f"{path} {options}: '{name}' differs from the single-process run by " \
+                f"{(a - b).abs().max().item():.3g}"
+    print(f"rank {r}: {path}: 5 optimizer steps match the single-process run", flush=True)
+
+
+def busbw(mib, device, repeats):
+    """Allreduce bus bandwidth in GB/s: bytes * 2(n-1)/n per second, the best of `repeats`."""
+    t = torch.ones(mib << 18, dtype=torch.float32, device=device)
+    hvd.allreduce_(t, op=hvd.Sum)                      # warm-up: kernels, pinned memory
+    best = float("inf")
+    for _ in range(repeats):
+        hvd.barrier()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        hvd.allreduce_(t, op=hvd.Sum)
+        best = min(best, time.perf_counter() - start)
+    n = hvd.size()
+    return (mib << 20) * 2 * (n - 1) / n / best / 1e9
+
+
+def copy_bandwidth(device):
+    """Device-to-device copy of 256 MiB: bytes copied per second, in GB/s."""
+    src = torch.ones(256 << 18, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 10 * (256 << 20) / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--no-bench", action="store_true", help="skip the bandwidth table")
+    args = parser.parse_args()
+    hvd.init()
+    assert hvd.size() == 2, "run on 2 ranks: mpiexec -n 2 python3 scripts/gpu_check.py"
+    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device())
+    aware, how = cuda.query_cuda_support(MPI, world)
+    hvd.shutdown()
+    paths = {"staging": False, **({"cuda-aware": True} if aware else {})}
+    if world.rank == 0:
+        print(f"{MPI.Get_library_version().splitlines()[0]}; {torch.cuda.get_device_name()}; "
+              f"CUDA-aware: {aware} ({how})", flush=True)
+    table = {}
+    for path, setting in paths.items():
+        for env in ({}, {"small_message_bytes": 0, "segment_bytes": 64 << 10}):
+            hvd.init(cuda_aware=setting, **env)
+            check_allreduce(path + (" (ring only)" if env else ""), device)
+            hvd.shutdown()
+        hvd.init(cuda_aware=setting)
+        check_training(path, device)
+        if not args.no_bench:
+            table[path] = [busbw(mib, device, 5 if mib < 256 else 3) for mib in SIZES_MIB]
+        hvd.shutdown()
+    if table and world.rank == 0:
+        copy = copy_bandwidth(device)
+        header = "".join(f"{p + ' busbw':>22}" for p in table)
+        print(f"\n{'size':>8}{header}{'device copy':>16}   (GB/s, {world.size} ranks, one GPU)")
+        for i, mib in enumerate(SIZES_MIB):
+            row = "".join(f"{table[p][i]:22.2f}" for p in table)
+            print(f"{str(mib) + ' MiB':>8}{row}{copy:16.1f}")
+        if not aware:
+            print(f"(no CUDA-aware row: {how} says the MPI cannot take device pointers)")
+    print(f"OK rank {world.rank}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

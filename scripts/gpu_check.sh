@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU check of ringreduce: 2 ranks sharing one GPU (scripts/gpu_check.py says what it checks:
+# allreduce of every dtype and op against a reference on the staging path and, where the MPI
+# supports it, the CUDA-aware path; a few optimizer steps against a single-process run; and a
+# busbw table from 1 MiB to 256 MiB next to the device-to-device copy bandwidth). About 1-3
+# minutes; killed after 280 s.
+#
+# Needs one GPU and python3 with torch (CUDA build), CuPy and mpi4py; no network and no MPI
+# library: the MPICH wheel is carried in .whl/ (git-ignored) and installed into /tmp/site.
+# Fill .whl/ once, on a machine with network, from the repository root:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl mpich==5.0.2
+# Then: bash scripts/gpu_check.sh   (ringreduce itself is used from this checkout, no install)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl
+    # pip's --target keeps the wheel's bin/ but drops its lib/ (libmpi): take that from the wheel
+    rm -rf /tmp/mpich-wheel && python3 -m zipfile -e .whl/mpich-*.whl /tmp/mpich-wheel
+    mkdir -p /tmp/site/lib && cp -r /tmp/mpich-wheel/mpich-*.data/data/lib/. /tmp/site/lib/
+    export PATH="/tmp/site/bin:$PATH"
+    export LD_LIBRARY_PATH="/tmp/site/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
+
+python3 - <<'PY'
+import cupy, mpi4py, torch
+assert torch.cuda.is_available(), "no GPU visible to torch"
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), CuPy {cupy.__version__}, "
+      f"mpi4py {mpi4py.__version__}, {torch.cuda.device_count()} GPU(s)")
+PY
+timeout 280 mpiexec -n 2 python3 scripts/gpu_check.py "$@"

@@ -1,0 +1,153 @@
+"""Both device paths of `cuda.reduce_device` under a real mpiexec, without a GPU.
+
+No CUDA array, stream or event can exist on a machine without a device, so NumPy stands in:
+a "device array" is a NumPy array that has `__cuda_array_interface__`, `device` and `data.ptr`;
+a fake `cupy` runs ufuncs with NumPy, our half kernels with torch, and stream copies with
+memmove; torch's streams and events become no-ops. Everything else is real: the ring over
+MPI, the staging pipeline with its slots and pieces, the host path it calls, the finishing
+arithmetic. Usage: gpu_paths_check.py AWARE(0|1) [STAGING_PIECE_BYTES]
+"""
+import ctypes
+import sys
+import types
+
+import numpy as np
+import torch
+
+
+class DeviceArray(np.ndarray):
+    """Host memory posing as device memory."""
+
+    __cuda_array_interface__ = {}
+    device = types.SimpleNamespace(id=0)
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+
+def on_device(array):
+    return np.ascontiguousarray(array).view(DeviceArray)
+
+
+def half_kernel(name):
+    """native/half.cu's kernels, computed by torch on the CPU: float math, one rounding."""
+    kind, function = name.split("_")
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float16
+    ops = {0: torch.add, 1: torch.add, 3: torch.minimum, 4: torch.maximum, 5: torch.mul}
+
+    def view(array):
+        return torch.from_numpy(np.asarray(array).view(np.int16)).view(dtype)
+
+    def launch(grid, block, args):
+        if function == "reduce":
+            target, source, _, op = args
+            view(target).copy_(ops[int(op)](view(target).float(), view(source).float()))
+        else:
+            x, _, factor = args
+            view(x).copy_(view(x).float() * float(factor))
+
+    return launch
+
+
+class Context:
+    def __init__(self, *args):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class Stream(Context):
+    @classmethod
+    def from_external(cls, stream):
+        return cls()
+
+
+class TorchStream:
+    cuda_stream = 0
+
+    def __init__(self, device=None):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self):
+        return TorchEvent()
+
+    def synchronize(self):
+        pass
+
+
+class TorchEvent:
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+cupy = types.ModuleType("cupy")
+for ufunc in ("add", "minimum", "maximum", "multiply", "floor_divide"):
+    setattr(cupy, ufunc, getattr(np, ufunc))
+cupy.empty = lambda count, dtype: on_device(np.empty(count, dtype))
+cupy.RawModule = lambda code: types.SimpleNamespace(get_function=half_kernel)
+cupy.cuda = types.SimpleNamespace(Device=Context, Stream=Stream, runtime=types.SimpleNamespace(
+    memcpyDeviceToHost=2, memcpyHostToDevice=1,
+    memcpyAsync=lambda target, source, size, kind, stream: ctypes.memmove(target, source, size)))
+cupyx = types.ModuleType("cupyx")
+cupyx.empty_pinned = lambda shape, dtype: np.empty(shape, dtype)
+sys.modules.update(cupy=cupy, cupyx=cupyx)
+torch.cuda.Stream, torch.cuda.Event = TorchStream, TorchEvent
+torch.cuda.current_stream = lambda device=None: TorchStream()
+
+import ringreduce as hvd  # noqa: E402
+from ringreduce import cuda  # noqa: E402
+from ringreduce.buffers import as_array, as_tensor  # noqa: E402
+from ringreduce.world import world  # noqa: E402
+
+aware = sys.argv[1] == "1"
+if len(sys.argv) > 2:
+    cuda.STAGING_PIECE_BYTES = int(sys.argv[2])
+hvd.init(cuda_aware=aware)
+engine = world().engine
+r, n = hvd.rank(), hvd.size()
+
+
+def inputs(rank, length, dtype, op):
+    g = torch.Generator().manual_seed(1000 * rank + length)
+    lo = 0 if dtype == torch.uint8 else (-2 if op == hvd.Product else -8)
+    return torch.randint(lo, 3 if op == hvd.Product else 9, (length,), generator=g).to(dtype)
+
+
+def reference(length, dtype, op, pre, post):
+    xs = torch.stack([inputs(k, length, dtype, op).double() * pre for k in range(n)])
+    out = {hvd.Sum: xs.sum, hvd.Average: xs.sum, hvd.Product: xs.prod,
+           hvd.Min: lambda dim: xs.amin(dim), hvd.Max: lambda dim: xs.amax(dim)}[op](0)
+    out = out.to(dtype)
+    if op == hvd.Average:
+        out = out / n if dtype.is_floating_point else torch.div(out, n, rounding_mode="floor")
+    return out * post if post != 1.0 else out
+
+
+for dtype in (torch.uint8, torch.int32, torch.float16, torch.bfloat16, torch.float32,
+              torch.float64):
+    for op in (hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product):
+        for length in (0, 1, 17, 5000, 300_001):
+            pre, post = (2.0, 0.5) if dtype.is_floating_point else (1.0, 1.0)
+            array = on_device(as_array(inputs(r, length, dtype, op)))
+            cuda.reduce_device(engine, array, dtype, op, pre, post)
+            got = as_tensor(np.asarray(array), dtype)
+            want = reference(length, dtype, op, pre, post)
+            what = f"{dtype} {op.name} length {length}"
+            if aware and op == hvd.Average and dtype.is_floating_point:
+                # one multiply by postscale/n on the device: within rounding of the host's two
+                assert torch.allclose(got.double(), want.double(), rtol=1e-2), what
+            else:
+                assert torch.equal(got, want), f"{what}: got {got[:5]} want {want[:5]}"
+hvd.shutdown()
+print(f"OK rank {r}", flush=True)

@@ -1,0 +1,255 @@
+"""The GPU path: what runs without a device here, the rest on a GPU (skipped without one).
+
+Without a device: the staging pipeline's pieces, order and overlap (driven by NumPy buffers
+and queued copies that behave like in-order stream copies), both paths of reduce_device under a
+real mpiexec with NumPy standing in for device memory, every CUDA kernel source compiling with
+nvcc, CUDA-aware detection with the real MPI library and the override, the placement errors,
+and buckets that follow their parameters' device.
+"""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_mpi, run_ok
+import ringreduce as hvd
+from ringreduce import config, cuda, fusion
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _gpu_ready() -> str:
+    """Why the GPU tests cannot run here, or '' when they can."""
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed (pip install -e '.[cuda12]' or '.[cuda13]')"
+    if not torch.cuda.is_available():
+        return "no CUDA device visible to torch"
+    try:
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:   # CuPy's CUDA runtime cannot reach the driver
+        return f"CuPy cannot use the GPU: {exc}"
+    return ""
+
+
+GPU_MISSING = _gpu_ready()
+
+
+# ---------------------------------------------------------------- the staging pipeline
+
+class QueuedCopies:
+    """Stands in for DeviceCopies: a NumPy 'device' array, two host slots, and copies queued
+    in order like a CUDA stream's, run only when a wait or drain needs them."""
+
+    def __init__(self, device: np.ndarray, piece: int) -> None:
+        self.device = device
+        self.slots = np.full((2, piece), -1, dtype=device.dtype)
+        self.queue: list = []
+        self.log: list[str] = []
+
+    def slot(self, k):
+        return self.slots[k % 2]
+
+    def down(self, k, lo, hi):
+        def copy():
+            self.slots[k % 2][:hi - lo] = self.device[lo:hi]
+            self.log.append(f"landed {k}")
+        self.queue.append((f"down {k}", copy))
+        self.log.append(f"queued down {k}")
+
+    def up(self, k, lo, hi):
+        def copy():
+            self.device[lo:hi] = self.slots[k % 2][:hi - lo]
+            self.log.append(f"back {k}")
+        self.queue.append((f"up {k}", copy))
+        self.log.append(f"queued up {k}")
+
+    def wait(self, k):
+        while self.queue:
+            label, copy = self.queue.pop(0)
+            copy()
+            if label == f"down {k}":
+                return
+        raise AssertionError(f"waited for piece {k}, whose copy down was never queued")
+
+    def drain(self):
+        while self.queue:
+            self.queue.pop(0)[1]()
+
+
+@pytest.mark.parametrize("length,piece", [(0, 4), (1, 4), (4, 4), (11, 4), (40, 3), (7, 100)])
+def test_staging_reduces_every_piece_once_in_place(length, piece):
+    device = np.arange(length, dtype=np.int64)
+    copies = QueuedCopies(device, piece)
+    seen = []
+
+    def reduce_host(host):
+        seen.append(host.copy())
+        host *= 10      # stands in for the host allreduce of this piece
+
+    cuda.staged_allreduce(copies, length, piece, reduce_host)
+    assert np.array_equal(device, np.arange(length) * 10)
+    assert [len(s) for s in seen] == [min(piece, length - lo) for lo in range(0, length, piece)]
+    assert np.array_equal(np.concatenate(seen) if seen else device, np.arange(length))
+    assert not copies.queue
+
+
+def test_staging_overlaps_copies_with_mpi_work():
+    """While piece k is reduced, piece k+1's copy down is already queued (not yet run: the
+    stream does it meanwhile), and piece k's copy back is queued as soon as k is done."""
+    device = np.arange(20, dtype=np.float32)
+    copies = QueuedCopies(device, 4)
+    states = []
+
+    def reduce_host(host):
+        k = len(states)
+        states.append((f"queued down {k + 1}" in copies.log, f"landed {k + 1}" in copies.log))
+        host += 1
+
+    cuda.staged_allreduce(copies, 20, 4, reduce_host)
+    assert states[:-1] == [(True, False)] * 4       # next piece in flight during this one
+    assert copies.log.index("back 0") < copies.log.index("landed 2")  # a slot is refilled
+    assert np.array_equal(device, np.arange(20) + 1)                 # after its piece went back
+
+
+# ---------------------------------------------------------------- kernels
+
+def test_kernel_sources_define_every_kernel_used():
+    sources = {p.stem: cuda.kernel_source(p.stem) for p in cuda.NATIVE.glob("*.cu")}
+    assert set(sources) == {"half", "batched_copy"}
+    for kind in ("bf16", "fp16"):
+        assert f"HALF_KERNELS({kind}," in sources["half"]
+    for size in (1, 2, 4, 8):
+        assert f"BATCHED_COPY({size}," in sources["batched_copy"]
+    assert all("#include" not in text for text in sources.values())  # NVRTC needs no headers
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not installed")
+@pytest.mark.parametrize("source", sorted(p.name for p in (ROOT / "native").glob("*.cu")))
+def test_kernel_compiles_with_nvcc(source, tmp_path):
+    ptx = tmp_path / "out.ptx"
+    done = subprocess.run(["nvcc", "--ptx", "-arch=sm_80", "-o", str(ptx),
+                           str(ROOT / "native" / source)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    entries = {line.split()[-1].rstrip("(") for line in ptx.read_text().splitlines()
+               if ".entry" in line}
+    expected = ({f"{k}_{f}" for k in ("bf16", "fp16") for f in ("reduce", "scale")}
+                if source == "half.cu" else {f"batched_copy_{n}" for n in (1, 2, 4, 8)})
+    assert entries == expected   # extern "C": the names cuda.py asks CuPy for
+
+
+# ---------------------------------------------------------------- CUDA-aware MPI
+
+@pytest.mark.parametrize("kinds,aware", [("mpi,system", False), ("mpi,system,cuda", True),
+                                          ("mpi, cuda:device", True), ("cuda:host", False),
+                                          ("cuda:host:device", True), ("rocm:device", False)])
+def test_memory_alloc_kinds_parsing(kinds, aware):
+    assert cuda.supports_cuda_memory(kinds) is aware
+
+
+def test_override_wins_without_asking_mpi(monkeypatch):
+    assert cuda.resolve_cuda_aware(True, None, None)[0] is True
+    assert cuda.resolve_cuda_aware(False, None, None)[0] is False
+    for text, value in (("auto", "auto"), ("1", True), ("0", False), ("AUTO", "auto")):
+        monkeypatch.setenv("RINGREDUCE_CUDA_AWARE", text)
+        assert config.get("cuda_aware") == value
+    monkeypatch.setenv("RINGREDUCE_CUDA_AWARE", "sometimes")
+    with pytest.raises(ValueError, match="RINGREDUCE_CUDA_AWARE"):
+        config.get("cuda_aware")
+
+
+def test_the_real_mpi_library_answers():
+    """The MPICH wheel has MPIX_Query_cuda_support and is built without CUDA."""
+    code = ("from mpi4py import MPI; from ringreduce import cuda; "
+            "print(cuda.query_cuda_support(MPI, MPI.COMM_WORLD))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "(False, 'MPIX_Query_cuda_support()')"
+
+
+@pytest.mark.parametrize("setting,expected", [(None, "no, GPU buffers are staged"),
+                                              ("1", "yes, device buffers go straight"),
+                                              ("0", "no, GPU buffers are staged")])
+def test_init_logs_the_choice_once(setting, expected):
+    env = {} if setting is None else {"RINGREDUCE_CUDA_AWARE": setting}
+    result = run_mpi(1, "gpu_aware_check.py", env=env, timeout=60)
+    assert result.returncode == 0, result.output
+    lines = [line for line in result.output.splitlines() if "CUDA-aware MPI" in line]
+    assert len(lines) == 1 and expected in lines[0], result.output
+    assert ("MPIX_Query_cuda_support()" in lines[0]) == (setting is None)
+    assert f"setting {setting == '1'}" in result.output
+
+
+# ---------------------------------------------------------------- placement, without a device
+
+def test_tensor_on_another_gpu_is_refused_clearly(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", ModuleType("cupy"))  # CuPy present or not
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    elsewhere = SimpleNamespace(device=torch.device("cuda", 1))   # no CUDA tensor can exist here
+    with pytest.raises(ValueError, match=r"cuda:1 .*set_device\(ringreduce.local_rank\(\)\)"):
+        cuda.device_tensor(elsewhere, "allreduce", "ringreduce: allreduce of tensor 'w'")
+    here = SimpleNamespace(device=torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"allgather .*tensor.cpu\(\)"):
+        cuda.device_tensor(here, "allgather", "ringreduce: allgather of tensor 'w'")
+
+
+def test_without_cupy_the_error_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)   # makes `import cupy` fail
+    with pytest.raises(hvd.RingReduceError, match=r"ringreduce\[cuda12\]"):
+        cuda.device_tensor(SimpleNamespace(device=torch.device("cuda", 0)), "allreduce", "w")
+
+
+def test_batched_copy_declines_pairs_it_cannot_copy_in_one_launch():
+    a, b = torch.zeros(3), torch.zeros(3)
+    assert cuda._batched_copy([], None)
+    for moves in ([(None, a)], [(a, None)], [(a, b.double())], [(torch.zeros(3, 2).t(), b)]):
+        assert not cuda._batched_copy(moves, None)
+
+
+def test_after_sets_the_event_for_this_thread_only_inside_the_block():
+    with cuda.after("outer"):
+        with cuda.after(None):
+            assert cuda._ready.event == "outer"
+        with cuda.after("inner"):
+            assert cuda._ready.event == "inner"
+        assert cuda._ready.event == "outer"
+    assert cuda._ready.event is None
+
+
+def test_buckets_follow_their_parameters_device():
+    """Meta tensors stand in for a second device: buckets split where the device changes."""
+    params = [("a", torch.nn.Parameter(torch.zeros(4))),
+              ("b", torch.nn.Parameter(torch.zeros(4, device="meta"))),
+              ("c", torch.nn.Parameter(torch.zeros(4, device="meta")))]
+    buckets = fusion.plan(params, threshold=1 << 20, first_bucket=1 << 20)
+    assert [(b.names, b.buffer.device.type) for b in buckets] == [(["c", "b"], "meta"),
+                                                                  (["a"], "cpu")]
+    with pytest.raises(ValueError, match="spans several devices"):
+        fusion.plan(params, 1 << 20, 1 << 20, explicit_groups=[[p for _, p in params]])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("aware", ["1", "0"])
+def test_device_paths_under_mpi_with_numpy_standing_in_for_the_device(n, aware):
+    """reduce_device's CUDA-aware ring and staging pipeline, every op and several dtypes,
+    with small segments and 4 KiB staging pieces so that both cut buffers into many parts."""
+    run_ok(n, "gpu_paths_check.py", aware, "4096", timeout=240,
+           env={"RINGREDUCE_SEGMENT_BYTES": "1024", "RINGREDUCE_SMALL_MESSAGE_BYTES": "4096"})
+
+
+# ---------------------------------------------------------------- on a GPU
+
+@pytest.mark.skipif(bool(GPU_MISSING), reason=GPU_MISSING)
+def test_gpu_allreduce_and_training_on_two_ranks():
+    run_ok(2, str(ROOT / "scripts" / "gpu_check.py"), "--no-bench", timeout=280,
+           env={"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                             os.environ.get("PYTHONPATH")]))})
+
