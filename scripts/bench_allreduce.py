@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import socket
 import statistics
 import sys
@@ -53,6 +52,8 @@ import ringreduce as hvd  # before mpi4py.MPI, so MPI starts with the thread lev
 
 hvd.init()
 from mpi4py import MPI  # noqa: E402
+
+from bench_common import init_gloo  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
@@ -157,20 +158,6 @@ def bench_memcpy(nbytes: int, iters: int) -> float:
             time.sleep(0.001)
         seconds = 0.0
     return COMM.bcast(seconds, root=0)
-
-
-def init_gloo() -> None:
-    import torch.distributed as dist
-
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    port = None
-    if RANK == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = COMM.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=RANK,
-                            world_size=NRANKS, timeout=datetime.timedelta(minutes=5))
 
 
 def metadata(args) -> dict:

@@ -79,6 +79,8 @@ import ringreduce as hvd  # before mpi4py.MPI, so MPI starts with the thread lev
 hvd.init()
 from mpi4py import MPI  # noqa: E402
 
+from bench_common import init_gloo  # noqa: E402
+
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
 METHODS = ["none", "ringreduce_view", "ringreduce", "allreduce_after", "ddp"]
@@ -129,20 +131,6 @@ BUILD = {"mlp": lambda: mlp(1580), "mlp10m": lambda: mlp(714), "cnn": resnet18}
 
 
 # ---------------------------------------------------------------------------- methods
-
-def init_gloo() -> None:
-    import torch.distributed as dist
-
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    port = None
-    if RANK == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = COMM.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=RANK,
-                            world_size=NRANKS, timeout=datetime.timedelta(minutes=5))
-
 
 def setup(method: str, model: nn.Module, lr: float):
     """(module to call, optimizer, hook run between backward and step) for one method."""

@@ -1,6 +1,5 @@
 """The timeline: per-rank Chrome-trace files from a real mpiexec run, and the report script."""
 import json
-import os
 import signal
 import subprocess
 import sys

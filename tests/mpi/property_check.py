@@ -34,17 +34,23 @@ def to_numpy(t):
     return t.to(torch.float64).numpy() if t.dtype in (torch.float16, torch.bfloat16) else t.numpy()
 
 
+def reference(shape, dtype, op, seed):
+    """The reduction of every rank's input, computed exactly in float64, in `dtype`."""
+    stacked = np.stack([to_numpy(rank_input(k, shape, dtype, op, seed)).astype(np.float64)
+                        for k in range(n)])
+    out = torch.from_numpy(np.asarray(OPS[op](stacked, axis=0))).to(dtype)
+    if op == hvd.Average:
+        out = out / n if dtype.is_floating_point else torch.div(out, n, rounding_mode="floor")
+    return out.reshape(shape)
+
+
 @SETTINGS
 @given(shape=shapes, dtype=st.sampled_from(DTYPES), op=st.sampled_from(list(OPS)),
        seed=st.integers(0, 2**31))
 def allreduce_matches_numpy(shape, dtype, op, seed):
     got = hvd.allreduce(rank_input(r, shape, dtype, op, seed), op=op)
-    stacked = np.stack([to_numpy(rank_input(k, shape, dtype, op, seed)).astype(np.float64)
-                        for k in range(n)])
-    want = torch.from_numpy(np.asarray(OPS[op](stacked, axis=0))).to(dtype)
-    if op == hvd.Average:
-        want = want / n if dtype.is_floating_point else torch.div(want, n, rounding_mode="floor")
-    assert got.shape == shape and torch.equal(got, want.reshape(shape)), (shape, dtype, op)
+    assert got.shape == shape and torch.equal(got, reference(shape, dtype, op, seed)), \
+        (shape, dtype, op)
 
 
 @SETTINGS
@@ -74,11 +80,7 @@ def broadcast_matches_root(shape, dtype, root, seed):
 def reducescatter_matches_numpy(rows, trailing, dtype, op, seed):
     shape = (rows, *trailing)
     got = hvd.reducescatter(rank_input(r, shape, dtype, op, seed), op=op)
-    stacked = np.stack([to_numpy(rank_input(k, shape, dtype, op, seed)).astype(np.float64)
-                        for k in range(n)])
-    full = torch.from_numpy(np.asarray(OPS[op](stacked, axis=0))).to(dtype)
-    if op == hvd.Average:
-        full = full / n if dtype.is_floating_point else torch.div(full, n, rounding_mode="floor")
+    full = reference(shape, dtype, op, seed)
     counts = [rows // n + (1 if k < rows % n else 0) for k in range(n)]
     start = sum(counts[:r])
     assert torch.equal(got, full[start:start + counts[r]]), (shape, dtype, op)
