@@ -14,6 +14,7 @@ param_groups and state, so isinstance checks, LR schedulers and state_dict keep 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 import weakref
 from typing import Any, Iterable, Optional, Sequence
@@ -100,7 +101,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         node = self._engine.node
         if node is None:
             return None
-        count = iter(range(1 << 30))
+        count = itertools.count()
 
         def allocate(nbytes: int) -> tuple[list, int]:
             name = f"DistributedOptimizer.allocate.{id(self)}.{next(count)}"
