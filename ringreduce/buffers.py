@@ -31,7 +31,7 @@ def as_array(tensor: torch.Tensor) -> np.ndarray:
         from .cuda import as_device_array
 
         return as_device_array(tensor)
-    flat = tensor.reshape(-1)
+    flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
     if tensor.dtype == torch.bfloat16:
         return flat.view(torch.int16).numpy().view(np.uint16)
     return flat.numpy()

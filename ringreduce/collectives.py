@@ -26,6 +26,8 @@ from .world import world
 Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum,
                                            ReduceOp.Min, ReduceOp.Max, ReduceOp.Product)
 _unnamed = itertools.count()
+_SUPPORTED_SET = frozenset(SUPPORTED)
+_DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in SUPPORTED}
 Work = tuple[str, Callable[[], Any]]  # a collective's name and the function the engine runs
 
 
@@ -38,6 +40,9 @@ def _name(name: Optional[str], kind: str) -> str:
 
 def _tensor(tensor: Any, what: str, name: str) -> torch.Tensor:
     """The dense, contiguous CPU tensor to work on, or a clear error naming tensor and rank."""
+    if (tensor.__class__ is torch.Tensor and tensor.layout is torch.strided
+            and tensor.dtype in _SUPPORTED_SET and tensor.device.type == "cpu"):
+        return tensor.detach().contiguous()     # the common case, checked cheaply
     rank = world(f"{what}()").comm.rank
     where = f"ringreduce: {what} of tensor '{name}' on rank {rank}"
     if not isinstance(tensor, torch.Tensor):
@@ -99,7 +104,7 @@ def _differentiable(tensor: Any) -> bool:
 
 
 def _describe(t: torch.Tensor) -> tuple:
-    return (str(t.dtype).removeprefix("torch."), tuple(t.shape))
+    return (_DTYPE_NAMES[t.dtype], tuple(t.shape))
 
 
 # ---------------------------------------------------------------- allreduce
@@ -551,7 +556,7 @@ def _allreduce_work(tensor: torch.Tensor, average: Optional[bool], name: Optiona
         name, grouped = _grouped_allreduce_work([tensor], name, op, average, pre, post,
                                                 compression, in_place, kind)
         return name, lambda: grouped()[0]
-    engine = world(f"{kind}()").engine
+    engine = world("allreduce_()" if in_place else "allreduce()").engine
     op = _op(op, average, kind)
     name = _name(name, kind)
     t = _tensor(tensor, kind, name)
