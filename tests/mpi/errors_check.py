@@ -92,6 +92,14 @@ if n > 1:
            torch.ones(2, 1 + (r > 0)), name="ag_mm")
     expect(hvd.MismatchError, ["'scale_mm'", "'prescale'"], hvd.allreduce, torch.ones(4),
            name="scale_mm", prescale_factor=1.0 if r == 0 else 2.0)
+    # A different number of parameters per rank: the bucket's signature names them.
+    layers = [torch.nn.Linear(2, 2) for _ in range(1 + (r == 0))]
+    model = torch.nn.Sequential(*layers)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   model.named_parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    msg = expect(hvd.MismatchError, ["'bucket.0'"], opt.step)
+    assert "'shape'" in msg or "'parameters'" in msg, msg
     handles = [hvd.allreduce_async(torch.ones(10), name="fine.0"),
                hvd.allreduce_async(torch.ones(10 + r), name="async_mm"),
                hvd.allreduce_async(torch.ones(10), name="fine.1")]
