@@ -201,8 +201,14 @@ def _batched_copy(moves: Sequence[tuple[Any, Any]], stream: torch.cuda.Stream) -
 # ---------------------------------------------------------------- kernels
 
 def kernel_source(name: str) -> str:
-    """The CUDA source native/<name>.cu."""
-    return (NATIVE / f"{name}.cu").read_text()
+    """The CUDA source native/<name>.cu, read from the source tree (an editable install)."""
+    path = NATIVE / f"{name}.cu"
+    if not path.exists():
+        raise RingReduceError(
+            f"ringreduce: the GPU kernel source {path} is missing; the CUDA kernels are read "
+            "from the repository's native/ folder, so install ringreduce from a clone with "
+            "`pip install -e .`")
+    return path.read_text()
 
 
 @functools.lru_cache(maxsize=None)
