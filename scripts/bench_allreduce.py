@@ -38,11 +38,8 @@ The environment is left alone (e.g. OMP_NUM_THREADS); torch.get_num_threads() is
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import socket
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -53,7 +50,7 @@ import ringreduce as hvd  # before mpi4py.MPI, so MPI starts with the thread lev
 hvd.init()
 from mpi4py import MPI  # noqa: E402
 
-from bench_common import init_gloo  # noqa: E402
+from bench_common import init_gloo, metadata as common_metadata  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
@@ -161,20 +158,7 @@ def bench_memcpy(nbytes: int, iters: int) -> float:
 
 
 def metadata(args) -> dict:
-    return {
-        "ranks": NRANKS,
-        "mpi_library": MPI.Get_library_version().strip(),
-        "mpi4py": __import__("mpi4py").__version__,
-        "torch": torch.__version__,
-        "torch_num_threads": torch.get_num_threads(),
-        "ringreduce": hvd.__version__,
-        "hostname": socket.gethostname(),
-        "hosts": sorted(set(COMM.allgather(socket.gethostname()))),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "python": sys.version.split()[0],
-        "argv": sys.argv,
-        "iters": args.iters or "adaptive",
-    }
+    return common_metadata(iters=args.iters or "adaptive")
 
 
 def fmt(value, spec: str, width: int) -> str:

@@ -1,7 +1,9 @@
-"""What the benchmark scripts share: starting torch.distributed's gloo next to MPI."""
+"""What the benchmark scripts share: starting torch.distributed's gloo next to MPI, and the
+metadata that makes a result file reproducible."""
 import datetime
 import os
 import socket
+import sys
 
 from mpi4py import MPI
 
@@ -19,3 +21,26 @@ def init_gloo(comm=MPI.COMM_WORLD) -> None:
     port = comm.bcast(port, root=0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
                             world_size=comm.size, timeout=datetime.timedelta(minutes=5))
+
+
+def metadata(comm=MPI.COMM_WORLD, **extra) -> dict:
+    """Where and with what a benchmark ran (collective: every rank must call it)."""
+    import torch
+
+    import ringreduce
+
+    return {
+        "ranks": comm.size,
+        "mpi_library": MPI.Get_library_version().strip(),
+        "mpi4py": __import__("mpi4py").__version__,
+        "torch": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+        "ringreduce": ringreduce.__version__,
+        "hostname": socket.gethostname(),
+        "hosts": sorted(set(comm.allgather(socket.gethostname()))),
+        "cpu_count": os.cpu_count(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "python": sys.version.split()[0],
+        "argv": sys.argv,
+        **extra,
+    }

@@ -60,14 +60,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import gc
 import json
-import os
 import resource
-import socket
 import statistics
-import sys
 import time
 
 import torch
@@ -79,7 +75,7 @@ import ringreduce as hvd  # before mpi4py.MPI, so MPI starts with the thread lev
 hvd.init()
 from mpi4py import MPI  # noqa: E402
 
-from bench_common import init_gloo  # noqa: E402
+from bench_common import init_gloo, metadata as common_metadata  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
@@ -247,22 +243,8 @@ def run_method(name: str, method: str, batches, args) -> dict:
 # ---------------------------------------------------------------------------- output
 
 def metadata(args) -> dict:
-    return {
-        "ranks": NRANKS,
-        "mpi_library": MPI.Get_library_version().strip(),
-        "mpi4py": __import__("mpi4py").__version__,
-        "torch": torch.__version__,
-        "torch_num_threads": torch.get_num_threads(),
-        "ringreduce": hvd.__version__,
-        "hostname": socket.gethostname(),
-        "hosts": sorted(set(COMM.allgather(socket.gethostname()))),
-        "cpu_count": os.cpu_count(),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "python": sys.version.split()[0],
-        "argv": sys.argv,
-        "batch_per_rank": args.batch, "steps": args.steps, "warmup": args.warmup,
-        "reps": args.reps, "lr": args.lr, "optimizer": "SGD(momentum=0.9)",
-    }
+    return common_metadata(batch_per_rank=args.batch, steps=args.steps, warmup=args.warmup,
+                         reps=args.reps, lr=args.lr, optimizer="SGD(momentum=0.9)")
 
 
 def fmt(value, spec: str, width: int) -> str:
