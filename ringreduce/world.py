@@ -10,6 +10,7 @@ import atexit
 import logging
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -158,10 +159,19 @@ def cross_rank() -> int:
     return world("cross_rank()").cross.rank
 
 
+_ABORT_GRACE_SECONDS = 1.0   # lets the launcher forward our message before it kills the job
+
+
 def abort(message: str, code: int = 1) -> None:
-    """End the whole MPI job: print `message` once, from this rank, then MPI_Abort."""
+    """End the whole MPI job: print `message` once, from this rank, then MPI_Abort.
+
+    The launcher tears the job down as soon as MPI_Abort reaches it, and can drop what this
+    rank wrote just before; so wait a moment first: the message is the one thing the user needs.
+    """
     sys.stderr.write(message if message.endswith("\n") else message + "\n")
     sys.stderr.flush()
+    sys.stdout.flush()
+    time.sleep(_ABORT_GRACE_SECONDS)
     MPI = _mpi()
     MPI.COMM_WORLD.Abort(code)
 
