@@ -194,7 +194,7 @@ def allreduce_flat(engine: Engine, src: np.ndarray, dst: np.ndarray, dtype: torc
     def signatures() -> list:
         return engine.comm.allgather(dict(sig))
 
-    if shared is not None and prescale == 1.0:
+    if shared is not None:      # scaled in place above: peers read it only after our flag
         name = str(sig.get("name", "allreduce"))
         node.shared_allreduce(shared, combine, finish, digest or 0, label, signatures,
                               lambda phase: engine.span(name, phase), last)
