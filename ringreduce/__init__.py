@@ -17,6 +17,7 @@ from .kernels import ReduceOp
 from .objects import (allgather_object, broadcast_object, broadcast_optimizer_state,
                       broadcast_parameters, check_consistency)
 from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
 from .timeline import start_timeline, stop_timeline
 from .world import (cross_rank, cross_size, init, is_initialized, local_rank, local_size, rank,
                     shutdown, size)
@@ -32,7 +33,7 @@ __all__ = [
     "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "barrier", "poll",
     "synchronize", "Handle", "DistributedOptimizer", "broadcast_parameters",
     "broadcast_optimizer_state", "broadcast_object", "allgather_object", "check_consistency",
-    "checkpoint", "start_timeline", "stop_timeline",
+    "checkpoint", "SyncBatchNorm", "start_timeline", "stop_timeline",
     "Compression", "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "RingReduceError", "HorovodInternalError", "MismatchError", "NotInitializedError",
     "ConsistencyError",
