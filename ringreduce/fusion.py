@@ -31,7 +31,7 @@ class Bucket:
     def name(self) -> str:
         return f"bucket.{self.index}"
 
-    def pack(self, missing_as_zero: bool = True) -> None:
+    def pack(self) -> None:
         """Copy each parameter's gradient into the buffer (zeros where there is none)."""
         for p, view in zip(self.params, self.views):
             if p.grad is None:

@@ -56,7 +56,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._op = Sum if gradient_predivide_factor != 1.0 else op
         self._prescale = 1.0 / gradient_predivide_factor
         self._postscale = gradient_predivide_factor / size if gradient_predivide_factor != 1.0 else 1.0
-        self._compression = compression
         self._sparse_as_dense = sparse_as_dense
         self._passes = backward_passes_per_step
         self._names = {id(p): n for n, p in named}

@@ -27,7 +27,6 @@ class World:
     local: Any         # ranks on the same node
     cross: Any         # ranks with the same local rank, one per node
     engine: Any        # the Engine that serialises every collective
-    thread_level: int
 
 
 _world: Optional[World] = None
@@ -95,7 +94,7 @@ def init(comm: Any = None, **settings: Any) -> None:
                                   resolved["small_message_bytes"], resolved["block_bytes"],
                                   engine.scratch.get, resolved["segment_bytes"])
             engine.negotiator.node = engine.node
-        _world = World(ours, local, cross, engine, level)
+        _world = World(ours, local, cross, engine)
         if resolved["abort_on_error"] and ours.size > 1:
             _install_abort_hooks()
         atexit.register(shutdown)

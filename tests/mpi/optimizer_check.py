@@ -6,23 +6,13 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import ringreduce as hvd
+from models import Net
 from ringreduce.world import world
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
 BATCH = 24  # divides by 1, 2, 3 and 4
 SMALL_BUCKETS = dict(fusion_threshold=2048, first_bucket_bytes=512)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(1, 4, 3)
-        self.fc1 = nn.Linear(4 * 6 * 6, 32)
-        self.fc2 = nn.Linear(32, 10)
-
-    def forward(self, x):
-        return self.fc2(F.relu(self.fc1(F.relu(self.conv(x)).flatten(1))))
 
 
 def data(step):

@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import ringreduce as hvd
+from models import Net
 from ringreduce.world import world
 
 out = Path(sys.argv[1])
@@ -20,17 +20,6 @@ r = hvd.rank()
 torch.set_num_threads(1)
 engine = world().engine
 assert engine.timeline is not None, "RINGREDUCE_TIMELINE did not start a timeline"
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(1, 4, 3)
-        self.fc1 = nn.Linear(4 * 6 * 6, 32)
-        self.fc2 = nn.Linear(32, 10)
-
-    def forward(self, x):
-        return self.fc2(F.relu(self.fc1(F.relu(self.conv(x)).flatten(1))))
 
 
 torch.manual_seed(0)
