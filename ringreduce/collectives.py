@@ -20,7 +20,8 @@ from . import negotiation, ring
 from .buffers import SUPPORTED, as_array
 from .compression import Compression, Compressor
 from .engine import Engine, Handle
-from .kernels import ReduceOp, combiner, divide, finishing_combiner, reducer, scale
+from .kernels import (ReduceOp, combiner, divide, finishing_combiner, node_kind, reducer,
+                      scale)
 from .world import world
 
 Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum,
@@ -199,11 +200,59 @@ def allreduce_flat(engine: Engine, src: np.ndarray, dst: np.ndarray, dtype: torc
         node.shared_allreduce(shared, combine, finish, digest or 0, label, signatures,
                               lambda phase: engine.span(name, phase), last)
     elif node.fits_small(src.nbytes):
-        node.small_allreduce(src, dst, combine, finish, digest or 0, label, signatures, last)
+        kind = node_kind(dtype, op, postscale) if node.native else None
+        if kind is None:
+            node.small_allreduce(src, dst, combine, finish, digest or 0, label, signatures, last)
+        else:
+            node.native_small_allreduce(src.ctypes.data, dst.ctypes.data, src.nbytes, src.size,
+                                        kind, _divisor(op, engine), postscale, digest or 0,
+                                        label, signatures)
     else:
         name = str(sig.get("name", "allreduce"))
         node.large_allreduce(src, dst, combine, finish, digest or 0, label, signatures,
                              lambda phase: engine.span(name, phase), last)
+
+
+def _divisor(op: ReduceOp, engine: Engine) -> float:
+    return float(engine.comm.size) if op == Average else 1.0
+
+
+def _small_allreduce(tensor: Any, name: Optional[str], op: Any, postscale: float,
+                     in_place: bool) -> Optional[torch.Tensor]:
+    """The most frequent latency-bound call, a small synchronous allreduce of a plain CPU
+    tensor with ranks on one node, in a few checks and one C exchange (native/node.c); None
+    when the call is not that case (or the engine is busy), and the general path takes it.
+    Same name counter, signature digest and bits as the general path, which a peer may take
+    for the same collective."""
+    kind = "allreduce_" if in_place else "allreduce"
+    engine = world(f"{kind}()").engine
+    node = engine.node
+    op = Average if op is None else op
+    if (node is None or not node.native or tensor.__class__ is not torch.Tensor
+            or op.__class__ is not ReduceOp or tensor.layout is not torch.strided
+            or not tensor.is_cpu or not tensor.is_contiguous()
+            or tensor.nbytes > node.small_bytes):
+        return None
+    code = node_kind(tensor.dtype, op, postscale)
+    if code is None or not engine.claim_idle():
+        return None
+    try:
+        name = _name(name, kind)
+        dtype, shape, op_name = _DTYPE_NAMES[tensor.dtype], tensor.shape, op.name
+        digest = negotiation.allreduce_digest(name, op_name, dtype, shape, 1.0, postscale)
+        out = tensor if in_place else torch.empty_like(tensor)
+
+        def signature() -> dict:    # the general path's, built only for a report
+            return {"collective": "allreduce", "name": name, "op": op_name, "prescale": 1.0,
+                    "postscale": postscale, "dtype": dtype, "shape": tuple(shape)}
+
+        node.native_small_allreduce(
+            tensor.data_ptr(), out.data_ptr(), tensor.nbytes, tensor.numel(), code,
+            _divisor(op, engine), postscale, digest,
+            lambda: negotiation.label(signature()), lambda: engine.comm.allgather(signature()))
+    finally:
+        engine.release_idle()
+    return out
 
 
 def _reduce_fused(engine: Engine, tensors: Sequence[torch.Tensor], op: ReduceOp,
@@ -292,6 +341,10 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     if _differentiable(tensor):
         return _AllreduceFunction.apply(tensor, average, name, compression, op,
                                         prescale_factor, postscale_factor)
+    if average is None and compression is Compression.none and prescale_factor == 1.0:
+        out = _small_allreduce(tensor, name, op, postscale_factor, False)
+        if out is not None:
+            return out
     return _run(_allreduce_work(tensor, average, name, op, prescale_factor, postscale_factor,
                                 compression, False))
 
@@ -300,6 +353,10 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
                op: Any = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce `tensor` over all ranks in place and return it."""
+    if average is None and prescale_factor == 1.0:
+        out = _small_allreduce(tensor, name, op, postscale_factor, True)
+        if out is not None:
+            return out
     return _run(_allreduce_work(tensor, average, name, op, prescale_factor, postscale_factor,
                                 Compression.none, True))
 

@@ -48,7 +48,10 @@ SETTINGS: dict[str, Setting] = {
     for s in (
         Setting("small_message_bytes", 64 << 10, _parse_bytes,
                 "allreduce payloads up to this size use the latency-optimal gather-and-reduce "
-                "path instead of the bandwidth-optimal ring"),
+                "path instead of the bandwidth-optimal ring (over MPI)"),
+        Setting("shared_small_bytes", 512 << 10, _parse_bytes,
+                "shared-memory allreduce: payloads up to this size go through one slot per rank "
+                "that every rank reduces (in C for the common dtypes) instead of block by block"),
         Setting("segment_bytes", 1 << 20, _parse_bytes,
                 "the ring sends each chunk in segments of this size so that receiving the next "
                 "segment overlaps reducing the current one"),

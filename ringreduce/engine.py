@@ -91,7 +91,7 @@ class Engine:
         self.events: Optional[list[tuple[float, str, str]]] = None  # set to a list to record
         self.timeline: Any = None   # a timeline.Timeline while one is being written
         self.node: Any = None       # a shm.NodeShm when ranks share this node
-        self._cv = threading.Condition()
+        self._cv = threading.Condition(threading.Lock())
         self._queue: collections.deque[Handle] = collections.deque()
         self._in_flight: dict[str, Handle] = {}
         self._busy = False
@@ -149,6 +149,18 @@ class Engine:
             return _call(name, work)
         finally:
             self._finish(name)
+
+    def claim_idle(self) -> bool:
+        """Take the engine for one synchronous call on this thread if nothing is queued or
+        running (then no name is in flight either); `release_idle()` after it."""
+        with self._cv:
+            if self._queue or self._busy or self._stopping:
+                return False
+            self._busy = True
+            return True
+
+    def release_idle(self) -> None:
+        self._finish("")
 
     def shutdown(self) -> None:
         with self._cv:

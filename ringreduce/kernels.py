@@ -95,6 +95,18 @@ def finishing_combiner(dtype: torch.dtype, op: ReduceOp, ranks: int,
     return _native_sum(dtype, float(ranks) if op == ReduceOp.Average else 1.0, postscale)
 
 
+_NODE_KINDS = {(torch.float32, ReduceOp.Sum): 0, (torch.float32, ReduceOp.Average): 0,
+               (torch.float64, ReduceOp.Sum): 1, (torch.float64, ReduceOp.Average): 1,
+               (torch.int32, ReduceOp.Sum): 2, (torch.int64, ReduceOp.Sum): 3}
+
+
+def node_kind(dtype: torch.dtype, op: ReduceOp, postscale: float) -> Optional[int]:
+    """The C reduction (native/node.h's RR_KIND_*) of the shared-memory small allreduce for
+    (dtype, op), computing the same bits as the Python kernels; None where there is none."""
+    kind = _NODE_KINDS.get((dtype, op))
+    return None if kind is None or (kind > 1 and postscale != 1.0) else kind
+
+
 def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """tensor.to(dtype), through our kernels for the compression casts."""
     fn = _native(_NATIVE_CAST.get((tensor.dtype, dtype), ""))

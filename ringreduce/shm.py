@@ -14,8 +14,11 @@ and every exchange is "write your part, raise your flag, wait for every flag":
   the memory traffic of a ring over MPI messages, which copy everything through MPI's own
   buffers. Between nodes (`cross`), each rank's chunk goes around our ring before the copy out.
 
-Every parity (header slot, small slot, block area) derives from the count of flags raised, which
-is the same on every rank, even after a mismatch. A slot written before flag f is read between
+The small allreduce of the common dtypes and ops runs in C (native/node.c, same protocol and
+layout): from Python every step above costs microseconds, and small calls are all overhead.
+
+Every parity (header slot, small slot, block area) derives from the count of flags raised (a
+rank's own flag holds it), which is the same on every rank, even after a mismatch. A slot written before flag f is read between
 flags f and f+1, and is rewritten no sooner than before flag f+2, once every peer has finished
 reading it; so each block needs two flags, not three. Flags and data are ordered with
 `Win.Sync()` (a full memory fence), since large copies may use non-temporal stores.
@@ -30,8 +33,14 @@ from . import ring
 from .errors import MismatchError
 from .stall import StallWatch
 
+try:
+    from . import _native
+except ImportError:     # not built: Python does it all
+    _native = None
+
 _LINE = 64              # bytes: flags and headers each get a cache line of their own
 _HEADER_WORDS = 4       # digest, byte count, per-rank value, sequence number
+_SPIN_SECONDS = 0.00005 # the C path polls flat out this long before the stall watch takes over
 Combine = Callable[[Any, Any, Any], None]     # out = a op b
 Finish = Optional[Callable[[np.ndarray], None]]
 
@@ -57,12 +66,18 @@ class NodeShm:
         self._slots = [[seg[3 * _LINE + parity * self.small_bytes:][:self.small_bytes]
                         for seg in self.segments] for parity in (0, 1)]
         self.flags[local.rank][0] = 0
-        self.raised = 0         # flags this rank has raised; the same count on every rank
         self._windows: list[Any] = []   # from allocate()
+        # small allreduces in C: one node only (between nodes the result goes around a ring)
+        self.native = _native is not None and cross.size == 1
+        if self.native:
+            _native.node_attach(local.rank, [seg.ctypes.data for seg in self.segments],
+                                self.small_bytes)
         self.win.Sync()
         local.Barrier()
 
     def free(self) -> None:
+        if self.native:
+            _native.node_detach()
         for win in self._windows:
             win.Free()
         self.win.Unlock_all()
@@ -78,6 +93,11 @@ class NodeShm:
         return [np.frombuffer(win.Shared_query(r)[0], dtype=np.uint8)[:nbytes]
                 for r in range(self.local.size)]
 
+    @property
+    def raised(self) -> int:
+        """Flags this rank has raised: the value of its own flag."""
+        return int(self.flags[self.local.rank][0])
+
     # ------------------------------------------------------------------ pieces of a segment
 
     def _header(self, rank: int, flag: int) -> np.ndarray:
@@ -91,8 +111,7 @@ class NodeShm:
         return self.segments[rank][start:start + count * dtype.itemsize].view(dtype)
 
     def _raise_flag_and_wait(self) -> None:
-        self.raised += 1
-        flag = self.raised
+        flag = self.raised + 1
         self.win.Sync()                       # our writes are visible before the flag
         self.flags[self.local.rank][0] = flag
         peers = self.flags
@@ -140,6 +159,19 @@ class NodeShm:
         slots = [self._slot(r, flag, src.dtype, src.size) for r in range(self.local.size)]
         _reduce_in_order(slots, dst, combine, last)
         self._finish(dst, combine, None if last is not None else finish)
+
+    def native_small_allreduce(self, src: int, dst: int, nbytes: int, count: int, kind: int,
+                               divisor: float, scale: float, digest: int, label: Any,
+                               signatures: Callable[[], list]) -> None:
+        """`small_allreduce` in C, between addresses: `kind` from `kernels.node_kind`, the
+        result divided by `divisor` and multiplied by `scale`."""
+        self.watch.begin(label)
+        if not _native.small_begin(src, nbytes, digest, _SPIN_SECONDS):
+            self.watch.wait(_native.node_ready)
+        if _native.small_end(dst, count, kind, divisor, scale) < 0:
+            from .negotiation import describe_mismatch
+
+            raise MismatchError(describe_mismatch(signatures()))
 
     def large_allreduce(self, src: np.ndarray, dst: np.ndarray, combine: Combine, finish: Finish,
                         digest: int, label: Any, signatures: Callable[[], list],

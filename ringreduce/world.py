@@ -91,7 +91,7 @@ def init(comm: Any = None, **settings: Any) -> None:
             from .shm import NodeShm
 
             engine.node = NodeShm(local, cross, engine.negotiator.watch,
-                                  resolved["small_message_bytes"], resolved["block_bytes"],
+                                  resolved["shared_small_bytes"], resolved["block_bytes"],
                                   engine.scratch.get, resolved["segment_bytes"])
             engine.negotiator.node = engine.node
         _world = World(ours, local, cross, engine)

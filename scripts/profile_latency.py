@@ -3,8 +3,9 @@
     mpiexec -n 2 python scripts/profile_latency.py [--bytes 4096] [--calls 3000]
 
 Each line adds one layer of ringreduce on top of the previous one, from MPI's own Allreduce and
-our bare shared-memory flag exchange up to `hvd.allreduce`, so the differences show what each
-layer costs. Python's garbage collector is paused, so its occasional full collections (tens of
+our bare shared-memory flag exchange, through the small allreduce in Python and in C and the
+general path's digest and engine ordering, to `hvd.allreduce` (which skips the general path for
+this case: checks, digest and exchange in C), so the differences show what each layer costs. Python's garbage collector is paused, so its occasional full collections (tens of
 milliseconds with torch loaded) do not blur the per-call costs. Needs ranks on one node.
 """
 import argparse
@@ -42,13 +43,16 @@ def main() -> None:
     layers = [
         ("MPI Allreduce (mpi4py)", lambda: comm.Allreduce(src, dst)),
         ("shared-memory flag exchange", node._raise_flag_and_wait),
-        ("+ slots, header check, reduce", lambda: node.small_allreduce(
+        ("+ slots, header check, reduce (Python)", lambda: node.small_allreduce(
             src, dst, add, None, 0, "profile", lambda: [])),
+        ("+ slots, header check, reduce (C)", lambda: node.native_small_allreduce(
+            src.ctypes.data, dst.ctypes.data, src.nbytes, src.size, 0, 1.0, 1.0, 0, "profile",
+            lambda: [])),
         ("+ signature digest, dispatch", lambda: allreduce_flat(
             engine, src, dst, torch.float32, hvd.Sum, signature=signature)),
         ("+ engine ordering", lambda: engine.run("profile", lambda: allreduce_flat(
             engine, src, dst, torch.float32, hvd.Sum, signature=signature))),
-        ("+ checks, output tensor: hvd.allreduce", lambda: hvd.allreduce(x, op=hvd.Sum)),
+        ("hvd.allreduce (inline C path)", lambda: hvd.allreduce(x, op=hvd.Sum)),
         ("hvd.allreduce_ (in place)", lambda: hvd.allreduce_(x, op=hvd.Sum)),
     ]
     gc.disable()

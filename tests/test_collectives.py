@@ -8,7 +8,7 @@ from conftest import RANK_COUNTS, run_ok
 # 4 KiB segments for everything (length < ranks, empty chunks, ~100 segments per chunk).
 PATHS = {
     "default": {},
-    "shm-blocks": {"RINGREDUCE_SMALL_MESSAGE_BYTES": "0", "RINGREDUCE_BLOCK_BYTES": "16384"},
+    "shm-blocks": {"RINGREDUCE_SHARED_SMALL_BYTES": "0", "RINGREDUCE_BLOCK_BYTES": "16384"},
     "mpi-gather": {"RINGREDUCE_SHARED_MEMORY": "0"},
     "mpi-ring": {"RINGREDUCE_SHARED_MEMORY": "0", "RINGREDUCE_SMALL_MESSAGE_BYTES": "0",
                  "RINGREDUCE_SEGMENT_BYTES": "4096"},

@@ -36,6 +36,15 @@ def test_stall_is_reported_with_missing_ranks_and_parameter_names():
     assert all("rank 2 has waited" not in line for line in stall), stall
 
 
+def test_stall_in_a_small_allreduce_is_reported():
+    """The small synchronous allreduce waits in C first: the stall watch must still see it."""
+    env = {"RINGREDUCE_STALL_CHECK_TIME": "1", "FAULT_SLEEP": "2.5"}
+    result = run_ok(2, "fault_check.py", "sleep_small", "1", env=env, timeout=90)
+    stall = [line for line in result.output.splitlines() if "ringreduce: stall" in line]
+    assert any("allreduce 'metric.3'" in line and "which ranks [1] have not submitted" in line
+               for line in stall), result.output[-3000:]
+
+
 def test_stall_shutdown_aborts_the_job():
     env = {"RINGREDUCE_STALL_CHECK_TIME": "1", "RINGREDUCE_STALL_SHUTDOWN_TIME": "3",
            "FAULT_SLEEP": "120"}

@@ -53,6 +53,25 @@ def test_mismatch_message_names_tensor_field_and_ranks():
     assert negotiation.digest(sigs[0]) == negotiation.digest(dict(reversed(sigs[0].items())))
 
 
+def test_allreduce_digest_tells_every_field_apart():
+    """The C digest of one-tensor allreduces (fast path) is what digest() gives the general
+    path for the same signature, and changes with every field."""
+    base = {"collective": "allreduce", "name": "w", "op": "Sum", "prescale": 1.0,
+            "postscale": 1.0, "dtype": "float32", "shape": (3, 4)}
+    if negotiation.allreduce_digest is None:
+        pytest.skip("ringreduce._native is not built")
+    fast = negotiation.allreduce_digest("w", "Sum", "float32", torch.Size([3, 4]), 1.0, 1.0)
+    assert fast == negotiation.digest(base) == negotiation.digest(dict(reversed(base.items())))
+    variants = [("name", "w2"), ("name", ""), ("op", "Average"), ("prescale", 2.0),
+                ("postscale", 0.5), ("dtype", "float64"), ("shape", (4, 3)), ("shape", (12,)),
+                ("shape", (3, 4, 1)), ("shape", ())]
+    digests = {negotiation.digest({**base, field: value}) for field, value in variants}
+    assert len(digests) == len(variants) and fast not in digests
+    # the field boundary counts: name "ab" + op "c" differs from name "a" + op "bc"
+    assert negotiation.digest({**base, "name": "ab", "op": "c"}) != \
+        negotiation.digest({**base, "name": "a", "op": "bc"})
+
+
 @pytest.mark.parametrize("compressor,wire", [(hvd.Compression.fp16, torch.float16),
                                              (hvd.Compression.bf16, torch.bfloat16)])
 def test_compression_round_trip(compressor, wire):

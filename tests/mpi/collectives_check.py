@@ -99,6 +99,31 @@ def check_allreduce():
     check_equal(got, torch.tensor(float(n * (n - 1) // 2)), "0-d")
 
 
+def check_inline_and_queued_small_allreduce_agree():
+    """A small synchronous allreduce runs inline (in C, on one node) on a rank whose engine is
+    idle, and through the engine's queue on a rank with work in flight: both ways must agree on
+    the signature and on the bits. Each round another rank is the busy one."""
+    from ringreduce.collectives import _small_allreduce
+    from ringreduce.world import world as current
+
+    node = current().engine.node
+    if node is not None and node.native and node.fits_small(16):    # taken when the engine is idle
+        assert _small_allreduce(torch.ones(4), "inline.probe", hvd.Sum, 1.0, False) is not None
+    for i, (dtype, op, post) in enumerate([(torch.float32, hvd.Average, 1.0),
+                                           (torch.float64, hvd.Sum, 0.5),
+                                           (torch.int64, hvd.Sum, 1.0),
+                                           (torch.float32, hvd.Sum, 2.0)]):
+        big = hvd.allreduce_async(torch.ones(1 << 18), op=hvd.Sum, name=f"mixed.big.{i}")
+        if i % n != r:
+            hvd.synchronize(big)
+        what = f"mixed.{i} {dtype} {op.name}"
+        got = hvd.allreduce(inputs(r, 33, dtype, op, salt=i), op=op, name=what,
+                            postscale_factor=post)
+        check_equal(got, reference(33, dtype, op, post=post, salt=i), what)
+        same_on_every_rank(got, what)
+        assert torch.equal(hvd.synchronize(big), torch.full((1 << 18,), float(n)))
+
+
 def check_grouped():
     tensors = [inputs(r, 33, torch.float32, hvd.Sum), inputs(r, 5, torch.int64, hvd.Sum),
                inputs(r, 70_000, torch.float32, hvd.Sum, salt=1), torch.ones(2, 3) * r]
@@ -186,7 +211,7 @@ def check_autograd():
     check_equal(b.grad, torch.full((4,), 5.0 * n if r == 0 else 0.0), "broadcast backward")
 
 
-for check in (check_allreduce, check_grouped, check_allgather, check_broadcast, check_alltoall,
+for check in (check_allreduce, check_inline_and_queued_small_allreduce_agree, check_grouped, check_allgather, check_broadcast, check_alltoall,
               check_reducescatter, check_autograd):
     check()
     hvd.barrier()

@@ -1,6 +1,7 @@
 """Fault injection in a small training loop: python fault_check.py MODE VICTIM_RANK
 
 MODE: raise_in_backward | raise_before_collective | sigkill | sleep (past the stall time) |
+      sleep_small (the same, where the others wait in a small allreduce) |
       engine_error (every rank's reduction fails inside the engine thread).
 """
 import os
@@ -58,13 +59,16 @@ for step in range(1000):
             raise RuntimeError(f"injected failure before a collective on rank {r}")
         if mode == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
-        if mode == "sleep":
+        if mode in ("sleep", "sleep_small"):
             time.sleep(float(os.environ.get("FAULT_SLEEP", "60")))
         if mode == "raise_in_backward":
             x = FailInBackward.apply(x.requires_grad_())
+    if mode == "sleep_small":
+        total = hvd.allreduce(torch.tensor([float(step)]), name=f"metric.{step}", op=hvd.Sum)
+        assert total.item() == step * hvd.size(), total
     opt.zero_grad()
     model(x).pow(2).mean().backward()
     opt.step()
-    if mode == "sleep" and step == 5:
+    if mode in ("sleep", "sleep_small") and step == 5:
         break
 print(f"OK rank {r}", flush=True)
