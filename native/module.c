@@ -1,5 +1,5 @@
-/* The Python extension ringreduce._native: the node's small allreduce (node.c) as Python
- * functions, since it runs on every small synchronous call and a ctypes call costs a
+/* The Python extension ringreduce._native: the node's allreduce (node.c) as Python functions,
+ * since the small one runs on every small synchronous call and a ctypes call costs a
  * microsecond; the kernels in kernels.c are loaded by ringreduce/kernels.py with ctypes. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -14,12 +14,13 @@ static int check_args(Py_ssize_t nargs, Py_ssize_t expected, const char *name) {
     return -1;
 }
 
-/* node_attach(me, bases, small_bytes): bases is every local rank's segment address. */
+/* node_attach(me, bases, slot_bytes, block_bytes): bases is every local rank's segment
+ * address; the sizes are those of a small slot and of a block (NodeShm's). */
 static PyObject *node_attach(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (check_args(nargs, 3, "node_attach")) return NULL;
+    if (check_args(nargs, 4, "node_attach")) return NULL;
     int me = PyLong_AsLong(args[0]);
     PyObject *bases = PySequence_Fast(args[1], "bases must be a sequence");
-    size_t small_bytes = PyLong_AsSize_t(args[2]);
+    size_t slot_bytes = PyLong_AsSize_t(args[2]), block_bytes = PyLong_AsSize_t(args[3]);
     if (bases == NULL || PyErr_Occurred()) {
         Py_XDECREF(bases);
         return NULL;
@@ -29,7 +30,7 @@ static PyObject *node_attach(PyObject *self, PyObject *const *args, Py_ssize_t n
     for (Py_ssize_t r = 0; addresses != NULL && r < n; r++)
         addresses[r] = (uintptr_t)PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(bases, r));
     int failed = addresses == NULL || PyErr_Occurred() ||
-                 rr_node_attach(me, (int)n, addresses, small_bytes) != 0;
+                 rr_node_attach(me, (int)n, addresses, slot_bytes, block_bytes) != 0;
     PyMem_Free(addresses);
     Py_DECREF(bases);
     if (failed) return PyErr_Occurred() ? NULL : PyErr_NoMemory();
@@ -76,6 +77,33 @@ static PyObject *small_end(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyLong_FromLong(status);
 }
 
+/* large_begin(src_address, dst_address, count, kind, divisor, scale, digest) */
+static PyObject *large_begin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 7, "large_begin")) return NULL;
+    const void *src = PyLong_AsVoidPtr(args[0]);
+    void *dst = PyLong_AsVoidPtr(args[1]);
+    size_t count = PyLong_AsSize_t(args[2]);
+    int kind = PyLong_AsLong(args[3]);
+    double divisor = PyFloat_AsDouble(args[4]), scale = PyFloat_AsDouble(args[5]);
+    int64_t digest = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    if (rr_large_begin(src, dst, count, kind, divisor, scale, digest) != 0)
+        return PyErr_Format(PyExc_ValueError, "large_begin: unknown kind %d", kind);
+    Py_RETURN_NONE;
+}
+
+/* large_run(spin_seconds) -> 1 done, 0 waiting for peers (wait, then call again), -1 when
+ * the digests differ. */
+static PyObject *large_run(PyObject *self, PyObject *spin) {
+    double seconds = PyFloat_AsDouble(spin);
+    if (PyErr_Occurred()) return NULL;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = rr_large_run(seconds);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(status);
+}
+
 static int utf8(PyObject *text, const char **data, Py_ssize_t *size) {
     *data = PyUnicode_AsUTF8AndSize(text, size);
     return *data == NULL ? -1 : 0;
@@ -111,6 +139,9 @@ static PyMethodDef methods[] = {
      "Publish data and header, raise the flag, spin a while for the peers."},
     {"small_end", (PyCFunction)(void (*)(void))small_end, METH_FASTCALL,
      "Check the digests and reduce every slot in rank order."},
+    {"large_begin", (PyCFunction)(void (*)(void))large_begin, METH_FASTCALL,
+     "Set up a block-by-block allreduce of a large buffer."},
+    {"large_run", large_run, METH_O, "Run it until done, a mismatch, or a long wait."},
     {"allreduce_digest", (PyCFunction)(void (*)(void))allreduce_digest, METH_FASTCALL,
      "64-bit digest of an allreduce's signature fields."},
     {NULL, NULL, 0, NULL}};

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from . import negotiation, ring
-from .buffers import SUPPORTED, as_array
+from .buffers import SUPPORTED, as_array, fresh
 from .compression import Compression, Compressor
 from .engine import Engine, Handle
 from .kernels import (ReduceOp, combiner, divide, finishing_combiner, node_kind, reducer,
@@ -207,6 +207,10 @@ def allreduce_flat(engine: Engine, src: np.ndarray, dst: np.ndarray, dtype: torc
             node.native_small_allreduce(src.ctypes.data, dst.ctypes.data, src.nbytes, src.size,
                                         kind, _divisor(op, engine), postscale, digest or 0,
                                         label, signatures)
+    elif node.native and node_kind(dtype, op, postscale) is not None:
+        node.native_large_allreduce(src.ctypes.data, dst.ctypes.data, src.size,
+                                    node_kind(dtype, op, postscale), _divisor(op, engine),
+                                    postscale, digest or 0, label, signatures)
     else:
         name = str(sig.get("name", "allreduce"))
         node.large_allreduce(src, dst, combine, finish, digest or 0, label, signatures,
@@ -298,7 +302,7 @@ def _grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str]
     def work() -> list[torch.Tensor]:
         if len(wires) == 1 and contexts[0] is None:     # straight from input to output
             out = tensors[0] if in_place and _same_memory(wires[0], tensors[0]) \
-                else torch.empty_like(wires[0])
+                else fresh(wires[0].shape, wires[0].dtype)
             allreduce_flat(engine, as_array(wires[0]), as_array(out), wires[0].dtype, op,
                            prescale, postscale, signature)
             results = [out]
@@ -409,7 +413,7 @@ def _allgather_work(tensor: torch.Tensor, name: Optional[str]) -> Work:
 
     def work() -> torch.Tensor:
         firsts = engine.negotiator.check(signature, per_rank=t.shape[0])
-        out = torch.empty((int(firsts.sum()), *t.shape[1:]), dtype=t.dtype)
+        out = fresh((int(firsts.sum()), *t.shape[1:]), t.dtype)
         row = math.prod(t.shape[1:])
         engine.comm.Allgatherv(as_array(t), [as_array(out), (firsts * row).tolist()])
         return out
@@ -500,7 +504,7 @@ def _alltoall_work(tensor: torch.Tensor, splits: Any, name: Optional[str]) -> Wo
         engine.negotiator.check(signature)
         recv_splits = np.empty(comm.size, dtype=np.int64)
         engine.comm.Alltoall(send_splits, recv_splits)
-        out = torch.empty((int(recv_splits.sum()), *t.shape[1:]), dtype=t.dtype)
+        out = fresh((int(recv_splits.sum()), *t.shape[1:]), t.dtype)
         row = math.prod(t.shape[1:])
         engine.comm.Alltoallv([as_array(t), (send_splits * row).tolist()],
                               [as_array(out), (recv_splits * row).tolist()])
@@ -623,7 +627,7 @@ def _allreduce_work(tensor: torch.Tensor, average: Optional[bool], name: Optiona
                  "postscale": post, "dtype": dtype, "shape": shape}
 
     def work() -> torch.Tensor:
-        out = tensor if in_place and _same_memory(t, tensor) else torch.empty_like(t)
+        out = tensor if in_place and _same_memory(t, tensor) else fresh(t.shape, t.dtype)
         allreduce_flat(engine, as_array(t), as_array(out), t.dtype, op, pre, post, signature)
         if not in_place:
             return out

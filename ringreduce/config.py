@@ -58,8 +58,9 @@ SETTINGS: dict[str, Setting] = {
         Setting("shared_memory", True, _parse_bool,
                 "ranks on one node allreduce through an MPI-3 shared-memory window (the ring "
                 "over MPI then only runs between nodes); 0 = always the ring over MPI"),
-        Setting("block_bytes", 8 << 20, _parse_bytes,
-                "shared-memory allreduce: bytes per rank per block of a large buffer"),
+        Setting("block_bytes", 1 << 20, _parse_bytes,
+                "shared-memory allreduce of a private buffer: bytes per block, small enough for "
+                "the staging areas to stay in cache"),
         Setting("fusion_threshold", 16 << 20, _parse_bytes,
                 "DistributedOptimizer: the byte cap of one gradient bucket"),
         Setting("first_bucket_bytes", 1 << 20, _parse_bytes,

@@ -95,16 +95,18 @@ def finishing_combiner(dtype: torch.dtype, op: ReduceOp, ranks: int,
     return _native_sum(dtype, float(ranks) if op == ReduceOp.Average else 1.0, postscale)
 
 
-_NODE_KINDS = {(torch.float32, ReduceOp.Sum): 0, (torch.float32, ReduceOp.Average): 0,
-               (torch.float64, ReduceOp.Sum): 1, (torch.float64, ReduceOp.Average): 1,
+_SUMS = (ReduceOp.Sum, ReduceOp.Average)
+_NODE_KINDS = {**{(dtype, op): kind for op in _SUMS for dtype, kind in (
+                   (torch.float32, 0), (torch.float64, 1), (torch.bfloat16, 4), (torch.float16, 5))
+                  if kind != 5 or (NATIVE is not None and NATIVE.has_f16c)},
                (torch.int32, ReduceOp.Sum): 2, (torch.int64, ReduceOp.Sum): 3}
 
 
 def node_kind(dtype: torch.dtype, op: ReduceOp, postscale: float) -> Optional[int]:
-    """The C reduction (native/node.h's RR_KIND_*) of the shared-memory small allreduce for
+    """The C reduction (native/node.h's RR_KIND_*) of the shared-memory allreduce for
     (dtype, op), computing the same bits as the Python kernels; None where there is none."""
     kind = _NODE_KINDS.get((dtype, op))
-    return None if kind is None or (kind > 1 and postscale != 1.0) else kind
+    return None if kind is None or (kind in (2, 3) and postscale != 1.0) else kind
 
 
 def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

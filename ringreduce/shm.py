@@ -39,6 +39,7 @@ except ImportError:     # not built: Python does it all
     _native = None
 
 _LINE = 64              # bytes: flags and headers each get a cache line of their own
+_PAGE = 4096
 _HEADER_WORDS = 4       # digest, byte count, per-rank value, sequence number
 _SPIN_SECONDS = 0.00005 # the C path polls flat out this long before the stall watch takes over
 Combine = Callable[[Any, Any, Any], None]     # out = a op b
@@ -53,9 +54,14 @@ class NodeShm:
 
         self.local, self.cross, self.watch = local, cross, watch
         self.scratch, self.segment_bytes = scratch, segment_bytes
-        self.small_bytes = _round_up(small_bytes, _LINE)
-        self.block_bytes = _round_up(block_bytes, _LINE)
-        size = _LINE + 2 * _LINE + 2 * self.small_bytes + 2 * self.block_bytes
+        self.small_bytes = small_bytes
+        self.block_bytes = _round_up(max(block_bytes, 1), _PAGE)
+        # Slots and areas have a page of room: the C path places data at the same offset in a
+        # page as its input, since copies between addresses a little apart modulo 4 KiB run
+        # several times slower (loads falsely wait on stores: "4K aliasing").
+        self.slot_bytes = _round_up(small_bytes, _PAGE) + _PAGE
+        self.area_bytes = self.block_bytes + _PAGE
+        size = _LINE + 2 * _LINE + 2 * self.slot_bytes + 2 * self.area_bytes
         self.win = MPI.Win.Allocate_shared(size, disp_unit=1, comm=local)
         self.win.Lock_all(MPI.MODE_NOCHECK)   # one long epoch: Sync() is our fence
         self.segments = [np.frombuffer(self.win.Shared_query(r)[0], dtype=np.uint8)
@@ -63,7 +69,7 @@ class NodeShm:
         self.flags = [seg[:8].view(np.int64) for seg in self.segments]
         self._headers = [[seg[_LINE + parity * _LINE:][:8 * _HEADER_WORDS].view(np.int64)
                           for seg in self.segments] for parity in (0, 1)]
-        self._slots = [[seg[3 * _LINE + parity * self.small_bytes:][:self.small_bytes]
+        self._slots = [[seg[3 * _LINE + parity * self.slot_bytes:][:self.small_bytes]
                         for seg in self.segments] for parity in (0, 1)]
         self.flags[local.rank][0] = 0
         self._windows: list[Any] = []   # from allocate()
@@ -71,7 +77,7 @@ class NodeShm:
         self.native = _native is not None and cross.size == 1
         if self.native:
             _native.node_attach(local.rank, [seg.ctypes.data for seg in self.segments],
-                                self.small_bytes)
+                                self.slot_bytes, self.block_bytes)
         self.win.Sync()
         local.Barrier()
 
@@ -88,7 +94,9 @@ class NodeShm:
         local rank's block of `nbytes`, as bytes, indexed by local rank. Collective."""
         from mpi4py import MPI
 
-        win = MPI.Win.Allocate_shared(max(nbytes, 1), disp_unit=1, comm=self.local)
+        # whole pages each, so that every rank's buffer starts at the same offset in a page
+        win = MPI.Win.Allocate_shared(_round_up(max(nbytes, 1), _PAGE), disp_unit=1,
+                                      comm=self.local)
         self._windows.append(win)
         return [np.frombuffer(win.Shared_query(r)[0], dtype=np.uint8)[:nbytes]
                 for r in range(self.local.size)]
@@ -107,7 +115,7 @@ class NodeShm:
         return self._slots[flag % 2][rank][:count * dtype.itemsize].view(dtype)
 
     def _area(self, rank: int, flag: int, dtype: np.dtype, count: int) -> np.ndarray:
-        start = 3 * _LINE + 2 * self.small_bytes + (flag // 2 % 2) * self.block_bytes
+        start = 3 * _LINE + 2 * self.slot_bytes + (flag // 2 % 2) * self.area_bytes
         return self.segments[rank][start:start + count * dtype.itemsize].view(dtype)
 
     def _raise_flag_and_wait(self) -> None:
@@ -172,6 +180,23 @@ class NodeShm:
             from .negotiation import describe_mismatch
 
             raise MismatchError(describe_mismatch(signatures()))
+
+    def native_large_allreduce(self, src: int, dst: int, count: int, kind: int,
+                               divisor: float, scale: float, digest: int, label: Any,
+                               signatures: Callable[[], list]) -> None:
+        """`large_allreduce` in C, between addresses (`kind`, `divisor`, `scale` as for
+        `native_small_allreduce`)."""
+        self.watch.begin(label)
+        _native.large_begin(src, dst, count, kind, divisor, scale, digest)
+        while True:
+            status = _native.large_run(_SPIN_SECONDS)
+            if status == 1:
+                return
+            if status < 0:
+                from .negotiation import describe_mismatch
+
+                raise MismatchError(describe_mismatch(signatures()))
+            self.watch.wait(_native.node_ready)
 
     def large_allreduce(self, src: np.ndarray, dst: np.ndarray, combine: Combine, finish: Finish,
                         digest: int, label: Any, signatures: Callable[[], list],

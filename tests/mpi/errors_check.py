@@ -77,6 +77,13 @@ if n > 1:
     msg = expect(hvd.MismatchError, ["'shape_mm'", "'shape'", "rank 0: (3,)", "rank 1: (4,)"],
                  hvd.allreduce_, x, name="shape_mm")
     assert torch.equal(x, torch.ones(3 + r)), "input changed by a failed collective"
+    # the same on the block-by-block path, and between it and the small path
+    big = torch.ones(300_000 + r)
+    expect(hvd.MismatchError, ["'big_mm'", "'shape'", "rank 0: (300000,)"], hvd.allreduce_,
+           big, name="big_mm")
+    assert torch.equal(big, torch.ones(300_000 + r)), "input changed by a failed collective"
+    expect(hvd.MismatchError, ["'mixed_mm'", "'shape'", "rank 0: (300000,)", "rank 1: (10,)"],
+           hvd.allreduce, torch.ones(300_000 if r == 0 else 10), name="mixed_mm")
     dtype = torch.float32 if r == 0 else torch.float64
     expect(hvd.MismatchError, ["'dtype_mm'", "'dtype'", "float32", "float64"], hvd.allreduce,
            torch.ones(4, dtype=dtype), name="dtype_mm")
