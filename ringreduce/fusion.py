@@ -26,10 +26,27 @@ class Bucket:
     signature: dict = field(default_factory=dict)
     digest: int = 0
     shared: Optional[list] = None        # every local rank's buffer, when in shared memory
+    direct: bool = False                 # see `gradient`: no buffer, no pack and unpack
 
     @property
     def name(self) -> str:
         return f"bucket.{self.index}"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() for p in self.params) * self.buffer.element_size()
+
+    def gradient(self) -> torch.Tensor:
+        """A direct bucket (one CPU parameter, no compression) is reduced in place in its
+        parameter's gradient, made present (zeros) and contiguous: a buffer would cost copies
+        in and out and as much memory again as the gradient, which for a large layer is most
+        of a step's communication cost."""
+        p = self.params[0]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        elif not p.grad.is_contiguous():
+            p.grad = p.grad.contiguous()
+        return p.grad
 
     def pack(self) -> None:
         """Copy each parameter's gradient into the buffer (zeros where there is none)."""
@@ -94,6 +111,14 @@ def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire,
     if any(p.device != device for _, p in members):
         raise ValueError(f"ringreduce: bucket {index} (parameters {[n for n, _ in members]}) "
                          "spans several devices; each group must hold parameters of one device")
+    names = [n for n, _ in members]
+    signature = {"collective": "allreduce", "name": f"bucket.{index}",
+                 "dtype": str(dtype).removeprefix("torch."), "shape": (total,),
+                 "parameters": tuple(names)}
+    params = [p for _, p in members]
+    if len(members) == 1 and device.type == "cpu" and dtype == params[0].dtype:
+        return Bucket(index, names, params, torch.empty(0, dtype=dtype), [], signature,
+                      negotiation.digest(signature), None, direct=True)
     shared = None
     if allocate_shared is not None and device.type == "cpu":
         blocks, me = allocate_shared(total * dtype.itemsize)
@@ -103,12 +128,8 @@ def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire,
     else:
         buffer = torch.zeros(total, dtype=dtype, device=device)
     views, offset = [], 0
-    for _, p in members:
+    for p in params:
         views.append(buffer[offset:offset + p.numel()].view(p.shape))
         offset += p.numel()
-    names = [n for n, _ in members]
-    signature = {"collective": "allreduce", "name": f"bucket.{index}",
-                 "dtype": str(dtype).removeprefix("torch."), "shape": (total,),
-                 "parameters": tuple(names)}
-    return Bucket(index, names, [p for _, p in members], buffer, views, signature,
-                  negotiation.digest(signature), shared)
+    return Bucket(index, names, params, buffer, views, signature, negotiation.digest(signature),
+                  shared)

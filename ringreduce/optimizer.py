@@ -144,8 +144,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     f"{p.grad.layout} gradient; pass sparse_as_dense=True to DistributedOptimizer")
             p.grad = p.grad.to_dense()
         bucket = self._bucket_of[key]
-        view = self._view_of[key]
-        if self._views and p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+        view = self._view_of.get(key)   # None: a direct bucket
+        if (self._views and view is not None and p.grad is not None
+                and p.grad.data_ptr() != view.data_ptr()):
             view.copy_(p.grad)   # the gradient was re-created (set_to_none): view it again
             p.grad = view
         self._waiting[bucket.index] -= 1
@@ -159,29 +160,36 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             bucket = self._buckets[self._next_bucket]
             self._trace_waiting(bucket)
             ready = None   # GPU: an event on torch's stream, after which the bucket is packed
+            gradient = None
             with self._engine.span(bucket.name, "pack"):
-                if bucket.buffer.is_cuda:
+                if bucket.direct:
+                    gradient = bucket.gradient()
+                elif bucket.buffer.is_cuda:
                     ready = cuda.pack(bucket)
                 else:
                     bucket.pack()
-            self._handles.append(self._engine.submit(bucket.name,
-                                                     self._reduce_work(bucket, ready)))
+            self._handles.append(self._engine.submit(
+                bucket.name, self._reduce_work(bucket, ready, gradient)))
             self._next_bucket += 1
 
-    def _reduce_work(self, bucket: fusion.Bucket, ready: Any = None):
+    def _reduce_work(self, bucket: fusion.Bucket, ready: Any = None,
+                     gradient: Optional[torch.Tensor] = None):
+        """The engine's work for a bucket: reduce its buffer (or, for a direct bucket,
+        `gradient` in place), then unpack."""
         engine, op, pre, post = self._engine, self._op, self._prescale, self._postscale
 
         def work() -> None:
             engine.record(bucket.name, "reduce start")
-            array = as_array(bucket.buffer)
+            array = as_array(bucket.buffer if gradient is None else gradient)
             with engine.span(bucket.name, "allreduce"), cuda.after(ready):
                 allreduce_flat(engine, array, array, bucket.buffer.dtype, op, pre, post,
                                bucket.signature, bucket.digest, bucket.shared)
-            with engine.span(bucket.name, "unpack"):
-                if bucket.buffer.is_cuda:
-                    cuda.unpack(bucket)   # and waits: complete before synchronize() returns
-                else:
-                    bucket.unpack()
+            if not bucket.direct:
+                with engine.span(bucket.name, "unpack"):
+                    if bucket.buffer.is_cuda:
+                        cuda.unpack(bucket)   # and waits: complete before synchronize() returns
+                    else:
+                        bucket.unpack()
             engine.record(bucket.name, "reduce done")
 
         return work
@@ -245,6 +253,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._views:     # keep the gradients as views of the buckets
             for bucket in self._buckets:
                 bucket.buffer.zero_()
+                if bucket.direct and bucket.params[0].grad is not None:
+                    bucket.params[0].grad.zero_()
             self._point_grads_at_buckets()
             self._reset_step()
             return
@@ -270,6 +280,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 
     `gradient_as_bucket_view=True` makes each .grad a view into its bucket's buffer (as DDP's
     option of that name): no pack/unpack copies, and zero_grad() zeroes the buckets in place.
+    A parameter alone in its bucket (a layer above the fusion threshold, say) is reduced in
+    place in its .grad either way, with no buffer.
     `groups`: an int (that many buckets of about equal parameter count) or lists of parameters
     that each travel as one bucket.
     """
@@ -286,8 +298,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 
 def _describe(bucket: fusion.Bucket) -> None:
     """Tell the timeline which parameters a bucket's events are about."""
-    timeline.describe(bucket.name, parameters=bucket.names,
-                      bytes=bucket.buffer.numel() * bucket.buffer.element_size())
+    timeline.describe(bucket.name, parameters=bucket.names, bytes=bucket.nbytes,
+                      in_place=bucket.direct)
 
 
 def _remove_hooks(hooks: list) -> None:
