@@ -77,22 +77,24 @@ static PyObject *small_end(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyLong_FromLong(status);
 }
 
-/* large_begin(src_address, dst_address, count, kind, divisor, scale, digest) */
+/* large_begin(src_address, dst_address, count, kind, divisor, scale, digest, between_nodes) */
 static PyObject *large_begin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (check_args(nargs, 7, "large_begin")) return NULL;
+    if (check_args(nargs, 8, "large_begin")) return NULL;
     const void *src = PyLong_AsVoidPtr(args[0]);
     void *dst = PyLong_AsVoidPtr(args[1]);
     size_t count = PyLong_AsSize_t(args[2]);
     int kind = PyLong_AsLong(args[3]);
     double divisor = PyFloat_AsDouble(args[4]), scale = PyFloat_AsDouble(args[5]);
     int64_t digest = PyLong_AsLongLong(args[6]);
+    int between_nodes = PyObject_IsTrue(args[7]);
     if (PyErr_Occurred()) return NULL;
-    if (rr_large_begin(src, dst, count, kind, divisor, scale, digest) != 0)
+    if (rr_large_begin(src, dst, count, kind, divisor, scale, digest, between_nodes) != 0)
         return PyErr_Format(PyExc_ValueError, "large_begin: unknown kind %d", kind);
     Py_RETURN_NONE;
 }
 
-/* large_run(spin_seconds) -> 1 done, 0 waiting for peers (wait, then call again), -1 when
+/* large_run(spin_seconds) -> 1 done, 0 waiting for peers (wait, then call again), 2 our
+ * chunk is reduced on this node (run the ring between nodes on it, then call again), -1 when
  * the digests differ. */
 static PyObject *large_run(PyObject *self, PyObject *spin) {
     double seconds = PyFloat_AsDouble(spin);
@@ -102,6 +104,13 @@ static PyObject *large_run(PyObject *self, PyObject *spin) {
     status = rr_large_run(seconds);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(status);
+}
+
+/* large_chunk() -> (first element, count) of our chunk of the current block */
+static PyObject *large_chunk(PyObject *self, PyObject *unused) {
+    size_t first, count;
+    rr_large_chunk(&first, &count);
+    return Py_BuildValue("nn", (Py_ssize_t)first, (Py_ssize_t)count);
 }
 
 static int utf8(PyObject *text, const char **data, Py_ssize_t *size) {
@@ -142,6 +151,7 @@ static PyMethodDef methods[] = {
     {"large_begin", (PyCFunction)(void (*)(void))large_begin, METH_FASTCALL,
      "Set up a block-by-block allreduce of a large buffer."},
     {"large_run", large_run, METH_O, "Run it until done, a mismatch, or a long wait."},
+    {"large_chunk", large_chunk, METH_NOARGS, "Where our chunk of the current block lies."},
     {"allreduce_digest", (PyCFunction)(void (*)(void))allreduce_digest, METH_FASTCALL,
      "64-bit digest of an allreduce's signature fields."},
     {NULL, NULL, 0, NULL}};

@@ -18,7 +18,8 @@
  * same offset within a page as the rank's input (the header's per-rank word tells the peers
  * where): copies between addresses a little apart modulo 4 KiB run several times slower, as
  * loads falsely wait on stores ("4K aliasing"). A wait that outlasts the spin returns to
- * Python (the stall watch waits there), which calls rr_large_run again.
+ * Python (the stall watch waits there), which calls rr_large_run again; so does each reduced
+ * chunk when ranks span several nodes: Python runs our ring between nodes on it.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -226,11 +227,14 @@ static struct {
     double divisor, scale;
     int64_t digest, flag;           /* flag: the first of the current block's two */
     size_t start;                   /* the current block's first element */
-    int phase;                      /* 0: copy in, 1: reduce, 2: copy out */
+    int phase;
+    int between_nodes;              /* stop after reducing our chunk: Python runs the ring */
 } job;
 
+enum { COPY_IN, REDUCE, PUBLISH, COPY_OUT };
+
 int rr_large_begin(const void *src, void *dst, size_t count, int kind, double divisor,
-                   double scale, int64_t digest) {
+                   double scale, int64_t digest, int between_nodes) {
     size_t size = rr_kind_size(kind), block_bytes = node.block_bytes;
     if (size == 0) return -2;
     job.src = src;
@@ -243,7 +247,8 @@ int rr_large_begin(const void *src, void *dst, size_t count, int kind, double di
     job.scale = scale;
     job.digest = digest;
     job.start = 0;
-    job.phase = 0;
+    job.phase = COPY_IN;
+    job.between_nodes = between_nodes;
     return 0;
 }
 
@@ -252,6 +257,13 @@ int rr_large_begin(const void *src, void *dst, size_t count, int kind, double di
 static size_t chunk_lo(size_t m, int c) {
     size_t base = m / (size_t)node.n, extra = m % (size_t)node.n;
     return (size_t)c * base + ((size_t)c < extra ? (size_t)c : extra);
+}
+
+/* Where our chunk of the current block lies in the buffer, in elements. */
+void rr_large_chunk(size_t *first, size_t *count) {
+    size_t m = job.count - job.start < job.block ? job.count - job.start : job.block;
+    *first = job.start + chunk_lo(m, node.me);
+    *count = chunk_lo(m, node.me + 1) - chunk_lo(m, node.me);
 }
 
 int rr_large_run(double spin_seconds) {
@@ -264,7 +276,7 @@ int rr_large_run(double spin_seconds) {
         const char *src = job.src + job.start * size;
         char *dst = job.dst + job.start * size;
         switch (job.phase) {
-        case 0: {
+        case COPY_IN: {
             job.flag = raised() + 1;
             if (job.start == 0) {
                 node.shift[me] = ((uintptr_t)job.src - (uintptr_t)area_of(me, 0)) % PAGE;
@@ -276,10 +288,10 @@ int rr_large_run(double spin_seconds) {
                 if (c != me) memcpy(mine + clo * size, src + clo * size, (chi - clo) * size);
             }
             raise_flag(job.flag);
-            job.phase = 1;
+            job.phase = REDUCE;
             if (!spin_until_ready(spin_seconds)) return 0;
         }   /* fall through */
-        case 1: {
+        case REDUCE: {
             if (job.start == 0) {
                 if (!digests_agree(job.flag)) return -1;
                 for (int r = 0; r < n; r++) node.shift[r] = (size_t)header_of(r, job.flag)[2];
@@ -294,19 +306,23 @@ int rr_large_run(double spin_seconds) {
                         dst + lo * size, hi - lo, remaining == 0, job.divisor, job.scale);
                 a = dst + lo * size;
             }
+            job.phase = PUBLISH;
+            if (job.between_nodes) return 2;
+        }   /* fall through */
+        case PUBLISH:
             memcpy(area_of(me, job.flag) + node.shift[me] + lo * size, dst + lo * size,
                    (hi - lo) * size);
             raise_flag(job.flag + 1);
-            job.phase = 2;
+            job.phase = COPY_OUT;
             if (!spin_until_ready(spin_seconds)) return 0;
-        }   /* fall through */
-        case 2:
+            /* fall through */
+        case COPY_OUT:
             for (int c = 0; c < n; c++) {
                 size_t clo = chunk_lo(m, c), chi = chunk_lo(m, c + 1);
                 if (c != me) memcpy(dst + clo * size, area_of(c, job.flag) + node.shift[c] +
                                     clo * size, (chi - clo) * size);
             }
-            job.phase = 0;
+            job.phase = COPY_IN;
             job.start += m;
         }
     }

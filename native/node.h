@@ -16,8 +16,9 @@ int rr_small_begin(const void *src, size_t nbytes, int64_t digest, double spin_s
 int rr_small_end(void *dst, size_t count, int kind, double divisor, double scale);
 size_t rr_kind_size(int kind);
 int rr_large_begin(const void *src, void *dst, size_t count, int kind, double divisor,
-                   double scale, int64_t digest);
+                   double scale, int64_t digest, int between_nodes);
 int rr_large_run(double spin_seconds);
+void rr_large_chunk(size_t *first, size_t *count);
 int64_t rr_allreduce_digest(const char *name, size_t name_len, const char *op, size_t op_len,
                             const char *dtype, size_t dtype_len, const int64_t *shape,
                             size_t ndim, double prescale, double postscale);

@@ -155,23 +155,13 @@ def reduce_flat(engine: Engine, array: np.ndarray, dtype: torch.dtype, op: Reduc
     ring.allgather(comm, array, bounds)
 
 
-# Buffers in shared memory (the optimizer's buckets) are reduced straight out of every rank's
-# copy from the small-message size up to this size. Below, the C small path is faster; above,
-# the C block path, whose staging stays in cache (2 ranks: 0.81-0.94 x memcpy against 0.68-0.75
-# at 128 MiB, equal at 32 MiB, but 0.35-0.7 against 0.65-1.0 for the shared path at 8-16 MiB).
-_SHARED_MAX = 64 << 20
-
-
 def allreduce_flat(engine: Engine, src: np.ndarray, dst: np.ndarray, dtype: torch.dtype,
                    op: ReduceOp, prescale: float = 1.0, postscale: float = 1.0,
-                   signature: Optional[dict] = None, digest: Optional[int] = None,
-                   shared: Optional[list[np.ndarray]] = None) -> None:
+                   signature: Optional[dict] = None, digest: Optional[int] = None) -> None:
     """Check `signature` across ranks (None: checked already), then allreduce the flat array
     `src` into `dst` (which may be `src`). Ranks that share a node reduce through shared
-    memory straight out of `src`, the signature check riding on the first exchange; otherwise
-    the signature goes first and the ring over MPI runs in place in `dst`. `shared`: when src
-    is dst and lives in memory from `NodeShm.allocate`, every local rank's copy of it (typed):
-    then ranks reduce straight out of each other's buffers."""
+    memory, the signature check riding on the first exchange (in C for the common dtypes and
+    ops); otherwise the signature goes first and the ring over MPI runs in place in `dst`."""
     node = engine.node
     if signature is not None and digest is None:
         digest = negotiation.digest(signature)
@@ -203,23 +193,23 @@ def allreduce_flat(engine: Engine, src: np.ndarray, dst: np.ndarray, dtype: torc
         return engine.comm.allgather(dict(sig))
 
     kind = node_kind(dtype, op, postscale) if node.native else None
-    name = str(sig.get("name", "allreduce"))
-    if shared is not None and (kind is None or (not node.fits_small(src.nbytes)
-                                                 and src.nbytes <= _SHARED_MAX)):
-        # scaled in place above: peers read it only after our flag
-        node.shared_allreduce(shared, combine, finish, digest or 0, label, signatures,
-                              lambda phase: engine.span(name, phase), last)
-    elif kind is not None and node.fits_small(src.nbytes):
+    one_node = node.cross.size == 1
+    if kind is not None and node.fits_small(src.nbytes) and one_node:
         node.native_small_allreduce(src.ctypes.data, dst.ctypes.data, src.nbytes, src.size, kind,
                                     _divisor(op, engine), postscale, digest or 0, label,
                                     signatures)
-    elif kind is not None:
-        node.native_large_allreduce(src.ctypes.data, dst.ctypes.data, src.size, kind,
-                                    _divisor(op, engine), postscale, digest or 0, label,
-                                    signatures)
+    elif kind is not None and not node.fits_small(src.nbytes):
+        def between_nodes(first: int, count: int) -> None:
+            node.ring_between_nodes(dst[first:first + count], combine, finish)
+
+        node.native_large_allreduce(
+            src.ctypes.data, dst.ctypes.data, src.size, kind,
+            _divisor(op, engine) if one_node else 1.0, postscale if one_node else 1.0,
+            digest or 0, label, signatures, None if one_node else between_nodes)
     elif node.fits_small(src.nbytes):
         node.small_allreduce(src, dst, combine, finish, digest or 0, label, signatures, last)
     else:
+        name = str(sig.get("name", "allreduce"))
         node.large_allreduce(src, dst, combine, finish, digest or 0, label, signatures,
                              lambda phase: engine.span(name, phase), last)
 
@@ -239,7 +229,8 @@ def _small_allreduce(tensor: Any, name: Optional[str], op: Any, postscale: float
     engine = world(f"{kind}()").engine
     node = engine.node
     op = Average if op is None else op
-    if (node is None or not node.native or tensor.__class__ is not torch.Tensor
+    if (node is None or not node.native or node.cross.size > 1
+            or tensor.__class__ is not torch.Tensor
             or op.__class__ is not ReduceOp or tensor.layout is not torch.strided
             or not tensor.is_cpu or not tensor.is_contiguous()
             or tensor.nbytes > node.small_bytes):

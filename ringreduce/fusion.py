@@ -8,12 +8,11 @@ is made once here; steps reuse them, so the hot path allocates nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from . import negotiation
-from .buffers import STORAGE_DTYPES, as_tensor
 
 
 @dataclass
@@ -25,7 +24,6 @@ class Bucket:
     views: list[torch.Tensor]            # buffer slices shaped like each parameter
     signature: dict = field(default_factory=dict)
     digest: int = 0
-    shared: Optional[list] = None        # every local rank's buffer, when in shared memory
     direct: bool = False                 # see `gradient`: no buffer, no pack and unpack
 
     @property
@@ -66,14 +64,12 @@ class Bucket:
 
 
 def plan(named: Sequence[tuple[str, torch.Tensor]], threshold: int, first_bucket: int,
-         wire_dtype=None, explicit_groups: Optional[Sequence[Sequence[torch.Tensor]]] = None,
-         allocate_shared: Optional[Callable[[int], tuple[list, int]]] = None) -> list[Bucket]:
+         wire_dtype=None, explicit_groups: Optional[Sequence[Sequence[torch.Tensor]]] = None
+         ) -> list[Bucket]:
     """Buckets over the parameters that require grad, in reverse registration order.
 
     `wire_dtype(dtype)` gives the buffer dtype for a parameter dtype (for compression);
-    `explicit_groups` (lists of parameters) each become one bucket, before the rest;
-    `allocate_shared(nbytes)` (every local rank's bytes, and our index among them) places CPU
-    buckets in shared memory, where ranks of a node reduce straight out of each other's.
+    `explicit_groups` (lists of parameters) each become one bucket, before the rest.
     """
     wire = wire_dtype or (lambda dtype: dtype)
     trainable = [(n, p) for n, p in named if p.requires_grad]
@@ -100,11 +96,10 @@ def plan(named: Sequence[tuple[str, torch.Tensor]], threshold: int, first_bucket
         current_bytes += nbytes
     if current:
         groups.append(current)
-    return [_make_bucket(i, group, wire, allocate_shared) for i, group in enumerate(groups)]
+    return [_make_bucket(i, group, wire) for i, group in enumerate(groups)]
 
 
-def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire,
-                 allocate_shared: Optional[Callable[[int], tuple[list, int]]]) -> Bucket:
+def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire) -> Bucket:
     dtype = wire(members[0][1].dtype)
     total = sum(p.numel() for _, p in members)
     device = members[0][1].device   # the bucket lives where its parameters do
@@ -118,18 +113,10 @@ def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire,
     params = [p for _, p in members]
     if len(members) == 1 and device.type == "cpu" and dtype == params[0].dtype:
         return Bucket(index, names, params, torch.empty(0, dtype=dtype), [], signature,
-                      negotiation.digest(signature), None, direct=True)
-    shared = None
-    if allocate_shared is not None and device.type == "cpu":
-        blocks, me = allocate_shared(total * dtype.itemsize)
-        shared = [block.view(STORAGE_DTYPES[dtype]) for block in blocks]
-        buffer = as_tensor(shared[me], dtype)
-        buffer.zero_()
-    else:
-        buffer = torch.zeros(total, dtype=dtype, device=device)
+                      negotiation.digest(signature), direct=True)
+    buffer = torch.zeros(total, dtype=dtype, device=device)
     views, offset = [], 0
     for p in params:
         views.append(buffer[offset:offset + p.numel()].view(p.shape))
         offset += p.numel()
-    return Bucket(index, names, params, buffer, views, signature, negotiation.digest(signature),
-                  shared)
+    return Bucket(index, names, params, buffer, views, signature, negotiation.digest(signature))

@@ -14,7 +14,6 @@ param_groups and state, so isinstance checks, LR schedulers and state_dict keep 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 import weakref
 from typing import Any, Iterable, Optional, Sequence
@@ -71,8 +70,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else fusion_threshold
         first = w.engine.settings["first_bucket_bytes"] if first_bucket_bytes is None \
             else first_bucket_bytes
-        self._buckets = fusion.plan(named, threshold, first, wire_dtype, _explicit_groups(
-            groups, named), self._shared_allocator())
+        self._buckets = fusion.plan(named, threshold, first, wire_dtype,
+                                    _explicit_groups(groups, named))
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         for bucket in self._buckets:
             _describe(bucket)
@@ -94,19 +93,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  for b in self._buckets for p in b.params]
         weakref.finalize(self, _remove_hooks, hooks)
         self._reset_step()
-
-    def _shared_allocator(self):
-        """Bucket memory in the node's shared-memory window, when ranks share a node."""
-        node = self._engine.node
-        if node is None:
-            return None
-        count = itertools.count()
-
-        def allocate(nbytes: int) -> tuple[list, int]:
-            name = f"DistributedOptimizer.allocate.{id(self)}.{next(count)}"
-            return self._engine.run(name, lambda: node.allocate(nbytes)), node.local.rank
-
-        return allocate
 
     # ------------------------------------------------------------ backward
 
@@ -183,7 +169,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             array = as_array(bucket.buffer if gradient is None else gradient)
             with engine.span(bucket.name, "allreduce"), cuda.after(ready):
                 allreduce_flat(engine, array, array, bucket.buffer.dtype, op, pre, post,
-                               bucket.signature, bucket.digest, bucket.shared)
+                               bucket.signature, bucket.digest)
             if not bucket.direct:
                 with engine.span(bucket.name, "unpack"):
                     if bucket.buffer.is_cuda:

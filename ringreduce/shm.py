@@ -10,18 +10,19 @@ and every exchange is "write your part, raise your flag, wait for every flag":
 - Large messages go block by block. Rank r copies into its area the chunks that its peers own,
   then reduces its own chunk straight out of every peer's area (and its own tensor), writes
   the result to the output and to its area, and finally copies every peer's finished chunk
-  out of their areas. That is one copy in, one read of each input, one copy out: about half
-  the memory traffic of a ring over MPI messages, which copy everything through MPI's own
-  buffers. Between nodes (`cross`), each rank's chunk goes around our ring before the copy out.
+  out of their areas. Blocks are small enough (1 MiB) for the areas to stay in the shared
+  cache, so memory sees one read of the input and one write of the output, where a ring over
+  MPI messages copies everything through MPI's own buffers. Between nodes (`cross`), each
+  rank's chunk goes around our ring before the copy out.
 
-The small allreduce of the common dtypes and ops runs in C (native/node.c, same protocol and
-layout): from Python every step above costs microseconds, and small calls are all overhead.
+For the sums and averages of the common dtypes both run in C (native/node.c, same protocol
+and layout): from Python every step costs microseconds, and small calls are all overhead.
 
 Every parity (header slot, small slot, block area) derives from the count of flags raised (a
-rank's own flag holds it), which is the same on every rank, even after a mismatch. A slot written before flag f is read between
-flags f and f+1, and is rewritten no sooner than before flag f+2, once every peer has finished
-reading it; so each block needs two flags, not three. Flags and data are ordered with
-`Win.Sync()` (a full memory fence), since large copies may use non-temporal stores.
+rank's own flag holds it), which is the same on every rank, even after a mismatch. A slot
+written before flag f is read between flags f and f+1, and is rewritten no sooner than before
+flag f+2, once every peer has finished reading it; so each block needs two flags, not three.
+Flags and data are ordered with full memory fences (`Win.Sync()` here, atomics in C).
 """
 from __future__ import annotations
 
@@ -72,9 +73,7 @@ class NodeShm:
         self._slots = [[seg[3 * _LINE + parity * self.slot_bytes:][:self.small_bytes]
                         for seg in self.segments] for parity in (0, 1)]
         self.flags[local.rank][0] = 0
-        self._windows: list[Any] = []   # from allocate()
-        # small allreduces in C: one node only (between nodes the result goes around a ring)
-        self.native = _native is not None and cross.size == 1
+        self.native = _native is not None     # the C paths (native/node.c) are built
         if self.native:
             _native.node_attach(local.rank, [seg.ctypes.data for seg in self.segments],
                                 self.slot_bytes, self.block_bytes)
@@ -84,22 +83,8 @@ class NodeShm:
     def free(self) -> None:
         if self.native:
             _native.node_detach()
-        for win in self._windows:
-            win.Free()
         self.win.Unlock_all()
         self.win.Free()
-
-    def allocate(self, nbytes: int) -> list[np.ndarray]:
-        """Shared memory for buffers that live there for good (the optimizer's buckets): every
-        local rank's block of `nbytes`, as bytes, indexed by local rank. Collective."""
-        from mpi4py import MPI
-
-        # whole pages each, so that every rank's buffer starts at the same offset in a page
-        win = MPI.Win.Allocate_shared(_round_up(max(nbytes, 1), _PAGE), disp_unit=1,
-                                      comm=self.local)
-        self._windows.append(win)
-        return [np.frombuffer(win.Shared_query(r)[0], dtype=np.uint8)[:nbytes]
-                for r in range(self.local.size)]
 
     @property
     def raised(self) -> int:
@@ -166,7 +151,7 @@ class NodeShm:
         self._check_headers(signatures)
         slots = [self._slot(r, flag, src.dtype, src.size) for r in range(self.local.size)]
         _reduce_in_order(slots, dst, combine, last)
-        self._finish(dst, combine, None if last is not None else finish)
+        self.ring_between_nodes(dst, combine, None if last is not None else finish)
 
     def native_small_allreduce(self, src: int, dst: int, nbytes: int, count: int, kind: int,
                                divisor: float, scale: float, digest: int, label: Any,
@@ -183,15 +168,22 @@ class NodeShm:
 
     def native_large_allreduce(self, src: int, dst: int, count: int, kind: int,
                                divisor: float, scale: float, digest: int, label: Any,
-                               signatures: Callable[[], list]) -> None:
+                               signatures: Callable[[], list],
+                               between_nodes: Optional[Callable[[int, int], None]] = None
+                               ) -> None:
         """`large_allreduce` in C, between addresses (`kind`, `divisor`, `scale` as for
-        `native_small_allreduce`)."""
+        `native_small_allreduce`). With ranks on several nodes, `between_nodes(first, count)`
+        finishes each chunk this rank reduced (the ring between nodes) before peers copy it."""
         self.watch.begin(label)
-        _native.large_begin(src, dst, count, kind, divisor, scale, digest)
+        _native.large_begin(src, dst, count, kind, divisor, scale, digest,
+                            between_nodes is not None)
         while True:
             status = _native.large_run(_SPIN_SECONDS)
             if status == 1:
                 return
+            if status == 2:
+                between_nodes(*_native.large_chunk())
+                continue
             if status < 0:
                 from .negotiation import describe_mismatch
 
@@ -226,7 +218,7 @@ class NodeShm:
                 inputs = [src[start + lo:start + hi]] + [areas[r][lo:hi] for r in range(n)
                                                          if r != me]
                 _reduce_in_order(inputs, out, combine, last)
-                self._finish(out, combine, None if last is not None else finish)
+                self.ring_between_nodes(out, combine, None if last is not None else finish)
                 areas[me][lo:hi] = out
             self._raise_flag_and_wait()
             with span("allgather"):
@@ -234,33 +226,7 @@ class NodeShm:
                     if c != me:
                         dst[start + clo:start + chi] = areas[c][clo:chi]
 
-    def shared_allreduce(self, buffers: list[np.ndarray], combine: Combine, finish: Finish,
-                         digest: int, label: Any, signatures: Callable[[], list],
-                         span: Callable[[str], Any], last: Optional[Combine] = None) -> None:
-        """In place, on a buffer from `allocate` (`buffers[r]`: local rank r's copy): reduce
-        our chunk straight out of every rank's buffer, then copy every peer's finished chunk.
-        No staging copies; a third flag keeps a rank from refilling its buffer while a peer
-        still copies from it."""
-        me, n = self.local.rank, self.local.size
-        self.watch.begin(label)
-        self._publish_header(digest, buffers[me].nbytes, 0)
-        self._raise_flag_and_wait()
-        self._check_headers(signatures)
-        bounds = ring.chunk_bounds(ring.balanced_counts(buffers[me].size, n))
-        lo, hi = bounds[me]
-        with span("reduce-scatter"):
-            out = buffers[me][lo:hi]
-            inputs = [out] + [buffers[r][lo:hi] for r in range(n) if r != me]
-            _reduce_in_order(inputs, out, combine, last)
-            self._finish(out, combine, None if last is not None else finish)
-        self._raise_flag_and_wait()
-        with span("allgather"):
-            for c, (clo, chi) in enumerate(bounds):
-                if c != me:
-                    buffers[me][clo:chi] = buffers[c][clo:chi]
-        self._raise_flag_and_wait()
-
-    def _finish(self, part: np.ndarray, combine: Combine, finish: Finish) -> None:
+    def ring_between_nodes(self, part: np.ndarray, combine: Combine, finish: Finish) -> None:
         """Between nodes, this node's partial result goes around our ring (among the ranks of
         the same local rank), which applies `finish` to each finished chunk."""
         if self.cross.size > 1:

@@ -13,9 +13,8 @@ about 5 for 256M), --json FILE, --plot FILE.png, --no-gloo (skip torch.distribut
 Methods, each reducing (Sum) a buffer of SIZE bytes on every rank:
     ours      ringreduce.allreduce(t, op=Sum)   (out of place, synchronous)
     ours_     ringreduce.allreduce_(t, op=Sum)  (in place)
-    bucket    what DistributedOptimizer does with a gradient bucket: an in-place allreduce of a
-              buffer that lives in the node's shared memory, so ranks reduce straight out of
-              each other's buffers ("n/a" with one rank per node or shared memory off)
+    bucket    what DistributedOptimizer does with a gradient bucket: allreduce_async_ then
+              synchronize, so the reduction runs on the engine thread
     mpi       comm.Allreduce(send, recv, op=MPI.SUM) on NumPy arrays ("n/a" for bfloat16,
               which MPI cannot sum)
     gloo      torch.distributed.all_reduce with the gloo backend, over loopback TCP
@@ -107,25 +106,10 @@ def bench_ours_inplace(nbytes: int, dtype: torch.dtype, iters: int) -> float:
     return slowest(time_it(lambda: hvd.allreduce_(t, op=hvd.Sum), iters))
 
 
-def bench_bucket(nbytes: int, dtype: torch.dtype, iters: int) -> float | None:
-    from ringreduce.buffers import STORAGE_DTYPES
-    from ringreduce.collectives import allreduce_flat
-    from ringreduce.world import world
-
-    engine = world().engine
-    if engine.node is None:
-        return None
-    blocks = engine.run(f"bench.allocate.{nbytes}", lambda: engine.node.allocate(nbytes))
-    shared = [b.view(STORAGE_DTYPES[dtype]) for b in blocks]
-    mine = shared[engine.node.local.rank]
-    mine[...] = 0
-
-    def reduce() -> None:
-        engine.run("bench.bucket", lambda: allreduce_flat(
-            engine, mine, mine, dtype, hvd.Sum, signature={"name": "bench.bucket"},
-            shared=shared))
-
-    return slowest(time_it(reduce, iters))
+def bench_bucket(nbytes: int, dtype: torch.dtype, iters: int) -> float:
+    t = torch.zeros(nbytes // dtype.itemsize, dtype=dtype)
+    return slowest(time_it(lambda: hvd.synchronize(
+        hvd.allreduce_async_(t, op=hvd.Sum, name="bench.bucket")), iters))
 
 
 def bench_mpi(nbytes: int, dtype: torch.dtype, iters: int) -> float | None:
