@@ -239,8 +239,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._views:     # keep the gradients as views of the buckets
             for bucket in self._buckets:
                 bucket.buffer.zero_()
-                if bucket.direct and bucket.params[0].grad is not None:
-                    bucket.params[0].grad.zero_()
+                p = bucket.params[0]
+                if bucket.direct and p.grad is not None:    # no bucket: as torch does
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.zero_()
             self._point_grads_at_buckets()
             self._reset_step()
             return
