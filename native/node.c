@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
 #include <time.h>
 
 #include "node.h"
@@ -129,6 +130,8 @@ static int spin_until_ready(double spin_seconds) {
         }
         cpu_relax();
         if (spins % 64 == 63) {         /* reading the clock costs more than a poll */
+            sched_yield();              /* free at once on an idle core; lets a peer that
+                                           shares ours (more ranks than cores) run */
             double t = now();
             if (deadline < 0) deadline = t + spin_seconds;
             else if (t > deadline) return 0;
