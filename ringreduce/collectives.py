@@ -443,14 +443,20 @@ def _broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
 
     def work() -> torch.Tensor:
         engine.negotiator.check(signature)
-        out = t if engine.comm.rank == root else torch.empty_like(t)
+        # In place, straight into the caller's memory: the signatures agree, and an MPI failure
+        # from here on ends the job; a temporary would cost broadcast_parameters the model's
+        # size again (kept by the engine thread's allocator arena).
+        if engine.comm.rank == root or (in_place and _same_memory(t, tensor)):
+            out = t
+        else:
+            out = torch.empty_like(t)
         engine.comm.Bcast(as_array(out), root=root)
         if in_place:
-            if out is not tensor:
+            if not _same_memory(out, tensor):
                 with torch.no_grad():
                     tensor.copy_(out)
             return tensor
-        return out.clone() if out is tensor else out
+        return out.clone() if _same_memory(out, tensor) else out
 
     return name, work
 
