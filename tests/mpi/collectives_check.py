@@ -156,6 +156,7 @@ def check_broadcast():
             got = hvd.broadcast(x, root_rank=root)
             check_equal(got, inputs(root, 1003, dtype, hvd.Sum), f"broadcast root={root}")
             check_equal(x, inputs(r, 1003, dtype, hvd.Sum), "broadcast leaves input alone")
+            assert got.data_ptr() != x.data_ptr(), "broadcast returned the input's memory"
             assert hvd.broadcast_(x, root) is x
             check_equal(x, inputs(root, 1003, dtype, hvd.Sum), f"broadcast_ root={root}")
 
