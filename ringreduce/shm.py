@@ -42,7 +42,7 @@ except ImportError:     # not built: Python does it all
 _LINE = 64              # bytes: flags and headers each get a cache line of their own
 _PAGE = 4096
 _HEADER_WORDS = 4       # digest, byte count, per-rank value, sequence number
-_SPIN_SECONDS = 0.00005 # the C path polls flat out this long before the stall watch takes over
+_SPIN_SECONDS = 0.00005  # the C path polls flat out this long before the stall watch takes over
 Combine = Callable[[Any, Any, Any], None]     # out = a op b
 Finish = Optional[Callable[[np.ndarray], None]]
 
