@@ -5,8 +5,8 @@
  * and a rank's flag counts the flags it has raised: flag % 2 selects the header and small
  * slots, flag / 2 % 2 the block area.
  *
- * Small: copy our data into our slot, write the header (signature digest, byte count, 0),
- * fence, raise the flag; wait for every flag; compare digests; reduce every slot in rank order
+ * Small: copy our data into our slot, write the header (signature digest, byte count, where
+ * in the slot the data starts), fence, raise the flag; wait for every flag; compare digests; reduce every slot in rank order
  * into the output. Every rank runs the same arithmetic in the same order, so the results are
  * bitwise identical.
  *
@@ -101,7 +101,6 @@ static double now(void) {
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
-
 
 /* A polling loop's pause: leaves the core's resources to a sibling hyperthread (a peer rank
  * doing the copies we wait for may be running there) and saves power. */
