@@ -63,13 +63,13 @@ def _madvise() -> object:
 _MADVISE = _madvise()
 
 
-def fresh(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor for a result we are about to write, on transparent huge pages
-    when it is large: fresh memory otherwise takes a page fault every 4 KiB on first write,
-    which costs three times the copy itself at 64 MiB. (A hint: where the kernel declines it,
-    nothing changes.)"""
-    out = torch.empty(shape, dtype=dtype)
-    if _MADVISE is not None and out.nbytes >= 4 * _HUGE_PAGE:
+def fresh(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor for a result we are about to write; in CPU memory, on transparent
+    huge pages when it is large: fresh memory otherwise takes a page fault every 4 KiB on first
+    write, which costs three times the copy itself at 64 MiB. (A hint: where the kernel
+    declines it, nothing changes.)"""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if _MADVISE is not None and out.device.type == "cpu" and out.nbytes >= 4 * _HUGE_PAGE:
         start = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
         stop = (out.data_ptr() + out.nbytes) // _HUGE_PAGE * _HUGE_PAGE
         _MADVISE(start, stop - start, _MADV_HUGEPAGE)

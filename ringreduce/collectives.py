@@ -300,7 +300,7 @@ def _grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str]
     def work() -> list[torch.Tensor]:
         if len(wires) == 1 and contexts[0] is None:     # straight from input to output
             out = tensors[0] if in_place and _same_memory(wires[0], tensors[0]) \
-                else fresh(wires[0].shape, wires[0].dtype)
+                else fresh(wires[0].shape, wires[0].dtype, wires[0].device)
             allreduce_flat(engine, as_array(wires[0]), as_array(out), wires[0].dtype, op,
                            prescale, postscale, signature)
             results = [out]
@@ -411,7 +411,7 @@ def _allgather_work(tensor: torch.Tensor, name: Optional[str]) -> Work:
 
     def work() -> torch.Tensor:
         firsts = engine.negotiator.check(signature, per_rank=t.shape[0])
-        out = fresh((int(firsts.sum()), *t.shape[1:]), t.dtype)
+        out = fresh((int(firsts.sum()), *t.shape[1:]), t.dtype, t.device)
         row = math.prod(t.shape[1:])
         engine.comm.Allgatherv(as_array(t), [as_array(out), (firsts * row).tolist()])
         return out
@@ -443,13 +443,10 @@ def _broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
 
     def work() -> torch.Tensor:
         engine.negotiator.check(signature)
-        # In place, straight into the caller's memory: the signatures agree, and an MPI failure
-        # from here on ends the job; a temporary would cost broadcast_parameters the model's
-        # size again (kept by the engine thread's allocator arena).
-        if engine.comm.rank == root or (in_place and _same_memory(t, tensor)):
-            out = t
-        else:
-            out = torch.empty_like(t)
+        # In place, straight into `t`, the caller's memory or our own copy of it: the signatures
+        # agree, and an MPI failure from here on ends the job; a temporary would cost
+        # broadcast_parameters the model's size again (kept by the engine thread's arena).
+        out = t if engine.comm.rank == root or in_place else torch.empty_like(t)
         engine.comm.Bcast(as_array(out), root=root)
         if in_place:
             if not _same_memory(out, tensor):
@@ -508,7 +505,7 @@ def _alltoall_work(tensor: torch.Tensor, splits: Any, name: Optional[str]) -> Wo
         engine.negotiator.check(signature)
         recv_splits = np.empty(comm.size, dtype=np.int64)
         engine.comm.Alltoall(send_splits, recv_splits)
-        out = fresh((int(recv_splits.sum()), *t.shape[1:]), t.dtype)
+        out = fresh((int(recv_splits.sum()), *t.shape[1:]), t.dtype, t.device)
         row = math.prod(t.shape[1:])
         engine.comm.Alltoallv([as_array(t), (send_splits * row).tolist()],
                               [as_array(out), (recv_splits * row).tolist()])
@@ -631,7 +628,7 @@ def _allreduce_work(tensor: torch.Tensor, average: Optional[bool], name: Optiona
                  "postscale": post, "dtype": dtype, "shape": shape}
 
     def work() -> torch.Tensor:
-        out = tensor if in_place and _same_memory(t, tensor) else fresh(t.shape, t.dtype)
+        out = tensor if in_place and _same_memory(t, tensor) else fresh(t.shape, t.dtype, t.device)
         allreduce_flat(engine, as_array(t), as_array(out), t.dtype, op, pre, post, signature)
         if not in_place:
             return out
