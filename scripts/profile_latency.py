@@ -5,8 +5,9 @@
 Each line adds one layer of ringreduce on top of the previous one, from MPI's own Allreduce and
 our bare shared-memory flag exchange, through the small allreduce in Python and in C and the
 general path's digest and engine ordering, to `hvd.allreduce` (which skips the general path for
-this case: checks, digest and exchange in C), so the differences show what each layer costs. Python's garbage collector is paused, so its occasional full collections (tens of
-milliseconds with torch loaded) do not blur the per-call costs. Needs ranks on one node.
+this case: checks, digest and exchange in C), so the differences show what each layer costs.
+Python's garbage collector is paused, so its occasional full collections (tens of milliseconds
+with torch loaded) do not blur the per-call costs. Needs ranks on one node.
 """
 import argparse
 import gc

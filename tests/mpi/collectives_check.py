@@ -212,8 +212,9 @@ def check_autograd():
     check_equal(b.grad, torch.full((4,), 5.0 * n if r == 0 else 0.0), "broadcast backward")
 
 
-for check in (check_allreduce, check_inline_and_queued_small_allreduce_agree, check_grouped, check_allgather, check_broadcast, check_alltoall,
-              check_reducescatter, check_autograd):
+for check in (check_allreduce, check_inline_and_queued_small_allreduce_agree, check_grouped,
+              check_allgather, check_broadcast, check_alltoall, check_reducescatter,
+              check_autograd):
     check()
     hvd.barrier()
 print(f"OK rank {r}", flush=True)
