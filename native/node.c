@@ -6,9 +6,9 @@
  * slots, flag / 2 % 2 the block area.
  *
  * Small: copy our data into our slot, write the header (signature digest, byte count, where
- * in the slot the data starts), fence, raise the flag; wait for every flag; compare digests; reduce every slot in rank order
- * into the output. Every rank runs the same arithmetic in the same order, so the results are
- * bitwise identical.
+ * in the slot the data starts), fence, raise the flag; wait for every flag; compare digests;
+ * reduce every slot in rank order into the output. Every rank runs the same arithmetic in the
+ * same order, so the results are bitwise identical.
  *
  * Large, block by block: copy into our area the chunks our peers own; flag; reduce our chunk
  * from our input and every peer's area into the output and our area; flag; copy every peer's
