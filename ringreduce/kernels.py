@@ -105,8 +105,9 @@ _NODE_KINDS = {**{(dtype, op): kind for op in _SUMS for dtype, kind in (
 def node_kind(dtype: torch.dtype, op: ReduceOp, postscale: float) -> Optional[int]:
     """The C reduction (native/node.h's RR_KIND_*) of the shared-memory allreduce for
     (dtype, op), computing the same bits as the Python kernels; None where there is none."""
-    kind = _NODE_KINDS.get((dtype, op))
-    return None if kind is None or (kind in (2, 3) and postscale != 1.0) else kind
+    if not dtype.is_floating_point and postscale != 1.0:
+        return None     # integers are only summed, never scaled
+    return _NODE_KINDS.get((dtype, op))
 
 
 def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -37,7 +37,6 @@ The environment is left alone (e.g. OMP_NUM_THREADS); torch.get_num_threads() is
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -49,7 +48,7 @@ import ringreduce as hvd  # before mpi4py.MPI, so MPI starts with the thread lev
 hvd.init()
 from mpi4py import MPI  # noqa: E402
 
-from bench_common import init_gloo, metadata as common_metadata  # noqa: E402
+from bench_common import init_gloo, metadata as common_metadata, write_results  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
@@ -255,13 +254,8 @@ def main() -> None:
                     print(row(r), flush=True)
 
     if RANK == 0:
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"meta": meta, "memcpy": memcpy, "results": results}, f, indent=2)
-            print(f"wrote {args.json}")
-        if args.plot:
-            plot(args.plot, results, memcpy, meta)
-            print(f"wrote {args.plot}")
+        write_results({"meta": meta, "memcpy": memcpy, "results": results}, args.json, args.plot,
+                      lambda png: plot(png, results, memcpy, meta))
     if not args.no_gloo:
         import torch.distributed as dist
 

@@ -1,6 +1,7 @@
-"""What the benchmark scripts share: starting torch.distributed's gloo next to MPI, and the
-metadata that makes a result file reproducible."""
+"""What the benchmark scripts share: starting torch.distributed's gloo next to MPI, the
+metadata that makes a result file reproducible, and writing the results."""
 import datetime
+import json
 import os
 import socket
 import sys
@@ -44,3 +45,14 @@ def metadata(comm=MPI.COMM_WORLD, **extra) -> dict:
         "argv": sys.argv,
         **extra,
     }
+
+
+def write_results(payload: dict, json_path, png_path, draw) -> None:
+    """Rank 0's outputs: `payload` as JSON and `draw(png_path)` as a plot, each if asked for."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(payload, f, indent=2)
+        print(f"wrote {json_path}")
+    if png_path:
+        draw(png_path)
+        print(f"wrote {png_path}")

@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import resource
 import statistics
 import time
@@ -75,7 +74,7 @@ import ringreduce as hvd  # before mpi4py.MPI, so MPI starts with the thread lev
 hvd.init()
 from mpi4py import MPI  # noqa: E402
 
-from bench_common import init_gloo, metadata as common_metadata  # noqa: E402
+from bench_common import init_gloo, metadata as common_metadata, write_results  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
@@ -350,13 +349,8 @@ def main() -> None:
         results += rows
 
     if RANK == 0:
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"meta": meta, "models": model_info, "results": results}, f, indent=2)
-            print(f"wrote {args.json}")
-        if args.plot:
-            plot(args.plot, results, model_info, meta)
-            print(f"wrote {args.plot}")
+        write_results({"meta": meta, "models": model_info, "results": results}, args.json,
+                      args.plot, lambda png: plot(png, results, model_info, meta))
     if "ddp" in methods:
         import torch.distributed as dist
 
