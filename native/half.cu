@@ -1,7 +1,8 @@
 // Reduction and scaling of 16-bit floats held as unsigned short storage (CuPy has no bfloat16).
 // Each value is widened to float, combined, and rounded back once to nearest even, as torch
-// computes these dtypes. No headers: NVRTC compiles this without a CUDA include path.
-// Op codes are ringreduce.ReduceOp's values: Average 0, Sum 1, Min 3, Max 4, Product 5.
+// computes these dtypes. No CUDA headers: NVRTC compiles this with native/ as its only include
+// path, for the op codes of constants.h (ringreduce.ReduceOp's values).
+#include "constants.h"
 
 __device__ float bf16_to_float(unsigned short h) {
     return __uint_as_float(((unsigned int)h) << 16);
@@ -27,12 +28,12 @@ __device__ unsigned short float_to_fp16(float f) {
 }
 
 __device__ float combine(float a, float b, int op) {
-    if (op == 3 || op == 4) {           // min/max propagate NaN, as torch.minimum/maximum do
+    if (op == RR_OP_MIN || op == RR_OP_MAX) {   // propagate NaN, as torch.minimum does
         if (a != a) return a;
         if (b != b) return b;
-        return op == 3 ? fminf(a, b) : fmaxf(a, b);
+        return op == RR_OP_MIN ? fminf(a, b) : fmaxf(a, b);
     }
-    return op == 5 ? a * b : a + b;
+    return op == RR_OP_PRODUCT ? a * b : a + b;
 }
 
 #define HALF_KERNELS(NAME, TO_FLOAT, FROM_FLOAT)                                              \

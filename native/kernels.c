@@ -1,19 +1,26 @@
-/* ringreduce CPU kernels: what NumPy lacks (bfloat16) or does slowly (float16), and a fused
- * last reduction step. Plain C functions called through ctypes (which releases the GIL), built
- * by `pip install` into ringreduce/_native*.so together with module.c.
+/* ringreduce CPU kernels: every reduction op on every dtype, for the node's shared-memory
+ * allreduce (node.c) and the ring over MPI (ringreduce/kernels.py, through ctypes, which
+ * releases the GIL); and the compression casts.
  *
- * Every kernel computes in float32 and rounds once, with round-to-nearest-even like torch.
- * out may alias a or b. Half-precision conversions use F16C when the CPU has it (checked at
- * run time), so the build needs no special flags.
+ * The 16-bit floats compute in float32 and round once to nearest even, as torch does; out may
+ * alias a or b. Sums of float32, bfloat16 and float16 have fused kernels that also divide and
+ * scale in the same pass (AVX2 / F16C where the CPU has them, checked at run time, so the build
+ * needs no special flags); everything else is one plain loop, then rr_finish. Integer sums and
+ * products wrap around, as NumPy's do; Min and Max propagate NaN, as torch.minimum does.
  */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "constants.h"
+#include "kernels.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define RR_X86 1
 #endif
+
+/* ------------------------------------------------------------------ 16-bit float conversions */
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -29,20 +36,84 @@ static inline uint16_t f32_to_bf16(float f) {
     return ((u & 0x7fffffffu) > 0x7f800000u) ? (uint16_t)0x7fc0 : rounded;  /* NaN as torch */
 }
 
-/* out = ((a + b) / divisor) * scale, divisor/scale of 1 skipped, so float32 results equal
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu,
+             mantissa = h & 0x3ffu, u;
+    if (exponent == 0) {                        /* zero or subnormal: mantissa * 2^-24 */
+        float f = (float)mantissa * 0x1p-24f;
+        memcpy(&u, &f, sizeof u);
+        u |= sign;
+    } else if (exponent == 31) {
+        u = sign | 0x7f800000u | (mantissa << 13);
+    } else {
+        u = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00u;                 /* NaN: quiet, as torch */
+    if (a >= 0x477ff000u) return sign | 0x7c00u;                /* rounds past 65504: inf */
+    if (a < 0x38800000u) {          /* below 2^-14: subnormal; adding 0.5 rounds to 2^-24 */
+        float t, v;
+        memcpy(&v, &a, sizeof v);
+        t = v + 0.5f;
+        memcpy(&u, &t, sizeof u);
+        return sign | (uint16_t)(u - 0x3f000000u);
+    }
+    a -= 0x38000000u;                                           /* rebias 127 -> 15 */
+    a += 0xfffu + ((a >> 13) & 1u);                             /* round to nearest even */
+    return sign | (uint16_t)(a >> 13);
+}
+
+static int has_f16c(void) {
+#ifdef RR_X86
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+    }
+    return known;
+#else
+    return 0;
+#endif
+}
+
+static int has_avx2(void) {
+#ifdef RR_X86
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx2");
+    }
+    return known;
+#else
+    return 0;
+#endif
+}
+
+/* ------------------------------------------------------------------ fused sums */
+
+/* (a + b) / divisor * scale, each step skipped when its factor is 1, so float32 results equal
  * those of separate add, divide and multiply passes bit for bit. */
-static inline float finish(float sum, float divisor, float scale) {
+static inline float finish_f32(float sum, float divisor, float scale) {
     if (divisor != 1.0f) sum = sum / divisor;
     if (scale != 1.0f) sum = sum * scale;
     return sum;
 }
 
-void rr_sum_f32(const float *a, const float *b, float *out, size_t n, float divisor,
-                float scale) {
+static void sum_f32(const float *a, const float *b, float *out, size_t n, float divisor,
+                    float scale) {
     if (divisor == 1.0f && scale == 1.0f) {
         for (size_t i = 0; i < n; i++) out[i] = a[i] + b[i];
     } else {
-        for (size_t i = 0; i < n; i++) out[i] = finish(a[i] + b[i], divisor, scale);
+        for (size_t i = 0; i < n; i++) out[i] = finish_f32(a[i] + b[i], divisor, scale);
     }
 }
 
@@ -74,39 +145,10 @@ static size_t sum_bf16_avx2(const uint16_t *a, const uint16_t *b, uint16_t *out,
     }
     return i;
 }
-#endif
 
-void rr_sum_bf16(const uint16_t *a, const uint16_t *b, uint16_t *out, size_t n,
-                 float divisor, float scale) {
-    size_t i = 0;
-#ifdef RR_X86
-    if (__builtin_cpu_supports("avx2")) i = sum_bf16_avx2(a, b, out, n, divisor, scale);
-#endif
-    for (; i < n; i++)
-        out[i] = f32_to_bf16(finish(bf16_to_f32(a[i]) + bf16_to_f32(b[i]), divisor, scale));
-}
-
-void rr_f32_to_bf16(const float *in, uint16_t *out, size_t n) {
-    for (size_t i = 0; i < n; i++) out[i] = f32_to_bf16(in[i]);
-}
-
-void rr_bf16_to_f32(const uint16_t *in, float *out, size_t n) {
-    for (size_t i = 0; i < n; i++) out[i] = bf16_to_f32(in[i]);
-}
-
-int rr_has_f16c(void) {
-#ifdef RR_X86
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
-#else
-    return 0;
-#endif
-}
-
-#ifdef RR_X86
 __attribute__((target("avx,f16c")))
-void rr_sum_f16(const uint16_t *a, const uint16_t *b, uint16_t *out, size_t n,
-                float divisor, float scale) {
+static size_t sum_f16_f16c(const uint16_t *a, const uint16_t *b, uint16_t *out, size_t n,
+                           float divisor, float scale) {
     const __m256 vd = _mm256_set1_ps(divisor), vs = _mm256_set1_ps(scale);
     const int div = divisor != 1.0f, mul = scale != 1.0f;
     size_t i = 0;
@@ -118,26 +160,207 @@ void rr_sum_f16(const uint16_t *a, const uint16_t *b, uint16_t *out, size_t n,
         if (mul) s = _mm256_mul_ps(s, vs);
         _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT));
     }
-    for (; i < n; i++) {
-        float x = _cvtsh_ss(a[i]), y = _cvtsh_ss(b[i]);
-        out[i] = _cvtss_sh(finish(x + y, divisor, scale), _MM_FROUND_TO_NEAREST_INT);
+    return i;
+}
+#endif
+
+static void sum_bf16(const uint16_t *a, const uint16_t *b, uint16_t *out, size_t n,
+                     float divisor, float scale) {
+    size_t i = 0;
+#ifdef RR_X86
+    if (has_avx2()) i = sum_bf16_avx2(a, b, out, n, divisor, scale);
+#endif
+    for (; i < n; i++)
+        out[i] = f32_to_bf16(finish_f32(bf16_to_f32(a[i]) + bf16_to_f32(b[i]), divisor, scale));
+}
+
+/* The F16C path rounds as f32_to_f16 does, except for the payload bits of NaNs. */
+static void sum_f16(const uint16_t *a, const uint16_t *b, uint16_t *out, size_t n,
+                    float divisor, float scale) {
+    size_t i = 0;
+#ifdef RR_X86
+    if (has_f16c()) i = sum_f16_f16c(a, b, out, n, divisor, scale);
+#endif
+    for (; i < n; i++)
+        out[i] = f32_to_f16(finish_f32(f16_to_f32(a[i]) + f16_to_f32(b[i]), divisor, scale));
+}
+
+/* ------------------------------------------------------------------ every op, every dtype */
+
+#define MINIMUM(p, q) (((p) < (q) || (p) != (p)) ? (p) : (q))
+#define MAXIMUM(p, q) (((p) > (q) || (p) != (p)) ? (p) : (q))
+
+#define LOOP(T, EXPR)                                                                  \
+    do {                                                                               \
+        const T *x = a, *y = b;                                                        \
+        T *z = out;                                                                    \
+        for (size_t i = 0; i < n; i++) {                                               \
+            const T p = x[i], q = y[i];                                                \
+            z[i] = (EXPR);                                                             \
+        }                                                                              \
+    } while (0)
+
+/* W: an unsigned type wide enough that sums and products wrap instead of overflowing. */
+#define INTEGER_OPS(T, W)                                                              \
+    switch (op) {                                                                      \
+    case RR_OP_SUM: case RR_OP_AVERAGE: LOOP(T, (T)((W)p + (W)q)); return 0;          \
+    case RR_OP_PRODUCT: LOOP(T, (T)((W)p * (W)q)); return 0;                          \
+    case RR_OP_MIN: LOOP(T, MINIMUM(p, q)); return 0;                                 \
+    case RR_OP_MAX: LOOP(T, MAXIMUM(p, q)); return 0;                                 \
+    default: return -1;                                                                \
+    }
+
+#define FLOAT_OPS(T)                                                                   \
+    switch (op) {                                                                      \
+    case RR_OP_SUM: case RR_OP_AVERAGE: LOOP(T, p + q); return 0;                     \
+    case RR_OP_PRODUCT: LOOP(T, p * q); return 0;                                     \
+    case RR_OP_MIN: LOOP(T, MINIMUM(p, q)); return 0;                                 \
+    case RR_OP_MAX: LOOP(T, MAXIMUM(p, q)); return 0;                                 \
+    default: return -1;                                                                \
+    }
+
+#define HALF_OPS(TO, FROM)                                                             \
+    switch (op) {                                                                      \
+    case RR_OP_PRODUCT: LOOP(uint16_t, FROM(TO(p) * TO(q))); return 0;                \
+    case RR_OP_MIN: LOOP(uint16_t, FROM(MINIMUM(TO(p), TO(q)))); return 0;            \
+    case RR_OP_MAX: LOOP(uint16_t, FROM(MAXIMUM(TO(p), TO(q)))); return 0;            \
+    default: return -1;                                                                \
+    }
+
+static int combine_plain(int dtype, int op, const void *a, const void *b, void *out,
+                         size_t n) {
+    switch (dtype) {
+    case RR_U8: INTEGER_OPS(uint8_t, uint32_t)
+    case RR_I8: INTEGER_OPS(int8_t, uint32_t)
+    case RR_I16: INTEGER_OPS(int16_t, uint32_t)
+    case RR_I32: INTEGER_OPS(int32_t, uint32_t)
+    case RR_I64: INTEGER_OPS(int64_t, uint64_t)
+    case RR_F32: FLOAT_OPS(float)
+    case RR_F64: FLOAT_OPS(double)
+    case RR_F16: HALF_OPS(f16_to_f32, f32_to_f16)
+    case RR_BF16: HALF_OPS(bf16_to_f32, f32_to_bf16)
+    default: return -1;
     }
 }
 
+int rr_combine(int dtype, int op, const void *a, const void *b, void *out, size_t n, int last,
+               double divisor, double scale) {
+    const int sum = op == RR_OP_SUM || op == RR_OP_AVERAGE;
+    const float d = last ? (float)divisor : 1.0f, s = last ? (float)scale : 1.0f;
+    if (sum && dtype == RR_F32) {
+        sum_f32(a, b, out, n, d, s);
+        return 0;
+    }
+    if (sum && dtype == RR_BF16) {
+        sum_bf16(a, b, out, n, d, s);
+        return 0;
+    }
+    if (sum && dtype == RR_F16) {
+        sum_f16(a, b, out, n, d, s);
+        return 0;
+    }
+    if (combine_plain(dtype, op, a, b, out, n) != 0) return -1;
+    return last ? rr_finish(dtype, out, n, divisor, scale) : 0;
+}
+
+/* ------------------------------------------------------------------ finishing */
+
+/* Floor division of signed integers (C's division truncates toward zero). */
+#define FLOOR_DIV(x, d) ((x) / (d) - (((x) % (d) != 0) && (((x) < 0) != ((d) < 0))))
+
+#define FINISH_INTEGER(T)                                                              \
+    do {                                                                               \
+        T *v = x;                                                                      \
+        const T d = (T)divisor;                                                        \
+        if (divisor != 1.0 && d != 0)                                                  \
+            for (size_t i = 0; i < n; i++) v[i] = (T)FLOOR_DIV(v[i], d);               \
+        if (scale != 1.0)                                                              \
+            for (size_t i = 0; i < n; i++) v[i] = (T)(scale * (double)v[i]);           \
+    } while (0)
+
+#define FINISH_FLOAT(T)                                                                \
+    do {                                                                               \
+        T *v = x;                                                                      \
+        const T d = (T)divisor, s = (T)scale;                                          \
+        if (divisor != 1.0) for (size_t i = 0; i < n; i++) v[i] = v[i] / d;            \
+        if (scale != 1.0) for (size_t i = 0; i < n; i++) v[i] = v[i] * s;              \
+    } while (0)
+
+#define FINISH_HALF(TO, FROM)                                                          \
+    do {                                                                               \
+        uint16_t *v = x;                                                               \
+        for (size_t i = 0; i < n; i++)                                                 \
+            v[i] = FROM(finish_f32(TO(v[i]), (float)divisor, (float)scale));           \
+    } while (0)
+
+int rr_finish(int dtype, void *x, size_t n, double divisor, double scale) {
+    if (divisor == 1.0 && scale == 1.0) return rr_dtype_size(dtype) ? 0 : -1;
+    switch (dtype) {
+    case RR_U8: FINISH_INTEGER(uint8_t); break;
+    case RR_I8: FINISH_INTEGER(int8_t); break;
+    case RR_I16: FINISH_INTEGER(int16_t); break;
+    case RR_I32: FINISH_INTEGER(int32_t); break;
+    case RR_I64: FINISH_INTEGER(int64_t); break;
+    case RR_F32: FINISH_FLOAT(float); break;
+    case RR_F64: FINISH_FLOAT(double); break;
+    case RR_F16: FINISH_HALF(f16_to_f32, f32_to_f16); break;
+    case RR_BF16: FINISH_HALF(bf16_to_f32, f32_to_bf16); break;
+    default: return -1;
+    }
+    return 0;
+}
+
+size_t rr_dtype_size(int dtype) {
+    switch (dtype) {
+    case RR_U8: case RR_I8: return 1;
+    case RR_I16: case RR_F16: case RR_BF16: return 2;
+    case RR_I32: case RR_F32: return 4;
+    case RR_I64: case RR_F64: return 8;
+    default: return 0;
+    }
+}
+
+/* ------------------------------------------------------------------ casts */
+
+void rr_f32_to_bf16(const float *in, uint16_t *out, size_t n) {
+    for (size_t i = 0; i < n; i++) out[i] = f32_to_bf16(in[i]);
+}
+
+void rr_bf16_to_f32(const uint16_t *in, float *out, size_t n) {
+    for (size_t i = 0; i < n; i++) out[i] = bf16_to_f32(in[i]);
+}
+
+#ifdef RR_X86
 __attribute__((target("avx,f16c")))
-void rr_f32_to_f16(const float *in, uint16_t *out, size_t n) {
+static size_t f32_to_f16_f16c(const float *in, uint16_t *out, size_t n) {
     size_t i = 0;
     for (; i + 8 <= n; i += 8)
         _mm_storeu_si128((__m128i *)(out + i),
                          _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
-    for (; i < n; i++) out[i] = _cvtss_sh(in[i], _MM_FROUND_TO_NEAREST_INT);
+    return i;
 }
 
 __attribute__((target("avx,f16c")))
-void rr_f16_to_f32(const uint16_t *in, float *out, size_t n) {
+static size_t f16_to_f32_f16c(const uint16_t *in, float *out, size_t n) {
     size_t i = 0;
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(in + i))));
-    for (; i < n; i++) out[i] = _cvtsh_ss(in[i]);
+    return i;
 }
 #endif
+
+void rr_f32_to_f16(const float *in, uint16_t *out, size_t n) {
+    size_t i = 0;
+#ifdef RR_X86
+    if (has_f16c()) i = f32_to_f16_f16c(in, out, n);
+#endif
+    for (; i < n; i++) out[i] = f32_to_f16(in[i]);
+}
+
+void rr_f16_to_f32(const uint16_t *in, float *out, size_t n) {
+    size_t i = 0;
+#ifdef RR_X86
+    if (has_f16c()) i = f16_to_f32_f16c(in, out, n);
+#endif
+    for (; i < n; i++) out[i] = f16_to_f32(in[i]);
+}

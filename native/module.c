@@ -1,12 +1,18 @@
-/* The Python extension ringreduce._native: the node's allreduce (node.c) as Python functions,
- * since the small one runs on every small synchronous call and a ctypes call costs a
- * microsecond; the kernels in kernels.c are loaded by ringreduce/kernels.py with ctypes. */
+/* The Python extension ringreduce._native: the node's allreduce (node.c) and the reduction
+ * kernels (kernels.c) as Python functions that take addresses and release the GIL, and the
+ * shared constants (constants.h). A small synchronous allreduce calls into it a few times,
+ * where ctypes would cost a microsecond a call. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <string.h>
 
+#include "constants.h"
+#include "kernels.h"
 #include "node.h"
 
 #define MAX_DIMS 64
+#define NODE "ringreduce.node"
+#define DETACHED "ringreduce.node (detached)"
 
 static int check_args(Py_ssize_t nargs, Py_ssize_t expected, const char *name) {
     if (nargs == expected) return 0;
@@ -14,8 +20,26 @@ static int check_args(Py_ssize_t nargs, Py_ssize_t expected, const char *name) {
     return -1;
 }
 
-/* node_attach(me, bases, slot_bytes, block_bytes): bases is every local rank's segment
- * address; the sizes are those of a small slot and of a block (NodeShm's). */
+/* The rr_node behind a capsule from node_attach (NULL, with an exception, once detached). */
+static rr_node *node_of(PyObject *capsule) {
+    return PyCapsule_GetPointer(capsule, NODE);
+}
+
+static void node_capsule_free(PyObject *capsule) {
+    if (strcmp(PyCapsule_GetName(capsule), NODE) == 0) rr_node_detach(node_of(capsule));
+}
+
+/* node_layout(small_bytes, block_bytes) -> (slot_bytes, block_bytes, segment_bytes) */
+static PyObject *node_layout(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 2, "node_layout")) return NULL;
+    size_t small = PyLong_AsSize_t(args[0]), block = PyLong_AsSize_t(args[1]), slot, rounded;
+    if (PyErr_Occurred()) return NULL;
+    size_t segment = rr_node_layout(small, block, &slot, &rounded);
+    return Py_BuildValue("nnn", (Py_ssize_t)slot, (Py_ssize_t)rounded, (Py_ssize_t)segment);
+}
+
+/* node_attach(me, bases, slot_bytes, block_bytes) -> a capsule for the other calls; bases is
+ * every local rank's segment address. Zeroes our flag. */
 static PyObject *node_attach(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (check_args(nargs, 4, "node_attach")) return NULL;
     int me = PyLong_AsLong(args[0]);
@@ -29,88 +53,183 @@ static PyObject *node_attach(PyObject *self, PyObject *const *args, Py_ssize_t n
     uintptr_t *addresses = PyMem_Malloc(sizeof(uintptr_t) * (size_t)(n ? n : 1));
     for (Py_ssize_t r = 0; addresses != NULL && r < n; r++)
         addresses[r] = (uintptr_t)PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(bases, r));
-    int failed = addresses == NULL || PyErr_Occurred() ||
-                 rr_node_attach(me, (int)n, addresses, slot_bytes, block_bytes) != 0;
+    rr_node *node = NULL;
+    if (addresses != NULL && !PyErr_Occurred())
+        node = rr_node_attach(me, (int)n, addresses, slot_bytes, block_bytes);
     PyMem_Free(addresses);
     Py_DECREF(bases);
-    if (failed) return PyErr_Occurred() ? NULL : PyErr_NoMemory();
+    if (node == NULL) return PyErr_Occurred() ? NULL : PyErr_NoMemory();
+    return PyCapsule_New(node, NODE, node_capsule_free);
+}
+
+/* node_detach(node): forget the segments (before the window is freed). */
+static PyObject *node_detach(PyObject *self, PyObject *capsule) {
+    rr_node *node = node_of(capsule);
+    if (node == NULL) return NULL;
+    rr_node_detach(node);
+    PyCapsule_SetName(capsule, DETACHED);
     Py_RETURN_NONE;
 }
 
-static PyObject *node_detach(PyObject *self, PyObject *unused) {
-    rr_node_detach();
-    Py_RETURN_NONE;
+static PyObject *node_ready(PyObject *self, PyObject *capsule) {
+    rr_node *node = node_of(capsule);
+    return node == NULL ? NULL : PyBool_FromLong(rr_node_ready(node));
 }
 
-static PyObject *node_ready(PyObject *self, PyObject *unused) {
-    return PyBool_FromLong(rr_node_ready());
-}
-
-/* small_begin(src_address, nbytes, digest, spin_seconds) -> True when every flag is up. */
-static PyObject *small_begin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (check_args(nargs, 4, "small_begin")) return NULL;
-    void *src = PyLong_AsVoidPtr(args[0]);
-    size_t nbytes = PyLong_AsSize_t(args[1]);
-    int64_t digest = PyLong_AsLongLong(args[2]);
+/* headers_begin(node, digest, per_rank, spin_seconds) -> True when every flag is up. */
+static PyObject *headers_begin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 4, "headers_begin")) return NULL;
+    rr_node *node = node_of(args[0]);
+    int64_t digest = PyLong_AsLongLong(args[1]), per_rank = PyLong_AsLongLong(args[2]);
     double spin = PyFloat_AsDouble(args[3]);
-    if (PyErr_Occurred()) return NULL;
+    if (node == NULL || PyErr_Occurred()) return NULL;
     int ready;
     Py_BEGIN_ALLOW_THREADS
-    ready = rr_small_begin(src, nbytes, digest, spin);
+    ready = rr_headers_begin(node, digest, per_rank, spin);
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(ready);
 }
 
-/* small_end(dst_address, count, kind, divisor, scale) -> 0, or -1 when digests differ. */
+/* headers_end(node, per_rank_address) -> 0, or -1 when the digests differ. */
+static PyObject *headers_end(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 2, "headers_end")) return NULL;
+    rr_node *node = node_of(args[0]);
+    int64_t *out = PyLong_AsVoidPtr(args[1]);
+    if (node == NULL || PyErr_Occurred()) return NULL;
+    return PyLong_FromLong(rr_headers_end(node, out));
+}
+
+/* small_begin(node, src_address, nbytes, digest, spin_seconds) -> True when every flag is up */
+static PyObject *small_begin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 5, "small_begin")) return NULL;
+    rr_node *node = node_of(args[0]);
+    void *src = PyLong_AsVoidPtr(args[1]);
+    size_t nbytes = PyLong_AsSize_t(args[2]);
+    int64_t digest = PyLong_AsLongLong(args[3]);
+    double spin = PyFloat_AsDouble(args[4]);
+    if (node == NULL || PyErr_Occurred()) return NULL;
+    int ready;
+    Py_BEGIN_ALLOW_THREADS
+    ready = rr_small_begin(node, src, nbytes, digest, spin);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(ready);
+}
+
+/* small_end(node, dst_address, count, dtype, op, divisor, scale) -> 0, or -1 when the
+ * digests differ. */
 static PyObject *small_end(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (check_args(nargs, 5, "small_end")) return NULL;
-    void *dst = PyLong_AsVoidPtr(args[0]);
-    size_t count = PyLong_AsSize_t(args[1]);
-    int kind = PyLong_AsLong(args[2]);
+    if (check_args(nargs, 7, "small_end")) return NULL;
+    rr_node *node = node_of(args[0]);
+    void *dst = PyLong_AsVoidPtr(args[1]);
+    size_t count = PyLong_AsSize_t(args[2]);
+    int dtype = PyLong_AsLong(args[3]), op = PyLong_AsLong(args[4]);
+    double divisor = PyFloat_AsDouble(args[5]), scale = PyFloat_AsDouble(args[6]);
+    if (node == NULL || PyErr_Occurred()) return NULL;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = rr_small_end(node, dst, count, dtype, op, divisor, scale);
+    Py_END_ALLOW_THREADS
+    if (status == -2)
+        return PyErr_Format(PyExc_ValueError, "small_end: unknown dtype %d or op %d", dtype, op);
+    return PyLong_FromLong(status);
+}
+
+/* large_begin(node, src, dst, count, dtype, op, divisor, scale, digest, between_nodes) */
+static PyObject *large_begin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 10, "large_begin")) return NULL;
+    rr_node *node = node_of(args[0]);
+    const void *src = PyLong_AsVoidPtr(args[1]);
+    void *dst = PyLong_AsVoidPtr(args[2]);
+    size_t count = PyLong_AsSize_t(args[3]);
+    int dtype = PyLong_AsLong(args[4]), op = PyLong_AsLong(args[5]);
+    double divisor = PyFloat_AsDouble(args[6]), scale = PyFloat_AsDouble(args[7]);
+    int64_t digest = PyLong_AsLongLong(args[8]);
+    int between_nodes = PyObject_IsTrue(args[9]);
+    if (node == NULL || PyErr_Occurred()) return NULL;
+    if (rr_large_begin(node, src, dst, count, dtype, op, divisor, scale, digest,
+                       between_nodes) != 0)
+        return PyErr_Format(PyExc_ValueError, "large_begin: unknown dtype %d", dtype);
+    Py_RETURN_NONE;
+}
+
+/* large_run(node, spin_seconds) -> 1 done, 0 waiting for peers (wait, then call again), 2 our
+ * chunk is reduced on this node (run the ring between nodes on it, then call again), -1 when
+ * the digests differ. */
+static PyObject *large_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 2, "large_run")) return NULL;
+    rr_node *node = node_of(args[0]);
+    double seconds = PyFloat_AsDouble(args[1]);
+    if (node == NULL || PyErr_Occurred()) return NULL;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = rr_large_run(node, seconds);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(status);
+}
+
+/* large_chunk(node) -> (first element, count) of our chunk of the current block */
+static PyObject *large_chunk(PyObject *self, PyObject *capsule) {
+    rr_node *node = node_of(capsule);
+    if (node == NULL) return NULL;
+    size_t first, count;
+    rr_large_chunk(node, &first, &count);
+    return Py_BuildValue("nn", (Py_ssize_t)first, (Py_ssize_t)count);
+}
+
+/* combine(dtype, op, a, b, out, count, last, divisor, scale): out = a op b (addresses). */
+static PyObject *combine(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 9, "combine")) return NULL;
+    int dtype = PyLong_AsLong(args[0]), op = PyLong_AsLong(args[1]);
+    const void *a = PyLong_AsVoidPtr(args[2]), *b = PyLong_AsVoidPtr(args[3]);
+    void *out = PyLong_AsVoidPtr(args[4]);
+    size_t count = PyLong_AsSize_t(args[5]);
+    int last = PyObject_IsTrue(args[6]);
+    double divisor = PyFloat_AsDouble(args[7]), scale = PyFloat_AsDouble(args[8]);
+    if (PyErr_Occurred()) return NULL;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = rr_combine(dtype, op, a, b, out, count, last, divisor, scale);
+    Py_END_ALLOW_THREADS
+    if (status != 0)
+        return PyErr_Format(PyExc_ValueError, "combine: unknown dtype %d or op %d", dtype, op);
+    Py_RETURN_NONE;
+}
+
+/* finish(dtype, x, count, divisor, scale): x = x / divisor * scale, in place. */
+static PyObject *finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 5, "finish")) return NULL;
+    int dtype = PyLong_AsLong(args[0]);
+    void *x = PyLong_AsVoidPtr(args[1]);
+    size_t count = PyLong_AsSize_t(args[2]);
     double divisor = PyFloat_AsDouble(args[3]), scale = PyFloat_AsDouble(args[4]);
     if (PyErr_Occurred()) return NULL;
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = rr_small_end(dst, count, kind, divisor, scale);
+    status = rr_finish(dtype, x, count, divisor, scale);
     Py_END_ALLOW_THREADS
-    if (status == -2) return PyErr_Format(PyExc_ValueError, "small_end: unknown kind %d", kind);
-    return PyLong_FromLong(status);
-}
-
-/* large_begin(src_address, dst_address, count, kind, divisor, scale, digest, between_nodes) */
-static PyObject *large_begin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (check_args(nargs, 8, "large_begin")) return NULL;
-    const void *src = PyLong_AsVoidPtr(args[0]);
-    void *dst = PyLong_AsVoidPtr(args[1]);
-    size_t count = PyLong_AsSize_t(args[2]);
-    int kind = PyLong_AsLong(args[3]);
-    double divisor = PyFloat_AsDouble(args[4]), scale = PyFloat_AsDouble(args[5]);
-    int64_t digest = PyLong_AsLongLong(args[6]);
-    int between_nodes = PyObject_IsTrue(args[7]);
-    if (PyErr_Occurred()) return NULL;
-    if (rr_large_begin(src, dst, count, kind, divisor, scale, digest, between_nodes) != 0)
-        return PyErr_Format(PyExc_ValueError, "large_begin: unknown kind %d", kind);
+    if (status != 0) return PyErr_Format(PyExc_ValueError, "finish: unknown dtype %d", dtype);
     Py_RETURN_NONE;
 }
 
-/* large_run(spin_seconds) -> 1 done, 0 waiting for peers (wait, then call again), 2 our
- * chunk is reduced on this node (run the ring between nodes on it, then call again), -1 when
- * the digests differ. */
-static PyObject *large_run(PyObject *self, PyObject *spin) {
-    double seconds = PyFloat_AsDouble(spin);
+/* cast(source_dtype, target_dtype, src, dst, count): float32 <-> bfloat16 / float16. */
+static PyObject *cast(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 5, "cast")) return NULL;
+    int from = PyLong_AsLong(args[0]), to = PyLong_AsLong(args[1]);
+    const void *src = PyLong_AsVoidPtr(args[2]);
+    void *dst = PyLong_AsVoidPtr(args[3]);
+    size_t count = PyLong_AsSize_t(args[4]);
     if (PyErr_Occurred()) return NULL;
-    int status;
+    void (*convert)(const void *, void *, size_t) = NULL;
+    if (from == RR_F32 && to == RR_BF16) convert = (void (*)(const void *, void *, size_t))rr_f32_to_bf16;
+    if (from == RR_BF16 && to == RR_F32) convert = (void (*)(const void *, void *, size_t))rr_bf16_to_f32;
+    if (from == RR_F32 && to == RR_F16) convert = (void (*)(const void *, void *, size_t))rr_f32_to_f16;
+    if (from == RR_F16 && to == RR_F32) convert = (void (*)(const void *, void *, size_t))rr_f16_to_f32;
+    if (convert == NULL)
+        return PyErr_Format(PyExc_ValueError, "cast: no cast from dtype %d to %d", from, to);
     Py_BEGIN_ALLOW_THREADS
-    status = rr_large_run(seconds);
+    convert(src, dst, count);
     Py_END_ALLOW_THREADS
-    return PyLong_FromLong(status);
-}
-
-/* large_chunk() -> (first element, count) of our chunk of the current block */
-static PyObject *large_chunk(PyObject *self, PyObject *unused) {
-    size_t first, count;
-    rr_large_chunk(&first, &count);
-    return Py_BuildValue("nn", (Py_ssize_t)first, (Py_ssize_t)count);
+    Py_RETURN_NONE;
 }
 
 static int utf8(PyObject *text, const char **data, Py_ssize_t *size) {
@@ -139,25 +258,44 @@ static PyObject *allreduce_digest(PyObject *self, PyObject *const *args, Py_ssiz
                                                    (size_t)ndim, prescale, postscale));
 }
 
+#define FAST(name, doc) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, doc}
+
 static PyMethodDef methods[] = {
-    {"node_attach", (PyCFunction)(void (*)(void))node_attach, METH_FASTCALL,
-     "Point the small allreduce at the node's shared segments."},
-    {"node_detach", node_detach, METH_NOARGS, "Forget the segments (before they are freed)."},
-    {"node_ready", node_ready, METH_NOARGS, "Whether every local rank has raised our flag."},
-    {"small_begin", (PyCFunction)(void (*)(void))small_begin, METH_FASTCALL,
-     "Publish data and header, raise the flag, spin a while for the peers."},
-    {"small_end", (PyCFunction)(void (*)(void))small_end, METH_FASTCALL,
-     "Check the digests and reduce every slot in rank order."},
-    {"large_begin", (PyCFunction)(void (*)(void))large_begin, METH_FASTCALL,
-     "Set up a block-by-block allreduce of a large buffer."},
-    {"large_run", large_run, METH_O, "Run it until done, a mismatch, or a long wait."},
-    {"large_chunk", large_chunk, METH_NOARGS, "Where our chunk of the current block lies."},
-    {"allreduce_digest", (PyCFunction)(void (*)(void))allreduce_digest, METH_FASTCALL,
-     "64-bit digest of an allreduce's signature fields."},
+    FAST(node_layout, "Sizes of a slot, a block and one rank's segment."),
+    FAST(node_attach, "Point the node's allreduce at the set's shared segments."),
+    {"node_detach", node_detach, METH_O, "Forget the segments (before they are freed)."},
+    {"node_ready", node_ready, METH_O, "Whether every local rank has raised our flag."},
+    FAST(headers_begin, "Publish a signature digest, raise the flag, spin a while."),
+    FAST(headers_end, "Compare the digests; write every rank's per-rank value."),
+    FAST(small_begin, "Publish data and header, raise the flag, spin a while for the peers."),
+    FAST(small_end, "Check the digests and reduce every slot in rank order."),
+    FAST(large_begin, "Set up a block-by-block allreduce of a large buffer."),
+    FAST(large_run, "Run it until done, a mismatch, or a long wait."),
+    {"large_chunk", large_chunk, METH_O, "Where our chunk of the current block lies."},
+    FAST(combine, "out = a op b over count elements."),
+    FAST(finish, "x = x / divisor * scale, in place."),
+    FAST(cast, "Convert between float32 and a 16-bit float type."),
+    FAST(allreduce_digest, "64-bit digest of an allreduce's signature fields."),
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
-                                    "ringreduce native code (kernels through ctypes)", -1,
+                                    "ringreduce native code: the node's allreduce, kernels, "
+                                    "and the constants shared with CUDA and Python", -1,
                                     methods};
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    struct { const char *name; long value; } constants[] = {
+        {"OP_AVERAGE", RR_OP_AVERAGE}, {"OP_SUM", RR_OP_SUM}, {"OP_ADASUM", RR_OP_ADASUM},
+        {"OP_MIN", RR_OP_MIN}, {"OP_MAX", RR_OP_MAX}, {"OP_PRODUCT", RR_OP_PRODUCT},
+        {"U8", RR_U8}, {"I8", RR_I8}, {"I16", RR_I16}, {"I32", RR_I32}, {"I64", RR_I64},
+        {"F16", RR_F16}, {"BF16", RR_BF16}, {"F32", RR_F32}, {"F64", RR_F64},
+        {"LINE", RR_LINE}, {"PAGE", RR_PAGE}, {"HEADER_WORDS", RR_HEADER_WORDS}};
+    for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++)
+        if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    return m;
+}

@@ -1,12 +1,13 @@
-/* Allreduce among the ranks of one node, in C: the same protocols and memory layout as
- * NodeShm.small_allreduce and NodeShm.large_allreduce in ringreduce/shm.py (keep them in
- * step), without the Python around every step. Each rank's segment of the shared window is
+/* Allreduce among the ranks of one node through their shared memory: the only implementation
+ * of the node protocol (tests/mpi/node_oracle.py restates it in Python, as a test oracle). Each
+ * rank's segment of a process set's shared window is
  *     [flag | header slot x2 | small slot x2 | block area x2], each starting on a 64-byte line,
  * and a rank's flag counts the flags it has raised: flag % 2 selects the header and small
- * slots, flag / 2 % 2 the block area.
+ * slots, flag / 2 % 2 the block area. A slot written before flag f is read between flags f and
+ * f+1 and rewritten no sooner than before flag f+2, once every peer has finished reading it.
  *
- * Small: copy our data into our slot, write the header (signature digest, byte count, where
- * in the slot the data starts), fence, raise the flag; wait for every flag; compare digests;
+ * Small: copy our data into our slot, write the header (signature digest, byte count, where in
+ * the slot the data starts), fence, raise the flag; wait for every flag; compare digests;
  * reduce every slot in rank order into the output. Every rank runs the same arithmetic in the
  * same order, so the results are bitwise identical.
  *
@@ -27,72 +28,92 @@
 #include <sched.h>
 #include <time.h>
 
+#include "constants.h"
+#include "kernels.h"
 #include "node.h"
 
-#define LINE 64
-#define PAGE 4096
+enum { COPY_IN, REDUCE, PUBLISH, COPY_OUT };
 
-/* kernels.c */
-void rr_sum_f32(const float *a, const float *b, float *out, size_t n, float divisor,
-                float scale);
-void rr_sum_bf16(const uint16_t *a, const uint16_t *b, uint16_t *out, size_t n, float divisor,
-                 float scale);
-#if defined(__x86_64__) || defined(__i386__)
-void rr_sum_f16(const uint16_t *a, const uint16_t *b, uint16_t *out, size_t n, float divisor,
-                float scale);
-#endif
-
-static struct {
+struct rr_node {
     int me, n;
-    size_t slot_bytes, block_bytes;     /* as NodeShm's: a small slot, a block (whole pages) */
-    char **base;            /* each local rank's segment, mapped into this process */
-    size_t *shift;          /* each rank's offset of its data in its slot or area */
-} node;
+    size_t slot_bytes, block_bytes;     /* a small slot, a block: whole pages */
+    char **base;                        /* each local rank's segment, mapped here */
+    size_t *shift;                      /* each rank's offset of its data in its slot or area */
+    struct {                            /* the large allreduce under way */
+        const char *src;
+        char *dst;
+        size_t count, size, block;      /* elements, bytes per element, elements per block */
+        int dtype, op;
+        double divisor, scale;
+        int64_t digest, flag;           /* flag: the first of the current block's two */
+        size_t start;                   /* the current block's first element */
+        int phase;
+        int between_nodes;              /* stop after reducing our chunk: Python runs the ring */
+    } job;
+};
 
-int rr_node_attach(int me, int n, const uintptr_t *bases, size_t slot_bytes,
-                   size_t block_bytes) {
-    rr_node_detach();
-    node.base = malloc(sizeof(char *) * (size_t)n);
-    node.shift = calloc((size_t)n, sizeof(size_t));
-    if (node.base == NULL || node.shift == NULL) return -1;
-    for (int r = 0; r < n; r++) node.base[r] = (char *)bases[r];
-    node.me = me;
-    node.n = n;
-    node.slot_bytes = slot_bytes;
-    node.block_bytes = block_bytes;
-    return 0;
+static size_t round_up(size_t value, size_t multiple) {
+    return (value + multiple - 1) / multiple * multiple;
 }
 
-void rr_node_detach(void) {
-    free(node.base);
-    free(node.shift);
-    node.base = NULL;
-    node.shift = NULL;
-    node.n = 0;
+size_t rr_node_layout(size_t small_bytes, size_t block_bytes, size_t *slot_bytes,
+                      size_t *block_rounded) {
+    *slot_bytes = round_up(small_bytes, RR_PAGE) + RR_PAGE;
+    *block_rounded = round_up(block_bytes ? block_bytes : 1, RR_PAGE);
+    return 3 * RR_LINE + 2 * *slot_bytes + 2 * (*block_rounded + RR_PAGE);
 }
 
-static int64_t *flag_of(int r) { return (int64_t *)node.base[r]; }
-
-static int64_t *header_of(int r, int64_t flag) {
-    return (int64_t *)(node.base[r] + LINE + (flag % 2) * LINE);
+/* n >= 2: a rank alone on its node has no window. */
+rr_node *rr_node_attach(int me, int n, const uintptr_t *bases, size_t slot_bytes,
+                        size_t block_bytes) {
+    rr_node *node = calloc(1, sizeof *node);
+    if (node == NULL) return NULL;
+    node->base = malloc(sizeof(char *) * (size_t)n);
+    node->shift = calloc((size_t)n, sizeof(size_t));
+    if (node->base == NULL || node->shift == NULL) {
+        rr_node_detach(node);
+        return NULL;
+    }
+    for (int r = 0; r < n; r++) node->base[r] = (char *)bases[r];
+    node->me = me;
+    node->n = n;
+    node->slot_bytes = slot_bytes;
+    node->block_bytes = block_bytes;
+    __atomic_store_n((int64_t *)node->base[me], 0, __ATOMIC_SEQ_CST);     /* our flag */
+    return node;
 }
 
-static char *slot_of(int r, int64_t flag) {
-    return node.base[r] + 3 * LINE + (size_t)(flag % 2) * node.slot_bytes;
+void rr_node_detach(rr_node *node) {
+    if (node == NULL) return;
+    free(node->base);
+    free(node->shift);
+    free(node);
+}
+
+static int64_t *flag_of(rr_node *node, int r) { return (int64_t *)node->base[r]; }
+
+static int64_t *header_of(rr_node *node, int r, int64_t flag) {
+    return (int64_t *)(node->base[r] + RR_LINE + (flag % 2) * RR_LINE);
+}
+
+static char *slot_of(rr_node *node, int r, int64_t flag) {
+    return node->base[r] + 3 * RR_LINE + (size_t)(flag % 2) * node->slot_bytes;
 }
 
 /* Slots and areas have a page of room beyond their data: see `shift`. */
-static char *area_of(int r, int64_t flag) {
-    return node.base[r] + 3 * LINE + 2 * node.slot_bytes +
-           (size_t)(flag / 2 % 2) * (node.block_bytes + PAGE);
+static char *area_of(rr_node *node, int r, int64_t flag) {
+    return node->base[r] + 3 * RR_LINE + 2 * node->slot_bytes +
+           (size_t)(flag / 2 % 2) * (node->block_bytes + RR_PAGE);
 }
 
-static int64_t raised(void) { return __atomic_load_n(flag_of(node.me), __ATOMIC_RELAXED); }
+static int64_t raised(rr_node *node) {
+    return __atomic_load_n(flag_of(node, node->me), __ATOMIC_RELAXED);
+}
 
-int rr_node_ready(void) {
-    int64_t flag = raised();
-    for (int r = 0; r < node.n; r++)
-        if (__atomic_load_n(flag_of(r), __ATOMIC_ACQUIRE) < flag) return 0;
+int rr_node_ready(rr_node *node) {
+    int64_t flag = raised(node);
+    for (int r = 0; r < node->n; r++)
+        if (__atomic_load_n(flag_of(node, r), __ATOMIC_ACQUIRE) < flag) return 0;
     return 1;
 }
 
@@ -113,17 +134,17 @@ static inline void cpu_relax(void) {
 }
 
 /* Our writes before the flag, then the flag. */
-static void raise_flag(int64_t flag) {
+static void raise_flag(rr_node *node, int64_t flag) {
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    __atomic_store_n(flag_of(node.me), flag, __ATOMIC_SEQ_CST);
+    __atomic_store_n(flag_of(node, node->me), flag, __ATOMIC_SEQ_CST);
 }
 
 /* Poll every flag flat out for up to spin_seconds: 1 when all are up (and their writes
  * visible), 0 when the caller should wait elsewhere. */
-static int spin_until_ready(double spin_seconds) {
+static int spin_until_ready(rr_node *node, double spin_seconds) {
     double deadline = -1.0;
     for (unsigned spins = 0;; spins++) {
-        if (rr_node_ready()) {
+        if (rr_node_ready(node)) {
             __atomic_thread_fence(__ATOMIC_SEQ_CST);
             return 1;
         }
@@ -138,165 +159,139 @@ static int spin_until_ready(double spin_seconds) {
     }
 }
 
-static int digests_agree(int64_t flag) {
-    int64_t digest = header_of(0, flag)[0];
-    for (int r = 1; r < node.n; r++)
-        if (header_of(r, flag)[0] != digest) return 0;
+static int digests_agree(rr_node *node, int64_t flag) {
+    int64_t digest = header_of(node, 0, flag)[0];
+    for (int r = 1; r < node->n; r++)
+        if (header_of(node, r, flag)[0] != digest) return 0;
     return 1;
 }
 
-static void publish_header(int64_t flag, int64_t digest, size_t nbytes, int64_t per_rank) {
-    int64_t *header = header_of(node.me, flag);
+static void publish_header(rr_node *node, int64_t flag, int64_t digest, size_t nbytes,
+                           int64_t per_rank) {
+    int64_t *header = header_of(node, node->me, flag);
     header[0] = digest;
     header[1] = (int64_t)nbytes;
     header[2] = per_rank;
 }
 
-size_t rr_kind_size(int kind) {
-    switch (kind) {
-    case RR_KIND_BF16: return 2;
-#if defined(__x86_64__) || defined(__i386__)
-    case RR_KIND_F16: return 2;
-#endif
-    case RR_KIND_F32: case RR_KIND_I32_SUM: return 4;
-    case RR_KIND_F64: case RR_KIND_I64_SUM: return 8;
-    default: return 0;
-    }
+/* ------------------------------------------------------------------------------ headers */
+
+int rr_headers_begin(rr_node *node, int64_t digest, int64_t per_rank, double spin_seconds) {
+    int64_t flag = raised(node) + 1;
+    publish_header(node, flag, digest, 0, per_rank);
+    raise_flag(node, flag);
+    return spin_until_ready(node, spin_seconds);
 }
 
-/* out = a + b; the last step of a reduction also divides and scales, as the Python kernels
- * do: float32 through rr_sum_f32 (NumPy's adds, then the fused last step), half precision
- * through our kernels, float64 as NumPy's adds then torch's division and multiplication,
- * integers wrapping around as NumPy's do. */
-#define ADD(type)                                                                      \
-    do {                                                                               \
-        const type *x = a, *y = b;                                                     \
-        type *z = out;                                                                 \
-        for (size_t i = 0; i < count; i++) z[i] = x[i] + y[i];                         \
-    } while (0)
-
-static void combine(int kind, const void *a, const void *b, void *out, size_t count, int last,
-                    double divisor, double scale) {
-    const float d = last ? (float)divisor : 1.0f, s = last ? (float)scale : 1.0f;
-    switch (kind) {
-    case RR_KIND_F32: rr_sum_f32(a, b, out, count, d, s); break;
-    case RR_KIND_BF16: rr_sum_bf16(a, b, out, count, d, s); break;
-#if defined(__x86_64__) || defined(__i386__)
-    case RR_KIND_F16: rr_sum_f16(a, b, out, count, d, s); break;
-#endif
-    case RR_KIND_F64: {
-        ADD(double);
-        double *z = out;
-        if (last && divisor != 1.0) for (size_t i = 0; i < count; i++) z[i] = z[i] / divisor;
-        if (last && scale != 1.0) for (size_t i = 0; i < count; i++) z[i] = z[i] * scale;
-        break;
-    }
-    case RR_KIND_I32_SUM: ADD(uint32_t); break;
-    case RR_KIND_I64_SUM: ADD(uint64_t); break;
-    }
+int rr_headers_end(rr_node *node, int64_t *per_rank) {
+    int64_t flag = raised(node);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (!digests_agree(node, flag)) return -1;
+    for (int r = 0; r < node->n; r++) per_rank[r] = header_of(node, r, flag)[2];
+    return 0;
 }
 
 /* ------------------------------------------------------------------------------ small */
 
-int rr_small_begin(const void *src, size_t nbytes, int64_t digest, double spin_seconds) {
-    int64_t flag = raised() + 1;
-    size_t shift = ((uintptr_t)src - (uintptr_t)slot_of(node.me, 0)) % PAGE;
-    memcpy(slot_of(node.me, flag) + shift, src, nbytes);
-    publish_header(flag, digest, nbytes, (int64_t)shift);
-    raise_flag(flag);
-    return spin_until_ready(spin_seconds);
+int rr_small_begin(rr_node *node, const void *src, size_t nbytes, int64_t digest,
+                   double spin_seconds) {
+    int64_t flag = raised(node) + 1;
+    size_t shift = ((uintptr_t)src - (uintptr_t)slot_of(node, node->me, 0)) % RR_PAGE;
+    memcpy(slot_of(node, node->me, flag) + shift, src, nbytes);
+    publish_header(node, flag, digest, nbytes, (int64_t)shift);
+    raise_flag(node, flag);
+    return spin_until_ready(node, spin_seconds);
 }
 
-int rr_small_end(void *dst, size_t count, int kind, double divisor, double scale) {
-    int64_t flag = raised();
+int rr_small_end(rr_node *node, void *dst, size_t count, int dtype, int op, double divisor,
+                 double scale) {
+    int64_t flag = raised(node);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);   /* peers' slots after their flags */
-    if (!digests_agree(flag)) return -1;
-    if (rr_kind_size(kind) == 0) return -2;
-    for (int r = 0; r < node.n; r++) node.shift[r] = (size_t)header_of(r, flag)[2];
-    for (int r = 1; r < node.n; r++)
-        combine(kind, r == 1 ? slot_of(0, flag) + node.shift[0] : dst,
-                slot_of(r, flag) + node.shift[r], dst, count, r == node.n - 1, divisor, scale);
+    if (!digests_agree(node, flag)) return -1;
+    if (rr_dtype_size(dtype) == 0) return -2;
+    for (int r = 0; r < node->n; r++) node->shift[r] = (size_t)header_of(node, r, flag)[2];
+    const char *first = slot_of(node, 0, flag) + node->shift[0];
+    for (int r = 1; r < node->n; r++)
+        if (rr_combine(dtype, op, r == 1 ? first : dst, slot_of(node, r, flag) + node->shift[r],
+                       dst, count, r == node->n - 1, divisor, scale) != 0)
+            return -2;
     return 0;
 }
 
 /* ------------------------------------------------------------------------------ large */
 
-static struct {
-    const char *src;
-    char *dst;
-    size_t count, size, block;      /* elements, bytes per element, elements per block */
-    int kind;
-    double divisor, scale;
-    int64_t digest, flag;           /* flag: the first of the current block's two */
-    size_t start;                   /* the current block's first element */
-    int phase;
-    int between_nodes;              /* stop after reducing our chunk: Python runs the ring */
-} job;
-
-enum { COPY_IN, REDUCE, PUBLISH, COPY_OUT };
-
-int rr_large_begin(const void *src, void *dst, size_t count, int kind, double divisor,
-                   double scale, int64_t digest, int between_nodes) {
-    size_t size = rr_kind_size(kind), block_bytes = node.block_bytes;
+int rr_large_begin(rr_node *node, const void *src, void *dst, size_t count, int dtype, int op,
+                   double divisor, double scale, int64_t digest, int between_nodes) {
+    size_t size = rr_dtype_size(dtype);
     if (size == 0) return -2;
-    job.src = src;
-    job.dst = dst;
-    job.count = count;
-    job.size = size;
-    job.block = block_bytes / size > 0 ? block_bytes / size : 1;
-    job.kind = kind;
-    job.divisor = divisor;
-    job.scale = scale;
-    job.digest = digest;
-    job.start = 0;
-    job.phase = COPY_IN;
-    job.between_nodes = between_nodes;
+    node->job.src = src;
+    node->job.dst = dst;
+    node->job.count = count;
+    node->job.size = size;
+    node->job.block = node->block_bytes / size > 0 ? node->block_bytes / size : 1;
+    node->job.dtype = dtype;
+    node->job.op = op;
+    node->job.divisor = divisor;
+    node->job.scale = scale;
+    node->job.digest = digest;
+    node->job.start = 0;
+    node->job.phase = COPY_IN;
+    node->job.between_nodes = between_nodes;
     return 0;
 }
 
 /* Chunk c of m elements split over the ranks as ring.balanced_counts does: the first m % n
  * chunks one element longer. */
-static size_t chunk_lo(size_t m, int c) {
-    size_t base = m / (size_t)node.n, extra = m % (size_t)node.n;
+static size_t chunk_lo(rr_node *node, size_t m, int c) {
+    size_t base = m / (size_t)node->n, extra = m % (size_t)node->n;
     return (size_t)c * base + ((size_t)c < extra ? (size_t)c : extra);
 }
 
-/* Where our chunk of the current block lies in the buffer, in elements. */
-void rr_large_chunk(size_t *first, size_t *count) {
-    size_t m = job.count - job.start < job.block ? job.count - job.start : job.block;
-    *first = job.start + chunk_lo(m, node.me);
-    *count = chunk_lo(m, node.me + 1) - chunk_lo(m, node.me);
+static size_t block_length(rr_node *node) {
+    size_t left = node->job.count - node->job.start;
+    return left < node->job.block ? left : node->job.block;
 }
 
-int rr_large_run(double spin_seconds) {
-    const int me = node.me, n = node.n;
+/* Where our chunk of the current block lies in the buffer, in elements. */
+void rr_large_chunk(rr_node *node, size_t *first, size_t *count) {
+    size_t m = block_length(node);
+    *first = node->job.start + chunk_lo(node, m, node->me);
+    *count = chunk_lo(node, m, node->me + 1) - chunk_lo(node, m, node->me);
+}
+
+int rr_large_run(rr_node *node, double spin_seconds) {
+    const int me = node->me, n = node->n;
     __atomic_thread_fence(__ATOMIC_SEQ_CST);   /* resumed after a wait in Python */
-    const size_t size = job.size;
-    while (job.start < job.count) {     /* nothing to do, no flags, for 0 elements (as Python) */
-        size_t m = job.count - job.start < job.block ? job.count - job.start : job.block;
-        size_t lo = chunk_lo(m, me), hi = chunk_lo(m, me + 1);
-        const char *src = job.src + job.start * size;
-        char *dst = job.dst + job.start * size;
-        switch (job.phase) {
+    const size_t size = node->job.size;
+    while (node->job.start < node->job.count) {   /* 0 elements: nothing, no flags */
+        size_t m = block_length(node);
+        size_t lo = chunk_lo(node, m, me), hi = chunk_lo(node, m, me + 1);
+        const char *src = node->job.src + node->job.start * size;
+        char *dst = node->job.dst + node->job.start * size;
+        switch (node->job.phase) {
         case COPY_IN: {
-            job.flag = raised() + 1;
-            if (job.start == 0) {
-                node.shift[me] = ((uintptr_t)job.src - (uintptr_t)area_of(me, 0)) % PAGE;
-                publish_header(job.flag, job.digest, job.count * size, (int64_t)node.shift[me]);
+            int64_t flag = node->job.flag = raised(node) + 1;
+            if (node->job.start == 0) {
+                node->shift[me] = ((uintptr_t)node->job.src - (uintptr_t)area_of(node, me, 0))
+                                  % RR_PAGE;
+                publish_header(node, flag, node->job.digest, node->job.count * size,
+                               (int64_t)node->shift[me]);
             }
-            char *mine = area_of(me, job.flag) + node.shift[me];
+            char *mine = area_of(node, me, flag) + node->shift[me];
             for (int c = 0; c < n; c++) {
-                size_t clo = chunk_lo(m, c), chi = chunk_lo(m, c + 1);
+                size_t clo = chunk_lo(node, m, c), chi = chunk_lo(node, m, c + 1);
                 if (c != me) memcpy(mine + clo * size, src + clo * size, (chi - clo) * size);
             }
-            raise_flag(job.flag);
-            job.phase = REDUCE;
-            if (!spin_until_ready(spin_seconds)) return 0;
+            raise_flag(node, flag);
+            node->job.phase = REDUCE;
+            if (!spin_until_ready(node, spin_seconds)) return 0;
         }   /* fall through */
         case REDUCE: {
-            if (job.start == 0) {
-                if (!digests_agree(job.flag)) return -1;
-                for (int r = 0; r < n; r++) node.shift[r] = (size_t)header_of(r, job.flag)[2];
+            int64_t flag = node->job.flag;
+            if (node->job.start == 0) {
+                if (!digests_agree(node, flag)) return -1;
+                for (int r = 0; r < n; r++)
+                    node->shift[r] = (size_t)header_of(node, r, flag)[2];
             }
             /* our own input first: the output may be that very memory (in place) */
             const char *a = src + lo * size;
@@ -304,28 +299,32 @@ int rr_large_run(double spin_seconds) {
             for (int r = 0; r < n; r++) {
                 if (r == me) continue;
                 remaining--;
-                combine(job.kind, a, area_of(r, job.flag) + node.shift[r] + lo * size,
-                        dst + lo * size, hi - lo, remaining == 0, job.divisor, job.scale);
+                rr_combine(node->job.dtype, node->job.op, a,
+                           area_of(node, r, flag) + node->shift[r] + lo * size,
+                           dst + lo * size, hi - lo, remaining == 0, node->job.divisor,
+                           node->job.scale);
                 a = dst + lo * size;
             }
-            job.phase = PUBLISH;
-            if (job.between_nodes) return 2;
+            node->job.phase = PUBLISH;
+            if (node->job.between_nodes) return 2;
         }   /* fall through */
         case PUBLISH:
-            memcpy(area_of(me, job.flag) + node.shift[me] + lo * size, dst + lo * size,
-                   (hi - lo) * size);
-            raise_flag(job.flag + 1);
-            job.phase = COPY_OUT;
-            if (!spin_until_ready(spin_seconds)) return 0;
+            memcpy(area_of(node, me, node->job.flag) + node->shift[me] + lo * size,
+                   dst + lo * size, (hi - lo) * size);
+            raise_flag(node, node->job.flag + 1);
+            node->job.phase = COPY_OUT;
+            if (!spin_until_ready(node, spin_seconds)) return 0;
             /* fall through */
         case COPY_OUT:
             for (int c = 0; c < n; c++) {
-                size_t clo = chunk_lo(m, c), chi = chunk_lo(m, c + 1);
-                if (c != me) memcpy(dst + clo * size, area_of(c, job.flag) + node.shift[c] +
-                                    clo * size, (chi - clo) * size);
+                size_t clo = chunk_lo(node, m, c), chi = chunk_lo(node, m, c + 1);
+                if (c != me)
+                    memcpy(dst + clo * size,
+                           area_of(node, c, node->job.flag) + node->shift[c] + clo * size,
+                           (chi - clo) * size);
             }
-            job.phase = COPY_IN;
-            job.start += m;
+            node->job.phase = COPY_IN;
+            node->job.start += m;
         }
     }
     return 1;

@@ -1,8 +1,9 @@
-"""Zero-copy views between torch tensors and the arrays MPI and our kernels work on.
+"""Zero-copy views between CPU torch tensors and the NumPy arrays MPI and our kernels work on,
+and the dtype table: which torch dtypes we reduce, their storage and their native code.
 
-NumPy has no bfloat16, so a bfloat16 tensor is viewed as uint16 storage; the kernels module
-knows from the torch dtype how to reduce it. Views never copy: the ring writes straight into
-the tensor's memory.
+NumPy has no bfloat16, so a bfloat16 tensor is viewed as uint16 storage; the kernels know from
+the native dtype code how to reduce it. Views never copy: results are written straight into the
+tensor's memory. (CUDA tensors are viewed as CuPy arrays by `cuda.py`.)
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-# torch dtype -> NumPy dtype of the storage we hand to MPI and to the kernels.
+from . import _native
+
+# torch dtype -> the NumPy dtype of the storage we hand to MPI, and the code of native/constants.h
 STORAGE_DTYPES: dict[torch.dtype, np.dtype] = {
     torch.uint8: np.dtype(np.uint8),
     torch.int8: np.dtype(np.int8),
@@ -25,16 +28,17 @@ STORAGE_DTYPES: dict[torch.dtype, np.dtype] = {
     torch.float32: np.dtype(np.float32),
     torch.float64: np.dtype(np.float64),
 }
+CODES: dict[torch.dtype, int] = {
+    torch.uint8: _native.U8, torch.int8: _native.I8, torch.int16: _native.I16,
+    torch.int32: _native.I32, torch.int64: _native.I64, torch.float16: _native.F16,
+    torch.bfloat16: _native.BF16, torch.float32: _native.F32, torch.float64: _native.F64,
+}
 SUPPORTED = tuple(STORAGE_DTYPES)
+NAMES = {d: str(d).removeprefix("torch.") for d in SUPPORTED}
 
 
 def as_array(tensor: torch.Tensor) -> np.ndarray:
-    """A flat NumPy view of a contiguous CPU tensor's memory (no copy); a CuPy view for a
-    CUDA tensor."""
-    if tensor.is_cuda:   # GPU hook
-        from .cuda import as_device_array
-
-        return as_device_array(tensor)
+    """A flat NumPy view of a contiguous CPU tensor's memory (no copy)."""
     flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
     if tensor.dtype == torch.bfloat16:
         return flat.view(torch.int16).numpy().view(np.uint16)

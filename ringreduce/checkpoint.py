@@ -15,14 +15,14 @@ import torch
 
 from .collectives import barrier
 from .objects import broadcast_object
-from .world import world
+from .world import rank
 
 
 def save(path: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
          extra: Any = None) -> None:
     """Write model, optimizer and `extra` (plain data: numbers, strings, lists, dicts, tensors)
     to `path` atomically; returns on every rank once the file is complete."""
-    if world("checkpoint.save()").comm.rank == 0:
+    if rank() == 0:
         state = {"model": model.state_dict(),
                  "optimizer": optimizer.state_dict() if optimizer is not None else None,
                  "extra": extra}
@@ -34,7 +34,7 @@ def load(path: str, model: torch.nn.Module,
          optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
     """Restore model and optimizer from rank 0's `path` on every rank; returns `extra`."""
     state = None
-    if world("checkpoint.load()").comm.rank == 0:
+    if rank() == 0:
         state = torch.load(path, map_location="cpu", weights_only=True)
     state = broadcast_object(state, root_rank=0, name=f"checkpoint.load {path}")
     model.load_state_dict(state["model"])

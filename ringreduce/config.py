@@ -1,12 +1,14 @@
-"""Every `RINGREDUCE_*` setting in one place: its default, its parser, and its keyword twin.
+"""Every `RINGREDUCE_*` setting in one typed object, built once at `init()`.
 
-A keyword argument given in code wins over the environment, which wins over the default.
+Each field has a default, a parser for its environment variable and a doc line. A keyword
+argument given to `init()` wins over the environment, which wins over the default.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 
 def _parse_bool(text: str) -> bool:
@@ -18,7 +20,7 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"expected 0/1/true/false, got {text!r}")
 
 
-def _parse_bool_or_auto(text: str) -> Any:
+def _parse_bool_or_auto(text: str) -> Union[bool, str]:
     """'auto' (decide at run time), or a boolean."""
     return "auto" if text.strip().lower() == "auto" else _parse_bool(text)
 
@@ -31,77 +33,87 @@ def _parse_bytes(text: str) -> int:
     return int(float(number) * scale)
 
 
+def _setting(default: Any, parse: Callable[[str], Any], doc: str) -> Any:
+    return dataclasses.field(default=default, metadata={"parse": parse, "doc": doc})
+
+
 @dataclass(frozen=True)
-class Setting:
-    keyword: str
-    default: Any
-    parse: Callable[[str], Any]
-    doc: str
+class Settings:
+    small_message_bytes: int = _setting(
+        64 << 10, _parse_bytes,
+        "allreduce payloads up to this size use the latency-optimal gather-and-reduce path "
+        "instead of the bandwidth-optimal ring (over MPI)")
+    shared_small_bytes: int = _setting(
+        512 << 10, _parse_bytes,
+        "shared-memory allreduce: payloads up to this size go through one slot per rank that "
+        "every rank reduces, instead of block by block")
+    segment_bytes: int = _setting(
+        1 << 20, _parse_bytes,
+        "the ring sends each chunk in segments of this size so that receiving the next segment "
+        "overlaps reducing the current one")
+    shared_memory: bool = _setting(
+        True, _parse_bool,
+        "ranks on one node allreduce through an MPI-3 shared-memory window (the ring over MPI "
+        "then only runs between nodes); 0 = always the ring over MPI")
+    block_bytes: int = _setting(
+        1 << 20, _parse_bytes,
+        "shared-memory allreduce of a large buffer: bytes per block, small enough for the "
+        "staging areas to stay in cache")
+    fusion_threshold: int = _setting(
+        16 << 20, _parse_bytes, "DistributedOptimizer: the byte cap of one gradient bucket")
+    first_bucket_bytes: int = _setting(
+        1 << 20, _parse_bytes,
+        "DistributedOptimizer: the cap of the first bucket, small so communication starts early "
+        "in backward")
+    simulated_nodes: int = _setting(
+        0, int,
+        "group the ranks into this many simulated nodes (contiguous blocks of ranks) instead of "
+        "splitting by shared memory; 0 = off. For testing multi-node topology on one machine")
+    stall_check_time: float = _setting(
+        60.0, float,
+        "seconds a rank waits for the others to join a collective before it logs which ranks "
+        "are missing (and again every such interval); 0 = off")
+    stall_shutdown_time: float = _setting(
+        0.0, float,
+        "seconds of such waiting after which the job is aborted with that message; 0 = never")
+    consistency_check_steps: int = _setting(
+        0, int,
+        "DistributedOptimizer: every this many steps, check that all parameters are bitwise "
+        "identical across ranks (check_consistency); 0 = never")
+    cuda_aware: Union[bool, str] = _setting(
+        "auto", _parse_bool_or_auto,
+        "1: hand CUDA device pointers straight to MPI; 0: stage GPU buffers through pinned host "
+        "memory; auto: ask the MPI library at init()")
+    abort_on_error: bool = _setting(
+        True, _parse_bool,
+        "an uncaught exception on any rank aborts the whole MPI job (non-zero exit) instead of "
+        "leaving the other ranks waiting in a collective")
+    timeline: str = _setting(
+        "", str,
+        "write a Chrome-trace/Perfetto timeline of every collective's phases to this path, one "
+        "file per rank ('{rank}' in the path, else '.rank<r>' before the extension); empty = off")
 
-    @property
-    def env(self) -> str:
-        return "RINGREDUCE_" + self.keyword.upper()
+    @staticmethod
+    def env_name(name: str) -> str:
+        return "RINGREDUCE_" + name.upper()
 
-
-SETTINGS: dict[str, Setting] = {
-    s.keyword: s
-    for s in (
-        Setting("small_message_bytes", 64 << 10, _parse_bytes,
-                "allreduce payloads up to this size use the latency-optimal gather-and-reduce "
-                "path instead of the bandwidth-optimal ring (over MPI)"),
-        Setting("shared_small_bytes", 512 << 10, _parse_bytes,
-                "shared-memory allreduce: payloads up to this size go through one slot per rank "
-                "that every rank reduces (in C for the common dtypes) instead of block by block"),
-        Setting("segment_bytes", 1 << 20, _parse_bytes,
-                "the ring sends each chunk in segments of this size so that receiving the next "
-                "segment overlaps reducing the current one"),
-        Setting("shared_memory", True, _parse_bool,
-                "ranks on one node allreduce through an MPI-3 shared-memory window (the ring "
-                "over MPI then only runs between nodes); 0 = always the ring over MPI"),
-        Setting("block_bytes", 1 << 20, _parse_bytes,
-                "shared-memory allreduce of a private buffer: bytes per block, small enough for "
-                "the staging areas to stay in cache"),
-        Setting("fusion_threshold", 16 << 20, _parse_bytes,
-                "DistributedOptimizer: the byte cap of one gradient bucket"),
-        Setting("first_bucket_bytes", 1 << 20, _parse_bytes,
-                "DistributedOptimizer: the cap of the first bucket, small so communication "
-                "starts early in backward"),
-        Setting("simulated_nodes", 0, int,
-                "group the ranks into this many simulated nodes (contiguous blocks of ranks) "
-                "instead of splitting by shared memory; 0 = off. For testing multi-node topology "
-                "on one machine"),
-        Setting("stall_check_time", 60.0, float,
-                "seconds a rank waits for the others to join a collective before it logs which "
-                "ranks are missing (and again every such interval); 0 = off"),
-        Setting("stall_shutdown_time", 0.0, float,
-                "seconds of such waiting after which the job is aborted with that message; "
-                "0 = never"),
-        Setting("consistency_check_steps", 0, int,
-                "DistributedOptimizer: every this many steps, check that all parameters are "
-                "bitwise identical across ranks (check_consistency); 0 = never"),
-        Setting("cuda_aware", "auto", _parse_bool_or_auto,
-                "1: hand CUDA device pointers straight to MPI; 0: stage GPU buffers through "
-                "pinned host memory; auto: ask the MPI library at init()"),
-        Setting("abort_on_error", True, _parse_bool,
-                "an uncaught exception on any rank aborts the whole MPI job (non-zero exit) "
-                "instead of leaving the other ranks waiting in a collective"),
-        Setting("timeline", "", str,
-                "write a Chrome-trace/Perfetto timeline of every collective's phases to this "
-                "path, one file per rank ('{rank}' in the path, else '.rank<r>' before the "
-                "extension); empty = off"),
-    )
-}
-
-
-def get(keyword: str, override: Any = None) -> Any:
-    """The value of a setting: `override` if given, else the environment, else the default."""
-    setting = SETTINGS[keyword]
-    if override is not None:
-        return override
-    raw = os.environ.get(setting.env)
-    if raw is None:
-        return setting.default
-    try:
-        return setting.parse(raw)
-    except ValueError as exc:
-        raise ValueError(f"ringreduce: bad value {raw!r} for {setting.env}: {exc}") from None
+    @classmethod
+    def load(cls, **overrides: Any) -> "Settings":
+        """Keyword arguments (None = not given), else the environment, else the defaults."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(overrides) - set(known)
+        if unknown:
+            raise TypeError(f"ringreduce: unknown setting(s) {sorted(unknown)}; known: "
+                            f"{sorted(known)}")
+        values = {}
+        for name, f in known.items():
+            raw = os.environ.get(cls.env_name(name))
+            if overrides.get(name) is not None:
+                values[name] = overrides[name]
+            elif raw is not None:
+                try:
+                    values[name] = f.metadata["parse"](raw)
+                except ValueError as exc:
+                    raise ValueError(f"ringreduce: bad value {raw!r} for {cls.env_name(name)}: "
+                                     f"{exc}") from None
+        return cls(**values)

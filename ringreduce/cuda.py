@@ -3,12 +3,12 @@ staging pipeline, and our kernels from native/*.cu (compiled at run time by CuPy
 
 CuPy is imported only when a CUDA tensor shows up, so `import ringreduce` works without it.
 
-The path is chosen once at init() (`RINGREDUCE_CUDA_AWARE`, detected by default):
+The transport picks one of two ways, by `RINGREDUCE_CUDA_AWARE` (detected at init() by default):
 - CUDA-aware MPI: ring.py runs on the CuPy arrays themselves; MPI reads device memory and the
   reductions run on the GPU.
 - Otherwise: the buffer travels through two pinned host slots piece by piece; each piece is
-  reduced by the host path (`allreduce_flat`: shared memory within a node, the ring over MPI
-  between nodes) while the next piece is copied down and the previous one copied back.
+  reduced by the host way the transport hands in (shared memory within a node, the ring over
+  MPI between nodes) while the next piece is copied down and the previous one copied back.
 Either way our work runs on our own stream, which first waits for an event on torch's stream,
 and a reduction returns only once its result is in device memory, so any stream may read it.
 """
@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 import torch
 
-from . import collectives, ring
+from . import ring
 from .errors import RingReduceError
 from .kernels import ReduceOp
 
@@ -213,9 +213,10 @@ def kernel_source(name: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _module(name: str) -> Any:
-    """native/<name>.cu as a CuPy module; CuPy compiles it on first use and caches the binary
-    on disk, so later runs load it without compiling."""
-    return cupy_module().RawModule(code=kernel_source(name))
+    """native/<name>.cu as a CuPy module; CuPy compiles it on first use (with native/ on the
+    include path, for constants.h) and caches the binary on disk, so later runs load it without
+    compiling."""
+    return cupy_module().RawModule(code=kernel_source(name), options=(f"-I{NATIVE}",))
 
 
 def _kernel(module: str, function: str) -> Any:
@@ -354,11 +355,14 @@ def staged_allreduce(copies: Any, length: int, piece: int,
 
 # ---------------------------------------------------------------- allreduce on the device
 
-def reduce_device(engine: Any, array: Any, dtype: torch.dtype, op: ReduceOp,
-                  prescale: float = 1.0, postscale: float = 1.0) -> None:
-    """Allreduce a flat CuPy array in place (the device side of `reduce_flat`). Starts after
-    the event set by `after`, or else after torch's current stream of this thread; returns with
-    the result in device memory."""
+def reduce_device(array: Any, dtype: torch.dtype, op: ReduceOp, prescale: float,
+                  postscale: float, comm: Any, aware: bool, small_bytes: int, segment_bytes: int,
+                  host: Callable[[np.ndarray], None]) -> None:
+    """Allreduce a flat CuPy array in place over `comm`: the ring on device memory when MPI is
+    CUDA-aware (`aware`), else piece by piece through pinned host memory, each piece reduced by
+    `host` (which prescales, divides and postscales itself). Starts after the event set by
+    `after`, or else after torch's current stream of this thread; returns with the result in
+    device memory."""
     cp = cupy_module()
     device = array.device.id
     stream = _stream(device)
@@ -366,17 +370,17 @@ def reduce_device(engine: Any, array: Any, dtype: torch.dtype, op: ReduceOp,
     stream.wait_event(ready if ready is not None
                       else torch.cuda.current_stream(device).record_event())
     with cp.cuda.Device(device), _cupy_stream(stream):
-        if engine.settings["cuda_aware"] or engine.comm.size == 1:
-            _reduce_in_device_memory(engine, array, dtype, op, prescale, postscale, stream)
+        if aware or comm.size == 1:
+            _reduce_in_device_memory(comm, array, dtype, op, prescale, postscale, stream,
+                                     small_bytes, segment_bytes)
         else:
-            _reduce_staged(engine, array, dtype, op, prescale, postscale, stream)
+            _reduce_staged(array, stream, host)
 
 
-def _reduce_in_device_memory(engine: Any, array: Any, dtype: torch.dtype, op: ReduceOp,
-                             prescale: float, postscale: float,
-                             stream: torch.cuda.Stream) -> None:
+def _reduce_in_device_memory(comm: Any, array: Any, dtype: torch.dtype, op: ReduceOp,
+                             prescale: float, postscale: float, stream: torch.cuda.Stream,
+                             small_bytes: int, segment_bytes: int) -> None:
     """CUDA-aware MPI: the same ring as on the CPU, on device memory, reducing on the GPU."""
-    comm = engine.comm
     _scale(array, dtype, prescale)
 
     def finish(part: Any) -> None:
@@ -388,24 +392,22 @@ def _reduce_in_device_memory(engine: Any, array: Any, dtype: torch.dtype, op: Re
         finish(array)
         return
     reduce = _device_reducer(dtype, op, stream)
-    if array.nbytes <= engine.settings["small_message_bytes"]:
+    if array.nbytes <= small_bytes:
         gathered = _scratch(array.device.id, "gather", array.dtype, comm.size * array.size)
         ring.gather_allreduce(comm, array, reduce, gathered.reshape(comm.size, -1), finish)
         return
-    segment = max(1, engine.settings["segment_bytes"] // array.itemsize)
+    segment = max(1, segment_bytes // array.itemsize)
     bounds = ring.chunk_bounds(ring.balanced_counts(array.size, comm.size))
     scratch = _scratch(array.device.id, "ring", array.dtype,
                        ring.scratch_elements(bounds, segment))
     ring.ring_allreduce(comm, array, reduce, scratch, segment, finish)
 
 
-def _reduce_staged(engine: Any, array: Any, dtype: torch.dtype, op: ReduceOp,
-                   prescale: float, postscale: float, stream: torch.cuda.Stream) -> None:
-    """MPI without CUDA support: pieces go through pinned host memory and the host path."""
+def _reduce_staged(array: Any, stream: torch.cuda.Stream,
+                   host: Callable[[np.ndarray], None]) -> None:
+    """MPI without CUDA support: pieces go through pinned host memory and the host way."""
     device = array.device.id
     piece = max(1, STAGING_PIECE_BYTES // array.itemsize)
     slots = _pinned(device, 2 * piece * array.itemsize).view(array.dtype).reshape(2, piece)
     landed = _landed_events.setdefault(device, [torch.cuda.Event(), torch.cuda.Event()])
-    staged_allreduce(DeviceCopies(array, slots, stream, landed), array.size, piece,
-                     lambda host: collectives.allreduce_flat(engine, host, host, dtype, op,
-                                                             prescale, postscale))
+    staged_allreduce(DeviceCopies(array, slots, stream, landed), array.size, piece, host)

@@ -1,10 +1,11 @@
-"""The one place that runs collectives: in submission order, one at a time.
+"""One process set's ordering: its collectives run in submission order, one at a time.
 
-Asynchronous work goes to a background thread, so communication overlaps backward. A
+Asynchronous work goes to the set's background thread, so communication overlaps backward. A
 synchronous call made while nothing is queued runs inline on the caller's thread instead:
 waking a sleeping thread costs tens of microseconds, more than a small allreduce itself.
-Either way exactly one thread runs MPI at a time and the order is the submission order, which
-is the same on every rank because user code submits in the same order.
+Either way exactly one thread runs the set's collectives at a time and the order is the
+submission order, which is the same on every member because user code submits in the same
+order. Each set has its own engine, so sets progress independently of each other.
 
 Errors raised while running a collective are stored on its handle and re-raised by `wait()`
 in the caller's thread, so the engine thread never dies of a user's mistake.
@@ -12,16 +13,10 @@ in the caller's thread, so the engine thread never dies of a user's mistake.
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
-import time
-from typing import Any, Callable, Iterator, Optional
-
-import numpy as np
+from typing import Any, Callable, Optional
 
 from .errors import RingReduceError
-from .negotiation import Negotiator
-from .stall import StallWatch
 
 _IDLE_POKE_SECONDS = 0.05
 
@@ -66,60 +61,20 @@ def _call(name: str, work: Callable[[], Any]) -> Any:
         raise RingReduceError(f"ringreduce: collective '{name}' failed: {exc}") from exc
 
 
-class ScratchPool:
-    """Reusable scratch memory, one growing block per purpose, so steady-state steps allocate
-    nothing. Only the thread running a collective uses it."""
-
-    def __init__(self) -> None:
-        self._blocks: dict[str, np.ndarray] = {}
-
-    def get(self, purpose: str, dtype: np.dtype, count: int) -> np.ndarray:
-        nbytes = count * dtype.itemsize
-        block = self._blocks.get(purpose)
-        if block is None or block.nbytes < nbytes:
-            block = self._blocks[purpose] = np.empty(max(nbytes, 64), dtype=np.uint8)
-        return block[:nbytes].view(dtype)
-
-
 class Engine:
-    def __init__(self, comm: Any, settings: Optional[dict] = None) -> None:
-        self.comm = comm
-        self.settings = dict(settings or {})
-        self.negotiator = Negotiator(comm, StallWatch(
-            comm, self.settings.get("stall_check_time", 0), self.settings.get("stall_shutdown_time", 0)))
-        self.scratch = ScratchPool()
-        self.events: Optional[list[tuple[float, str, str]]] = None  # set to a list to record
-        self.timeline: Any = None   # a timeline.Timeline while one is being written
-        self.node: Any = None       # a shm.NodeShm when ranks share this node
+    """`poke()` runs now and then while the engine idles: MPI progress for the set's
+    communicator, so that other ranks' one-sided reads of this rank complete."""
+
+    def __init__(self, thread_name: str, rank: int, poke: Callable[[], Any]) -> None:
+        self.rank = rank
+        self._poke = poke
         self._cv = threading.Condition(threading.Lock())
         self._queue: collections.deque[Handle] = collections.deque()
-        self._in_flight: dict[str, Handle] = {}
+        self._in_flight: dict[str, Optional[Handle]] = {}
         self._busy = False
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="ringreduce-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
         self._thread.start()
-
-    def record(self, name: str, phase: str) -> None:
-        """Note an instant in a collective's life (for tests and the timeline); free when
-        nobody listens."""
-        if self.events is not None:
-            self.events.append((time.perf_counter(), name, phase))
-        timeline = self.timeline    # read once: another thread may stop the timeline
-        if timeline is not None:
-            timeline.instant(name, phase)
-
-    @contextlib.contextmanager
-    def span(self, name: str, phase: str) -> Iterator[None]:
-        """Time a phase of a collective (pack, negotiate, reduce-scatter, allgather, unpack)."""
-        timeline = self.timeline
-        if timeline is None:
-            yield
-            return
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            timeline.span(name, phase, start, time.perf_counter())
 
     def submit(self, name: str, work: Callable[[], Any]) -> Handle:
         """Queue `work` to run after everything submitted before it; returns its handle."""
@@ -128,7 +83,6 @@ class Engine:
             self._claim_name(name, handle)
             self._queue.append(handle)
             self._cv.notify_all()
-        self.record(name, "submitted")
         return handle
 
     def run(self, name: str, work: Callable[[], Any]) -> Any:
@@ -163,14 +117,11 @@ class Engine:
         self._finish("")
 
     def shutdown(self) -> None:
+        """Run what is queued, then end the thread."""
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
         self._thread.join()
-        if self.node is not None:
-            self.node.free()
-        if self.negotiator.watch.board is not None:
-            self.negotiator.watch.board.free()
 
     def _claim_name(self, name: str, handle: Optional[Handle]) -> None:
         if self._stopping:
@@ -178,7 +129,7 @@ class Engine:
         if name in self._in_flight:
             raise ValueError(
                 f"ringreduce: a collective named '{name}' is still in flight on rank "
-                f"{self.comm.rank}; wait for it (synchronize) before reusing the name")
+                f"{self.rank}; wait for it (synchronize) before reusing the name")
         self._in_flight[name] = handle
 
     def _finish(self, name: str) -> None:
@@ -191,9 +142,9 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and (self._busy or not self._queue):
+                while self._busy or (not self._queue and not self._stopping):
                     if not self._cv.wait(timeout=_IDLE_POKE_SECONDS) and not self._busy:
-                        self.comm.Iprobe()  # MPI progress, so other ranks' reads of us complete
+                        self._poke()
                 if not self._queue:
                     return
                 handle = self._queue.popleft()

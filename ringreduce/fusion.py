@@ -12,8 +12,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import negotiation
-
 
 @dataclass
 class Bucket:
@@ -22,8 +20,7 @@ class Bucket:
     params: list[torch.Tensor]
     buffer: torch.Tensor                 # flat, in the wire dtype
     views: list[torch.Tensor]            # buffer slices shaped like each parameter
-    signature: dict = field(default_factory=dict)
-    digest: int = 0
+    signature: dict = field(default_factory=dict)   # how ranks recognise its allreduce
     direct: bool = False                 # see `gradient`: no buffer, no pack and unpack
 
     @property
@@ -113,10 +110,10 @@ def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire) -> B
     params = [p for _, p in members]
     if len(members) == 1 and device.type == "cpu" and dtype == params[0].dtype:
         return Bucket(index, names, params, torch.empty(0, dtype=dtype), [], signature,
-                      negotiation.digest(signature), direct=True)
+                      direct=True)
     buffer = torch.zeros(total, dtype=dtype, device=device)
     views, offset = [], 0
     for p in params:
         views.append(buffer[offset:offset + p.numel()].view(p.shape))
         offset += p.numel()
-    return Bucket(index, names, params, buffer, views, signature, negotiation.digest(signature))
+    return Bucket(index, names, params, buffer, views, signature)

@@ -21,13 +21,14 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from . import cuda, fusion, timeline
-from .buffers import as_array
-from .collectives import Average, Sum, _op, allreduce_flat
+from .collectives import Average, Sum, _op
 from .compression import Compression, Compressor
 from .engine import Handle
 from .errors import RingReduceError
 from .objects import check_consistency
-from .world import world
+from .process_sets import ProcessSet, active, global_process_set
+from .signature import digest
+from .transport import ReduceSpec
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -35,10 +36,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _setup(self, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, gradient_as_bucket_view,
-               fusion_threshold, first_bucket_bytes) -> None:
-        w = world("DistributedOptimizer()")
-        self._engine = w.engine
-        self._rank = w.comm.rank
+               fusion_threshold, first_bucket_bytes, process_set) -> None:
+        ps = self._set = active(process_set, "DistributedOptimizer()")
+        self._process_set = process_set
+        self._rank = ps.ranks[ps.rank]
+        settings = ps.transport.settings
         named = _named_parameters(self.param_groups, named_parameters)
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError("ringreduce: backward_passes_per_step must be an integer >= 1, got "
@@ -51,27 +53,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("ringreduce: gradient_as_bucket_view needs compression="
                              "Compression.none (compressed buckets hold another dtype)")
         # Average with a predivide factor f: sum(g / f) * f / size.
-        size = w.comm.size
-        self._op = Sum if gradient_predivide_factor != 1.0 else op
-        self._prescale = 1.0 / gradient_predivide_factor
-        self._postscale = gradient_predivide_factor / size if gradient_predivide_factor != 1.0 else 1.0
+        predivided = gradient_predivide_factor != 1.0
+        reduce_op = Sum if predivided else op
+        prescale = 1.0 / gradient_predivide_factor
+        postscale = gradient_predivide_factor / ps.size if predivided else 1.0
         self._sparse_as_dense = sparse_as_dense
         self._passes = backward_passes_per_step
         self._names = {id(p): n for n, p in named}
         self._named = named
-        self._consistency_every = w.engine.settings["consistency_check_steps"]
+        self._consistency_every = settings.consistency_check_steps
         self._steps_taken = 0
         wire = compression.wire_dtype
 
         def wire_dtype(dtype: torch.dtype) -> torch.dtype:
             return wire if wire is not None and compression.applies_to(dtype) else dtype
 
-        threshold = w.engine.settings["fusion_threshold"] if fusion_threshold is None \
-            else fusion_threshold
-        first = w.engine.settings["first_bucket_bytes"] if first_bucket_bytes is None \
-            else first_bucket_bytes
+        threshold = settings.fusion_threshold if fusion_threshold is None else fusion_threshold
+        first = settings.first_bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
         self._buckets = fusion.plan(named, threshold, first, wire_dtype,
                                     _explicit_groups(groups, named))
+        self._specs = [ReduceSpec(b.buffer.dtype, reduce_op, prescale, postscale,
+                                  digest(b.signature), b.signature) for b in self._buckets]
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         for bucket in self._buckets:
             _describe(bucket)
@@ -111,7 +113,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _on_gradient(self, p: torch.Tensor) -> None:
         key = id(p)
-        if self._engine.timeline is not None:   # "waiting for gradients" starts at the first
+        if timeline.running():      # "waiting for gradients" starts at the first
             self._first_gradient_at.setdefault(self._bucket_of[key].index, time.perf_counter())
         self._pass_count[key] += 1
         count = self._pass_count[key]
@@ -137,7 +139,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p.grad = view
         self._waiting[bucket.index] -= 1
         if self._waiting[bucket.index] == 0:
-            self._engine.record(bucket.name, "gradients ready")
+            timeline.record(bucket.name, "gradients ready")
         self._submit_ready_buckets()
 
     def _submit_ready_buckets(self, force: bool = False) -> None:
@@ -147,36 +149,36 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._trace_waiting(bucket)
             ready = None   # GPU: an event on torch's stream, after which the bucket is packed
             gradient = None
-            with self._engine.span(bucket.name, "pack"):
+            with timeline.span(bucket.name, "pack"):
                 if bucket.direct:
                     gradient = bucket.gradient()
                 elif bucket.buffer.is_cuda:
                     ready = cuda.pack(bucket)
                 else:
                     bucket.pack()
-            self._handles.append(self._engine.submit(
+            self._handles.append(self._set.engine.submit(
                 bucket.name, self._reduce_work(bucket, ready, gradient)))
+            timeline.record(bucket.name, "submitted")
             self._next_bucket += 1
 
     def _reduce_work(self, bucket: fusion.Bucket, ready: Any = None,
                      gradient: Optional[torch.Tensor] = None):
         """The engine's work for a bucket: reduce its buffer (or, for a direct bucket,
         `gradient` in place), then unpack."""
-        engine, op, pre, post = self._engine, self._op, self._prescale, self._postscale
+        transport, spec = self._set.transport, self._specs[bucket.index]
 
         def work() -> None:
-            engine.record(bucket.name, "reduce start")
-            array = as_array(bucket.buffer if gradient is None else gradient)
-            with engine.span(bucket.name, "allreduce"), cuda.after(ready):
-                allreduce_flat(engine, array, array, bucket.buffer.dtype, op, pre, post,
-                               bucket.signature, bucket.digest)
+            timeline.record(bucket.name, "reduce start")
+            tensor = bucket.buffer if gradient is None else gradient
+            with timeline.span(bucket.name, "allreduce"), cuda.after(ready):
+                transport.allreduce(tensor, tensor, spec)
             if not bucket.direct:
-                with engine.span(bucket.name, "unpack"):
+                with timeline.span(bucket.name, "unpack"):
                     if bucket.buffer.is_cuda:
                         cuda.unpack(bucket)   # and waits: complete before synchronize() returns
                     else:
                         bucket.unpack()
-            engine.record(bucket.name, "reduce done")
+            timeline.record(bucket.name, "reduce done")
 
         return work
 
@@ -184,13 +186,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """While a timeline runs: name the bucket's parameters for its events, and emit its
         "waiting for gradients" span, from its first gradient hook of the step until now (its
         submission), the part of backward that its communication can overlap."""
-        tl = self._engine.timeline
-        if tl is None:
+        if not timeline.running():
             return
         _describe(bucket)   # again: another optimizer's buckets may have the same names
         start = self._first_gradient_at.get(bucket.index)
         if start is not None:
-            tl.span(bucket.name, "waiting for gradients", start, time.perf_counter())
+            timeline.add_span(bucket.name, "waiting for gradients", start, time.perf_counter())
 
     # ------------------------------------------------------------ public methods
 
@@ -227,7 +228,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._reset_step()
         self._steps_taken += 1
         if self._consistency_every and self._steps_taken % self._consistency_every == 0:
-            check_consistency(self._named, name=f"check_consistency.step{self._steps_taken}")
+            check_consistency(self._named, name=f"check_consistency.step{self._steps_taken}",
+                              process_set=self._process_set)
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -262,18 +264,21 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
                          compression: type[Compressor] = Compression.none,
                          backward_passes_per_step: int = 1, op: Any = Average,
-                         gradient_predivide_factor: float = 1.0, groups: Any = None,
-                         sparse_as_dense: bool = False, gradient_as_bucket_view: bool = False,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups: Any = None, sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set,
+                         gradient_as_bucket_view: bool = False,
                          fusion_threshold: Optional[int] = None,
                          first_bucket_bytes: Optional[int] = None) -> torch.optim.Optimizer:
-    """Wrap `optimizer` so that step() uses gradients averaged over all ranks.
+    """Wrap `optimizer` so that step() uses gradients averaged over the process set's ranks
+    (Horovod's signature, then ours).
 
     `gradient_as_bucket_view=True` makes each .grad a view into its bucket's buffer (as DDP's
     option of that name): no pack/unpack copies, and zero_grad() zeroes the buckets in place.
     A parameter alone in its bucket (a layer above the fusion threshold, say) is reduced in
     place in its .grad either way, with no buffer.
     `groups`: an int (that many buckets of about equal parameter count) or lists of parameters
-    that each travel as one bucket.
+    that each travel as one bucket; `num_groups` is Horovod's older spelling of an int `groups`.
     """
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                {k: v for k, v in _DistributedOptimizer.__dict__.items()
@@ -281,8 +286,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)   # share param_groups, state, defaults, hooks
     wrapped._setup(named_parameters, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor, groups, sparse_as_dense, gradient_as_bucket_view,
-                   fusion_threshold, first_bucket_bytes)
+                   gradient_predivide_factor, groups if groups is not None or not num_groups
+                   else num_groups, sparse_as_dense, gradient_as_bucket_view, fusion_threshold,
+                   first_bucket_bytes, process_set)
     return wrapped
 
 

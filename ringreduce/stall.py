@@ -1,35 +1,35 @@
 """Stall watch: a rank waiting for others to join a collective says who is missing, and why.
 
-Each rank publishes how many collectives it has begun in a one-integer MPI window. A rank that
-has waited `stall_check_time` seconds in a collective reads every rank's count (one-sided, so
-the missing ranks need not cooperate), logs which ranks have not reached the collective and
-the last one they did reach, and after `stall_shutdown_time` aborts the job with that message.
+Each rank publishes how many collectives it has begun on a process set in a one-integer MPI
+window of that set. A rank that has waited `stall_check_time` seconds in a collective reads every
+member's count (one-sided, so the missing ranks need not cooperate), logs which ranks have not
+reached the collective and the last one they did reach, and after `stall_shutdown_time` hands
+that message to its `on_shutdown` (which ends the job).
 """
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
+
+from .mpi import mpi
 
 log = logging.getLogger("ringreduce")
 _BUSY_SECONDS = 0.00005  # poll flat out this long (as MPI does): a peer is usually close
 _YIELD_SECONDS = 0.001   # then yield the core between polls (oversubscribed ranks), then sleep
+_REMEMBERED = 4096       # the descriptions of this many recent collectives, for stall reports
 
 
 class ProgressBoard:
     """Every rank's count of collectives begun, readable by all through one-sided MPI."""
 
     def __init__(self, comm: Any) -> None:
-        from mpi4py import MPI
-
-        self._mpi = MPI
         self.comm = comm
-        self.win = MPI.Win.Allocate(8, disp_unit=8, comm=comm)
+        self.win = mpi().Win.Allocate(8, disp_unit=8, comm=comm)
         self.mine = np.frombuffer(self.win.tomemory(), dtype=np.int64)
         self.mine[0] = 0
         comm.Barrier()
@@ -61,21 +61,30 @@ class ProgressBoard:
 
 
 class StallWatch:
-    def __init__(self, comm: Any, check_time: float, shutdown_time: float) -> None:
+    """Counts the collectives begun on one process set and waits for its members, reporting
+    stalls. `ranks` are the members' global ranks (for messages), `where` names the set."""
+
+    def __init__(self, comm: Any, check_time: float, shutdown_time: float,
+                 on_shutdown: Callable[[str], None], ranks: Sequence[int], where: str) -> None:
         self.comm = comm
         self.check_time = check_time
         self.shutdown_time = shutdown_time
+        self.on_shutdown = on_shutdown
+        self.ranks = list(ranks)
+        self.where = where
         self.board = ProgressBoard(comm) if comm.size > 1 else None
         self.begun = 0
-        self._names: collections.OrderedDict[int, Any] = collections.OrderedDict()
+        self._recent: list[tuple[int, Any]] = [(0, "")] * _REMEMBERED   # (count, description)
+
+    def free(self) -> None:
+        if self.board is not None:
+            self.board.free()
 
     def begin(self, description: Any) -> int:
-        """Count one more collective begun on this rank, and remember what it was (a string, or
-        a callable making one: formatted only if a stall is reported)."""
+        """Count one more collective begun on this rank, and remember what it was (a callable
+        making its name, or an object whose str() is: formatted only if a stall is reported)."""
         self.begun += 1
-        self._names[self.begun] = description
-        if len(self._names) > 10_000:
-            self._names.popitem(last=False)
+        self._recent[self.begun % _REMEMBERED] = (self.begun, description)
         if self.board is not None:
             self.board.publish(self.begun)
         return self.begun
@@ -99,27 +108,28 @@ class StallWatch:
                 log.warning(message)
                 next_report = now + self.check_time
                 if self.shutdown_time > 0 and now - start >= self.shutdown_time:
-                    from .world import abort
-
-                    abort(message + f" Shutting the job down after {self.shutdown_time:g} s "
-                          "(RINGREDUCE_STALL_SHUTDOWN_TIME).")
+                    self.on_shutdown(f"{message} Shutting the job down after "
+                                     f"{self.shutdown_time:g} s (RINGREDUCE_STALL_SHUTDOWN_TIME).")
 
     def _name(self, count: int) -> str:
-        description = self._names.get(count, "")
-        return description() if callable(description) else description
+        remembered, description = self._recent[count % _REMEMBERED]
+        if remembered != count:
+            return ""
+        return description() if callable(description) else str(description)
 
     def describe(self, waited: float) -> str:
-        where = (f"ringreduce: stall: rank {self.comm.rank} has waited {waited:.0f} s in "
-                 f"collective #{self.begun} {self._name(self.begun)}")
+        where = (f"ringreduce: stall: rank {self.ranks[self.comm.rank]} has waited {waited:.0f} s "
+                 f"in collective #{self.begun} {self._name(self.begun)}{self.where}")
         counts = self.board.read_all(timeout=2.0) if self.board is not None else None
         if counts is None:
             return (where + ", and some rank does not answer at all (stuck in native code, or "
                     "its process is gone).")
-        missing = [r for r, c in enumerate(counts) if c < self.begun]
-        if not missing:
+        late = [r for r, c in enumerate(counts) if c < self.begun]
+        if not late:
             return where + "; every rank has begun it, so a rank is slow or stuck inside it."
-        behind = "; ".join(f"rank {r} last began #{c} {self._name(int(c))}".rstrip()
-                           for r, c in zip(missing, counts[missing]))
+        missing = [self.ranks[r] for r in late]
+        behind = "; ".join(f"rank {self.ranks[r]} last began #{c} {self._name(int(c))}".rstrip()
+                           for r, c in zip(late, counts[late]))
         return (f"{where}, which ranks {missing} have not submitted ({behind}). Those ranks are "
                 "stuck in their own code, or submit collectives in a different order or number "
                 "than the others.")

@@ -12,11 +12,19 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .collectives import Sum, allreduce
-from .world import world
+from .process_sets import ProcessSet, active, global_process_set
 
 
 class SyncBatchNorm(_BatchNorm):
-    """Drop-in for torch.nn.BatchNorm{1,2,3}d (Horovod's `hvd.SyncBatchNorm`)."""
+    """Drop-in for torch.nn.BatchNorm{1,2,3}d (Horovod's `hvd.SyncBatchNorm`), with statistics
+    over the members of `process_set`."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1,
+                 affine: bool = True, track_running_stats: bool = True,
+                 process_set: ProcessSet = global_process_set, device=None,
+                 dtype=None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self.process_set = process_set
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -28,12 +36,12 @@ class SyncBatchNorm(_BatchNorm):
         if not self.training and self.track_running_stats:
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight,
                                 self.bias, False, 0.0, self.eps)
-        world("SyncBatchNorm.forward()")
+        active(self.process_set, "SyncBatchNorm.forward()")
         channels = input.shape[1]
         dims = [0] + list(range(2, input.dim()))
         count = torch.tensor([input.numel() / channels], dtype=input.dtype)
         local = torch.cat([input.sum(dims), (input * input).sum(dims), count])
-        total = allreduce(local, op=Sum, name=None)
+        total = allreduce(local, op=Sum, process_set=self.process_set)
         n = total[-1]
         mean = total[:channels] / n
         var = total[channels:2 * channels] / n - mean * mean

@@ -1,4 +1,5 @@
-"""A per-rank timeline of every collective's phases, as a Chrome-trace / Perfetto JSON file.
+"""A per-rank timeline of every collective's phases, as a Chrome-trace / Perfetto JSON file, and
+the one place where collectives report their phases (`record`, `span`).
 
 `RINGREDUCE_TIMELINE=path.json` (or `init(timeline=...)`, or `start_timeline(path)` at runtime)
 makes each rank write its own file: `{rank}` in the path is replaced by the rank, else rank r
@@ -18,17 +19,18 @@ A killed process therefore loses at most its last unflushed second of events; if
 middle of a flush the file ends in a truncated event, which Perfetto still loads (its JSON
 importer reads events one by one and ignores an incomplete tail) and which the report script
 skips. `stop_timeline()`, `shutdown()` and exit flush everything.
+
+Besides the file, `events` can be set to a list that collects every instant (tests read it).
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import contextlib
 import threading
 import time
-from typing import Any, Optional
-
-from .world import world
+from typing import Any, Iterator, Optional
 
 FLUSH_EVENTS = 1000
 FLUSH_SECONDS = 1.0
@@ -56,7 +58,7 @@ def rank_path(path: str, rank: int) -> str:
 
 
 class Timeline:
-    """Writes one rank's events to `path`; implements the engine's `instant` and `span`."""
+    """Writes one rank's events to `path`."""
 
     def __init__(self, path: str, rank: int) -> None:
         self.path = path
@@ -135,29 +137,55 @@ class Timeline:
         return out
 
 
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Start writing this rank's timeline to `file_path` (see `rank_path`); a running one is
-    stopped first. Every rank must call it for a complete picture, but it is not collective.
-
-    `mark_cycles` is accepted for Horovod compatibility and ignored: ringreduce has no
-    background negotiation cycles to mark (each collective is negotiated when it runs).
-    """
-    w = world("start_timeline()")
-    stop_timeline()
-    w.engine.timeline = Timeline(rank_path(file_path, w.comm.rank), w.comm.rank)
+_current: Optional[Timeline] = None
+events: Optional[list[tuple[float, str, str]]] = None   # set to a list to collect instants
 
 
-def stop_timeline() -> None:
-    """Stop and close this rank's timeline, if one runs. Collectives already submitted finish
-    first (the switch runs in the engine's order), so no engine-thread span is cut in half."""
-    w = world("stop_timeline()")
-    if w.engine.timeline is None:
+def record(name: str, phase: str) -> None:
+    """Note an instant in a collective's life; free when nobody listens."""
+    if events is not None:
+        events.append((time.perf_counter(), name, phase))
+    timeline = _current    # read once: another thread may stop the timeline
+    if timeline is not None:
+        timeline.instant(name, phase)
+
+
+@contextlib.contextmanager
+def span(name: str, phase: str) -> Iterator[None]:
+    """Time a phase of a collective (pack, allreduce, unpack ...) while a timeline runs."""
+    timeline = _current
+    if timeline is None:
+        yield
         return
-    w.engine.run(f"timeline.stop.{id(w.engine.timeline)}", lambda: _detach(w.engine))
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timeline.span(name, phase, start, time.perf_counter())
 
 
-def _detach(engine: Any) -> None:
-    """Clear `engine.timeline` and close it (at shutdown, after the engine thread ended)."""
-    timeline, engine.timeline = engine.timeline, None
+def add_span(name: str, phase: str, start: float, end: float) -> None:
+    """A span measured by the caller (from `start` to `end`, perf_counter seconds)."""
+    timeline = _current
+    if timeline is not None:
+        timeline.span(name, phase, start, end)
+
+
+def running() -> bool:
+    return _current is not None
+
+
+def start(path: str, rank: int) -> None:
+    """Write this rank's timeline to `rank_path(path, rank)` from now on (a running one is
+    stopped first)."""
+    global _current
+    stop()
+    _current = Timeline(rank_path(path, rank), rank)
+
+
+def stop() -> None:
+    """Stop and close the running timeline, if any."""
+    global _current
+    timeline, _current = _current, None
     if timeline is not None:
         timeline.close()

@@ -1,161 +1,126 @@
-"""MPI start-up, ranks, the local (per node) and cross (per local rank) communicators, abort.
+"""MPI start-up and shut-down, the job's ranks and topology, the timeline switch, and abort.
 
-`init()` duplicates the user's communicator so our point-to-point traffic can never match a
-message of theirs, and asks for MPI_THREAD_MULTIPLE because the engine thread calls MPI while
-the training thread runs (only one of them at a time: the engine serialises all our traffic).
+`init()` duplicates the user's communicator so our traffic can never match a message of
+theirs, resolves the settings once, opens the global process set and any sets given, and
+makes an uncaught exception on any rank end the whole job instead of leaving the others
+waiting in a collective.
 """
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional, Union
 
-from . import config
-from .errors import NotInitializedError, RingReduceError
+from . import timeline
+from .config import Settings
+from .cuda import resolve_cuda_aware
+from .errors import RingReduceError
+from .mpi import mpi
+from .process_sets import ProcessSet, global_set, is_running, register_at_init, start, stop
 
 log = logging.getLogger("ringreduce")
-
-
-@dataclass
-class World:
-    comm: Any          # our private duplicate of the user's communicator
-    local: Any         # ranks on the same node
-    cross: Any         # ranks with the same local rank, one per node
-    engine: Any        # the Engine that serialises every collective
-
-
-_world: Optional[World] = None
 _init_lock = threading.Lock()
+_atexit_registered = False
 
 
-def _mpi():
-    """Import mpi4py.MPI asking for THREAD_MULTIPLE, unless the user already initialised MPI."""
-    import mpi4py
-
-    if "mpi4py.MPI" not in sys.modules:
-        mpi4py.rc.thread_level = "multiple"
-    from mpi4py import MPI
-
-    return MPI
-
-
-def init(comm: Any = None, **settings: Any) -> None:
+def init(comm: Any = None, process_sets: Union[None, str, Iterable[ProcessSet]] = None,
+         **settings: Any) -> None:
     """Start ringreduce on `comm` (default MPI.COMM_WORLD). Idempotent.
 
+    `process_sets`: ProcessSet objects to register now (they are ready for collectives when
+    init returns), or "dynamic" (accepted for Horovod; sets may always be added later).
     Keyword arguments override `RINGREDUCE_*` settings, e.g. `simulated_nodes=2`.
     """
-    global _world
+    global _atexit_registered
     with _init_lock:
-        if _world is not None:
+        if is_running():
             return
-        unknown = set(settings) - set(config.SETTINGS)
-        if unknown:
-            raise TypeError(f"ringreduce.init(): unknown setting(s) {sorted(unknown)}; known: "
-                            f"{sorted(config.SETTINGS)}")
-        resolved = {key: config.get(key, settings.get(key)) for key in config.SETTINGS}
-        MPI = _mpi()
-        level = MPI.Query_thread()
-        if level < MPI.THREAD_SERIALIZED:
+        resolved = Settings.load(**settings)
+        MPI = mpi()
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise RingReduceError(
-                "ringreduce: MPI was initialised with a thread level below MPI_THREAD_SERIALIZED; "
-                "ringreduce's engine thread needs at least that. Import ringreduce (or set "
+                "ringreduce: MPI was initialised below MPI_THREAD_MULTIPLE; ringreduce runs "
+                "collectives from its engine threads while yours run. Import ringreduce (or set "
                 "mpi4py.rc.thread_level = 'multiple') before importing mpi4py.MPI.")
-        base = MPI.COMM_WORLD if comm is None else comm
-        ours = base.Dup()
-        nodes = resolved["simulated_nodes"]
-        if nodes > 0:
-            local = ours.Split(color=ours.rank * min(nodes, ours.size) // ours.size, key=ours.rank)
-        else:
-            local = ours.Split_type(MPI.COMM_TYPE_SHARED, key=ours.rank)
-        cross = ours.Split(color=local.rank, key=ours.rank)
-
-        from .cuda import resolve_cuda_aware   # GPU path: the choice is made and logged once
-
-        resolved["cuda_aware"], how = resolve_cuda_aware(resolved["cuda_aware"], MPI, ours)
+        ours = (MPI.COMM_WORLD if comm is None else comm).Dup()
+        aware, how = resolve_cuda_aware(resolved.cuda_aware, MPI, ours)
+        resolved = dataclasses.replace(resolved, cuda_aware=aware)
         log.info("ringreduce: rank %d: CUDA-aware MPI: %s (%s)", ours.rank,
-                 "yes, device buffers go straight to MPI" if resolved["cuda_aware"]
+                 "yes, device buffers go straight to MPI" if aware
                  else "no, GPU buffers are staged through pinned host memory", how)
-
-        from .engine import Engine
-
-        engine = Engine(ours, resolved)
-        # Shared memory inside nodes needs the same rank count on every node, so that each
-        # local rank's chunk has the same size as its peers' on the other nodes.
-        uniform = len(set(ours.allgather(local.size))) == 1
-        if resolved["shared_memory"] and local.size > 1 and uniform:
-            from .shm import NodeShm
-
-            engine.node = NodeShm(local, cross, engine.negotiator.watch,
-                                  resolved["shared_small_bytes"], resolved["block_bytes"],
-                                  engine.scratch.get, resolved["segment_bytes"])
-            engine.negotiator.node = engine.node
-        _world = World(ours, local, cross, engine)
-        if resolved["abort_on_error"] and ours.size > 1:
+        nodes = min(resolved.simulated_nodes, ours.size)
+        size = ours.size
+        glob = start(ours, resolved, abort,
+                     (lambda rank: rank * nodes // size) if nodes > 0 else None)
+        if resolved.abort_on_error and ours.size > 1:
             _install_abort_hooks()
-        atexit.register(shutdown)
-        if resolved["timeline"]:
-            from .timeline import start_timeline
-
-            start_timeline(resolved["timeline"])
-        log.debug("rank %d/%d: local %d/%d, cross %d/%d, thread level %d", ours.rank, ours.size,
-                  local.rank, local.size, cross.rank, cross.size, level)
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+        if resolved.timeline:
+            timeline.start(resolved.timeline, ours.rank)
+        log.debug("rank %d/%d: local %d/%d, cross %d/%d", ours.rank, ours.size, glob.local.rank,
+                  glob.local.size, glob.cross.rank, glob.cross.size)
+    register_at_init(process_sets)
 
 
 def shutdown() -> None:
-    """Stop the engine and free our communicators. `init()` may be called again afterwards."""
-    global _world
+    """Finish what is queued, stop the engines and free our communicators. `init()` may be
+    called again afterwards."""
     with _init_lock:
-        world, _world = _world, None
-    if world is None:
-        return
-    world.engine.shutdown()
-    from .timeline import _detach
-
-    _detach(world.engine)      # after the engine thread ended: no event is cut off
-    for c in (world.cross, world.local, world.comm):
-        c.Free()
+        stop()              # each set's engine, window and communicators, the global one last
+        timeline.stop()     # after the engine threads ended: no event is cut off
 
 
 def is_initialized() -> bool:
-    return _world is not None
-
-
-def world(what: str = "this function") -> World:
-    """The running world, or a clear error naming what was called too early."""
-    if _world is None:
-        raise NotInitializedError(
-            f"ringreduce: {what} was called before ringreduce.init(); call init() first, "
-            "once per process, after importing ringreduce")
-    return _world
+    return is_running()
 
 
 def size() -> int:
-    return world("size()").comm.size
+    return global_set("size()").size
 
 
 def rank() -> int:
-    return world("rank()").comm.rank
+    return global_set("rank()").rank
 
 
 def local_size() -> int:
-    return world("local_size()").local.size
+    return global_set("local_size()").local.size
 
 
 def local_rank() -> int:
-    return world("local_rank()").local.rank
+    return global_set("local_rank()").local.rank
 
 
 def cross_size() -> int:
-    return world("cross_size()").cross.size
+    return global_set("cross_size()").cross.size
 
 
 def cross_rank() -> int:
-    return world("cross_rank()").cross.rank
+    return global_set("cross_rank()").cross.rank
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing this rank's timeline to `file_path` (see `timeline.rank_path`); a running
+    one is stopped first. Every rank must call it for a complete picture, but it is not
+    collective. `mark_cycles` is accepted for Horovod and ignored: ringreduce has no background
+    negotiation cycles to mark (each collective is negotiated when it runs)."""
+    glob = global_set("start_timeline()")
+    stop_timeline()
+    timeline.start(file_path, glob.ranks[glob.rank])
+
+
+def stop_timeline() -> None:
+    """Stop and close this rank's timeline, if one runs. Collectives already submitted on the
+    global set finish first (the switch runs in its order), so none of their spans is cut."""
+    glob = global_set("stop_timeline()")
+    if timeline.running():
+        glob.engine.run(f"timeline.stop.{time.monotonic_ns()}", timeline.stop)
 
 
 _ABORT_GRACE_SECONDS = 1.0   # lets the launcher forward our message before it kills the job
@@ -171,8 +136,7 @@ def abort(message: str, code: int = 1) -> None:
     sys.stderr.flush()
     sys.stdout.flush()
     time.sleep(_ABORT_GRACE_SECONDS)
-    MPI = _mpi()
-    MPI.COMM_WORLD.Abort(code)
+    mpi().COMM_WORLD.Abort(code)
 
 
 def _install_abort_hooks() -> None:
@@ -194,4 +158,4 @@ def _install_abort_hooks() -> None:
 
 
 def _rank_or_unknown() -> str:
-    return str(_world.comm.rank) if _world is not None else "?"
+    return str(rank()) if is_running() else "?"

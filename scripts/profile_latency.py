@@ -3,9 +3,9 @@
     mpiexec -n 2 python scripts/profile_latency.py [--bytes 4096] [--calls 3000]
 
 Each line adds one layer of ringreduce on top of the previous one, from MPI's own Allreduce and
-our bare shared-memory flag exchange, through the small allreduce in Python and in C and the
-general path's digest and engine ordering, to `hvd.allreduce` (which skips the general path for
-this case: checks, digest and exchange in C), so the differences show what each layer costs.
+our bare shared-memory signature exchange, through the node's small allreduce in C, the
+transport (which picks the way) and the engine's ordering, to `hvd.allreduce` (whose fast path
+skips the general path's checks for this case), so the differences show what each layer costs.
 Python's garbage collector is paused, so its occasional full collections (tens of milliseconds
 with torch loaded) do not blur the per-call costs. Needs ranks on one node.
 """
@@ -19,10 +19,11 @@ import torch
 import ringreduce as hvd
 from mpi4py import MPI  # noqa: E402  (after ringreduce: the thread level)
 
+from ringreduce import _native
 from ringreduce.buffers import as_array
-from ringreduce.collectives import allreduce_flat
-from ringreduce.kernels import combiner
-from ringreduce.world import world
+from ringreduce.process_sets import global_set
+from ringreduce.signature import digest
+from ringreduce.transport import ReduceSpec
 
 
 def main() -> None:
@@ -31,29 +32,26 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=3000)
     args = parser.parse_args()
     hvd.init()
-    comm, engine = MPI.COMM_WORLD, world().engine
-    node = engine.node
-    if node is None:
+    comm, glob = MPI.COMM_WORLD, global_set("profile_latency")
+    transport, node = glob.transport, glob.transport.node
+    if not transport.one_node:
         raise SystemExit("run it with 2 or more ranks on one node (shared memory on)")
     x = torch.zeros(args.bytes // 4)
     out = torch.empty_like(x)
     src, dst = as_array(x), as_array(out)
-    add = combiner(torch.float32, hvd.Sum)
+    src_address, dst_address = x.data_ptr(), out.data_ptr()
     signature = {"collective": "allreduce", "name": "profile", "op": "Sum", "prescale": 1.0,
                  "postscale": 1.0, "dtype": "float32", "shape": tuple(x.shape)}
+    spec = ReduceSpec(torch.float32, hvd.Sum, digest=digest(signature), signature=signature)
     layers = [
         ("MPI Allreduce (mpi4py)", lambda: comm.Allreduce(src, dst)),
-        ("shared-memory flag exchange", node._raise_flag_and_wait),
-        ("+ slots, header check, reduce (Python)", lambda: node.small_allreduce(
-            src, dst, add, None, 0, "profile", lambda: [])),
-        ("+ slots, header check, reduce (C)", lambda: node.native_small_allreduce(
-            src.ctypes.data, dst.ctypes.data, src.nbytes, src.size, 0, 1.0, 1.0, 0, "profile",
-            lambda: [])),
-        ("+ signature digest, dispatch", lambda: allreduce_flat(
-            engine, src, dst, torch.float32, hvd.Sum, signature=signature)),
-        ("+ engine ordering", lambda: engine.run("profile", lambda: allreduce_flat(
-            engine, src, dst, torch.float32, hvd.Sum, signature=signature))),
-        ("hvd.allreduce (inline C path)", lambda: hvd.allreduce(x, op=hvd.Sum)),
+        ("shared-memory signature exchange", lambda: node.exchange_headers(0, 0)),
+        ("+ data in slots, reduce (C)", lambda: node.small(
+            src_address, dst_address, x.nbytes, x.numel(), _native.F32, hvd.Sum, 1.0, 1.0, 0)),
+        ("+ transport (picks the way)", lambda: transport.allreduce(x, out, spec)),
+        ("+ engine ordering", lambda: glob.engine.run(
+            "profile", lambda: transport.allreduce(x, out, spec))),
+        ("hvd.allreduce (fast path)", lambda: hvd.allreduce(x, op=hvd.Sum)),
         ("hvd.allreduce_ (in place)", lambda: hvd.allreduce_(x, op=hvd.Sum)),
     ]
     gc.disable()

@@ -104,11 +104,12 @@ def check_inline_and_queued_small_allreduce_agree():
     idle, and through the engine's queue on a rank with work in flight: both ways must agree on
     the signature and on the bits. Each round another rank is the busy one."""
     from ringreduce.collectives import _small_allreduce
-    from ringreduce.world import world as current
+    from ringreduce.process_sets import global_set
 
-    node = current().engine.node
-    if node is not None and node.native and node.cross.size == 1 and node.fits_small(16):
-        assert _small_allreduce(torch.ones(4), "inline.probe", hvd.Sum, 1.0, False) is not None
+    transport = global_set("test").transport
+    if transport.one_node and transport.node.fits_small(16):
+        assert _small_allreduce(torch.ones(4), "inline.probe", hvd.Sum, 1.0, False,
+                                hvd.global_process_set) is not None
     for i, (dtype, op, post) in enumerate([(torch.float32, hvd.Average, 1.0),
                                            (torch.float64, hvd.Sum, 0.5),
                                            (torch.int64, hvd.Sum, 1.0),

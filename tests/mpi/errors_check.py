@@ -60,10 +60,10 @@ expect(ValueError, ["'rs0'", "at least one dimension"], hvd.reducescatter, torch
 # event so that "in flight" is certain, not a race).
 import threading
 
-from ringreduce.world import world
+from ringreduce.process_sets import global_set
 
 release = threading.Event()
-blocker = world().engine.submit("test.blocker", release.wait)
+blocker = global_set("test").engine.submit("test.blocker", release.wait)
 h = hvd.allreduce_async(torch.ones(1000), name="dup")
 expect(ValueError, ["'dup'", "in flight", here], hvd.allreduce_async, torch.ones(3), name="dup")
 assert not hvd.poll(h)

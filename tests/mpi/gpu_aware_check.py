@@ -6,10 +6,10 @@ import sys
 logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
 
 import ringreduce as hvd  # noqa: E402
-from ringreduce.world import world  # noqa: E402
+from ringreduce.process_sets import global_set  # noqa: E402
 
 hvd.init()
-print(f"setting {world().engine.settings['cuda_aware']}", flush=True)
+print(f"setting {global_set('test').transport.settings.cuda_aware}", flush=True)
 rank = hvd.rank()
 hvd.shutdown()
 print(f"OK rank {rank}", flush=True)

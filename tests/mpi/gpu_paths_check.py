@@ -95,7 +95,7 @@ cupy = types.ModuleType("cupy")
 for ufunc in ("add", "minimum", "maximum", "multiply", "floor_divide"):
     setattr(cupy, ufunc, getattr(np, ufunc))
 cupy.empty = lambda count, dtype: on_device(np.empty(count, dtype))
-cupy.RawModule = lambda code: types.SimpleNamespace(get_function=half_kernel)
+cupy.RawModule = lambda code, options=(): types.SimpleNamespace(get_function=half_kernel)
 cupy.cuda = types.SimpleNamespace(Device=Context, Stream=Stream, runtime=types.SimpleNamespace(
     memcpyDeviceToHost=2, memcpyHostToDevice=1,
     memcpyAsync=lambda target, source, size, kind, stream: ctypes.memmove(target, source, size)))
@@ -108,13 +108,15 @@ torch.cuda.current_stream = lambda device=None: TorchStream()
 import ringreduce as hvd  # noqa: E402
 from ringreduce import cuda  # noqa: E402
 from ringreduce.buffers import as_array, as_tensor  # noqa: E402
-from ringreduce.world import world  # noqa: E402
+from ringreduce.process_sets import global_set  # noqa: E402
+from ringreduce.transport import ReduceSpec  # noqa: E402
 
 aware = sys.argv[1] == "1"
 if len(sys.argv) > 2:
     cuda.STAGING_PIECE_BYTES = int(sys.argv[2])
 hvd.init(cuda_aware=aware)
-engine = world().engine
+transport = global_set("test").transport
+settings = transport.settings
 r, n = hvd.rank(), hvd.size()
 
 
@@ -140,7 +142,10 @@ for dtype in (torch.uint8, torch.int32, torch.float16, torch.bfloat16, torch.flo
         for length in (0, 1, 17, 5000, 300_001):
             pre, post = (2.0, 0.5) if dtype.is_floating_point else (1.0, 1.0)
             array = on_device(as_array(inputs(r, length, dtype, op)))
-            cuda.reduce_device(engine, array, dtype, op, pre, post)
+            # as Transport._device does for a CUDA tensor (this "device" memory is NumPy's)
+            cuda.reduce_device(array, dtype, op, pre, post, transport.comm, aware,
+                               settings.small_message_bytes, settings.segment_bytes,
+                               transport._host_pieces(ReduceSpec(dtype, op, pre, post)))
             got = as_tensor(np.asarray(array), dtype)
             want = reference(length, dtype, op, pre, post)
             what = f"{dtype} {op.name} length {length}"

@@ -7,7 +7,7 @@ from mpi4py import MPI
 
 import ringreduce as hvd
 from models import Net
-from ringreduce.world import world
+from ringreduce import timeline
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -210,16 +210,15 @@ def check_overlap():
     model = fresh_model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    model.named_parameters(), **SMALL_BUCKETS)
-    engine = world().engine
-    engine.events = []
+    timeline.events = []
     # conv.weight is registered first, so its gradient is among the last of backward
     model.conv.weight.register_post_accumulate_grad_hook(
-        lambda p: engine.record("conv.weight", "gradient ready"))
+        lambda p: timeline.record("conv.weight", "gradient ready"))
     x, y = data(0)
     F.cross_entropy(model(shard(x)), shard(y)).backward()
     opt.step()
-    events = [(name, phase) for _, name, phase in engine.events]
-    engine.events = None
+    events = [(name, phase) for _, name, phase in timeline.events]
+    timeline.events = None
     first = events.index(("bucket.0", "submitted"))
     last_grad = events.index(("conv.weight", "gradient ready"))
     assert first < last_grad, events

@@ -1,0 +1,33 @@
+/* The numbers that C (kernels.c, node.c), CUDA (half.cu) and Python share, in one place.
+ * Python reads them from ringreduce._native (module.c exports each one); CuPy compiles the CUDA
+ * kernels with this folder on the include path. Plain definitions only, so NVRTC can read it. */
+#ifndef RINGREDUCE_CONSTANTS_H
+#define RINGREDUCE_CONSTANTS_H
+
+/* Reduction ops, numbered as Horovod's ReduceOp (ringreduce.ReduceOp takes these values). */
+#define RR_OP_AVERAGE 0
+#define RR_OP_SUM 1
+#define RR_OP_ADASUM 2
+#define RR_OP_MIN 3
+#define RR_OP_MAX 4
+#define RR_OP_PRODUCT 5
+
+/* Element types (ringreduce.buffers.DTYPES maps torch dtypes to these). */
+#define RR_U8 0
+#define RR_I8 1
+#define RR_I16 2
+#define RR_I32 3
+#define RR_I64 4
+#define RR_F16 5
+#define RR_BF16 6
+#define RR_F32 7
+#define RR_F64 8
+#define RR_DTYPES 9
+
+/* The node's shared segments: flags and headers each on a cache line of their own, slots and
+ * staging areas on whole pages with a page of room (data sits at its source's page offset). */
+#define RR_LINE 64
+#define RR_PAGE 4096
+#define RR_HEADER_WORDS 4   /* digest, byte count, per-rank value, spare */
+
+#endif

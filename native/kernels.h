@@ -1,0 +1,26 @@
+/* The CPU reduction kernels of kernels.c, for node.c and module.c (and, through ctypes, for
+ * ringreduce/kernels.py). dtype and op codes are constants.h's RR_* values. */
+#ifndef RINGREDUCE_KERNELS_H
+#define RINGREDUCE_KERNELS_H
+#include <stddef.h>
+#include <stdint.h>
+
+/* out = a op b over n elements (out may alias a or b). With `last`, the result is finished as
+ * rr_finish does, in the same pass where a fused kernel exists. 0, or -1 for an unknown
+ * dtype or op. */
+int rr_combine(int dtype, int op, const void *a, const void *b, void *out, size_t n, int last,
+               double divisor, double scale);
+
+/* In place: x = x / divisor * scale, each step skipped when its factor is 1. Floats compute in
+ * their own precision (float32 for the 16-bit types, rounded once); integers take floor
+ * division, then the scale in float64, truncated back (as Horovod scales integers). */
+int rr_finish(int dtype, void *x, size_t n, double divisor, double scale);
+
+size_t rr_dtype_size(int dtype);
+
+/* The compression casts. */
+void rr_f32_to_bf16(const float *in, uint16_t *out, size_t n);
+void rr_bf16_to_f32(const uint16_t *in, float *out, size_t n);
+void rr_f32_to_f16(const float *in, uint16_t *out, size_t n);
+void rr_f16_to_f32(const uint16_t *in, float *out, size_t n);
+#endif

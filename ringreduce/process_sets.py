@@ -1,0 +1,348 @@
+"""Process sets, with Horovod's API: the unit that collectives run on.
+
+A `ProcessSet` names some of the job's ranks (a list of global ranks, or an mpi4py communicator
+that holds them). Registering sets is collective over every rank of the job (`init(process_sets=
+...)`, `add_process_set`, `remove_process_set`), so every rank knows every set under the same id.
+Each member of a registered set holds an `ActiveSet`: the set's own communicator and node split,
+its transport (shared-memory window, signature check, stall watch) and its engine (ordering and
+thread), so sets progress independently of each other. `global_process_set` holds every rank.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import numpy as np
+
+from .config import Settings
+from .engine import Engine
+from .errors import NotInitializedError
+from .mpi import mpi
+from .stall import StallWatch
+from .transport import Transport
+
+
+def _is_comm(value: Any) -> bool:
+    return type(value).__module__ == "mpi4py.MPI" and hasattr(value, "Get_group")
+
+
+class ProcessSet:
+    """A set of ranks that runs collectives together. Pass it to `init(process_sets=[...])` or
+    `add_process_set`, then as `process_set=` to collectives. Roots stay global ranks."""
+
+    process_set_id: Optional[int] = None
+    ranks: Optional[list[int]] = None
+    mpi_comm: Any = None
+
+    def __init__(self, ranks_or_comm: Union[Sequence[int], Any]) -> None:
+        if _is_comm(ranks_or_comm):
+            self.mpi_comm = ranks_or_comm
+            return
+        try:
+            ranks = sorted(ranks_or_comm)
+        except TypeError:
+            raise ValueError("ringreduce: ProcessSet takes a list of process ranks or an mpi4py "
+                             f"communicator, not {type(ranks_or_comm).__name__}") from None
+        if any(isinstance(r, bool) or not isinstance(r, (int, np.integer)) for r in ranks):
+            raise ValueError(f"ringreduce: ProcessSet ranks must be integers, got {ranks!r}")
+        self.ranks = [int(r) for r in ranks]
+
+    def size(self) -> Optional[int]:
+        """How many ranks the set holds; None until it is registered."""
+        return None if self.process_set_id is None else len(self.ranks)
+
+    def rank(self) -> Optional[int]:
+        """This process's rank within the set (its index in `ranks`); None until registered.
+        (Collectives still take global root ranks.)"""
+        if self.process_set_id is None:
+            return None
+        me = _state("ProcessSet.rank()").rank
+        if me not in self.ranks:
+            raise ValueError(f"ringreduce: rank {me} is not part of process set "
+                             f"{self.process_set_id} (ranks {self.ranks})")
+        return self.ranks.index(me)
+
+    def included(self) -> Optional[bool]:
+        """Whether this process belongs to the set; None while its ranks are unknown."""
+        if self.ranks is None:
+            return None
+        return _state("ProcessSet.included()").rank in self.ranks
+
+    def _invalidate(self) -> None:
+        self.process_set_id = None
+
+    def __str__(self) -> str:
+        return (f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, "
+                f"mpi_comm={self.mpi_comm})")
+
+    __repr__ = __str__
+
+
+global_process_set = ProcessSet([])
+global_process_set.process_set_id = 0
+
+
+class ActiveSet:
+    """A registered set as one of its members holds it: its communicator, topology, transport
+    and engine, and the counter of its automatic collective names."""
+
+    def __init__(self, set_id: int, ranks: Sequence[int], comm: Any, settings: Settings,
+                 abort: Callable[[str], None], node_of: Optional[Callable[[int], int]]) -> None:
+        self.id, self.ranks, self.comm = set_id, list(ranks), comm
+        self.rank, self.size = comm.rank, comm.size
+        if node_of is not None:    # simulated nodes, by global rank
+            self.local = comm.Split(color=node_of(self.ranks[comm.rank]), key=comm.rank)
+        else:
+            self.local = comm.Split_type(mpi().COMM_TYPE_SHARED, key=comm.rank)
+        self.cross = comm.Split(color=self.local.rank, key=comm.rank)
+        where = "" if set_id == 0 else f" on process set {set_id} (ranks {self.ranks})"
+        watch = StallWatch(comm, settings.stall_check_time, settings.stall_shutdown_time, abort,
+                           self.ranks, where)
+        self.transport = Transport(comm, self.local, self.cross, settings, watch, self.ranks)
+        self.engine = Engine(f"ringreduce-set{set_id}", self.ranks[comm.rank], comm.Iprobe)
+        self._names = itertools.count()
+
+    def auto_name(self, kind: str) -> str:
+        """Automatic names count per set: members that call in the same order agree on them."""
+        return f"{kind}.noname.{next(self._names)}"
+
+    def root(self, root_rank: Any, what: str, name: str) -> int:
+        """The set rank of global rank `root_rank`, or a clear error."""
+        if isinstance(root_rank, (int, np.integer)) and not isinstance(root_rank, bool):
+            if int(root_rank) in self.ranks:
+                return self.ranks.index(int(root_rank))
+        scope = (f"this job (0..{self.size - 1})" if self.id == 0
+                 else f"process set {self.id} (ranks {self.ranks})")
+        raise ValueError(f"ringreduce: {what} of tensor '{name}' on rank "
+                         f"{self.ranks[self.rank]}: root_rank {root_rank!r} is not a rank of "
+                         f"{scope}")
+
+    def close(self) -> None:
+        """Run what is queued, then free the set's window, board and communicators (collective
+        over the set's members)."""
+        self.engine.shutdown()
+        self.transport.free()
+        for comm in (self.cross, self.local, self.comm):
+            comm.Free()
+
+
+@dataclass
+class _Job:
+    """What this process knows of the running job: its global communicator and the sets."""
+    comm: Any
+    rank: int
+    size: int
+    settings: Settings
+    abort: Callable[[str], None]
+    node_of: Optional[Callable[[int], int]]
+    sets: dict[int, ProcessSet]         # every registered set, by id (the same on every rank)
+    active: dict[int, ActiveSet]        # the sets this rank belongs to
+    next_id: int = 1
+
+
+_job: Optional[_Job] = None
+
+
+def _state(what: str) -> _Job:
+    if _job is None:
+        raise NotInitializedError(
+            f"ringreduce: {what} was called before ringreduce.init(); call init() first, once "
+            "per process, after importing ringreduce")
+    return _job
+
+
+def start(comm: Any, settings: Settings, abort: Callable[[str], None],
+          node_of: Optional[Callable[[int], int]]) -> ActiveSet:
+    """Open the global set on `comm` (ours to keep); returns it."""
+    global _job
+    ranks = list(range(comm.size))
+    job = _Job(comm, comm.rank, comm.size, settings, abort, node_of, {0: global_process_set}, {})
+    job.active[0] = ActiveSet(0, ranks, comm, settings, abort, node_of)
+    global_process_set.ranks = ranks
+    _job = job
+    return job.active[0]
+
+
+def stop() -> None:
+    """Close every set this rank belongs to (the global one last) and forget them all."""
+    global _job
+    job, _job = _job, None
+    if job is None:
+        return
+    for set_id in sorted(job.active, reverse=True):
+        job.active[set_id].close()
+    for set_id, process_set in job.sets.items():
+        if set_id != 0:
+            process_set._invalidate()
+
+
+def active(process_set: ProcessSet, what: str) -> ActiveSet:
+    """The set a collective runs on, or a clear error (before any traffic) when this rank is not
+    a member or the set is not registered."""
+    job = _job
+    if job is None:
+        _state(what)
+    if process_set is global_process_set:
+        return job.active[0]
+    if not isinstance(process_set, ProcessSet):
+        raise ValueError(f"ringreduce: {what} on rank {job.rank}: process_set must be a "
+                         f"ringreduce.ProcessSet, not {type(process_set).__name__}")
+    set_id = process_set.process_set_id
+    if set_id is None or set_id not in job.sets:
+        raise ValueError(f"ringreduce: {what} on rank {job.rank}: {process_set} is not "
+                         "registered; pass it to init(process_sets=[...]) or add_process_set() "
+                         "first")
+    if set_id not in job.active:
+        raise ValueError(f"ringreduce: {what} on rank {job.rank}: this rank is not in process "
+                         f"set {set_id} (ranks {job.sets[set_id].ranks})")
+    return job.active[set_id]
+
+
+# ---------------------------------------------------------------------- registering sets
+
+def _checked_ranks(ranks: Sequence[int], job: _Job, what: str) -> tuple[int, ...]:
+    bad = [r for r in ranks if not 0 <= r < job.size]
+    if not ranks or bad or len(set(ranks)) != len(ranks):
+        raise ValueError(f"ringreduce: {what}: invalid rank list {list(ranks)}: give distinct "
+                         f"ranks of this job (0..{job.size - 1})")
+    return tuple(ranks)
+
+
+def _existing(job: _Job, ranks: Sequence[int]) -> Optional[int]:
+    for set_id, process_set in job.sets.items():
+        if list(process_set.ranks) == list(ranks):
+            return set_id
+    return None
+
+
+def _comm_ranks(comm: Any, job: _Job) -> tuple[int, ...]:
+    """The global ranks of an mpi4py communicator's processes."""
+    group, everyone = comm.Get_group(), job.comm.Get_group()
+    try:
+        ranks = mpi().Group.Translate_ranks(group, list(range(comm.size)), everyone)
+    finally:
+        group.Free()
+        everyone.Free()
+    if any(r < 0 for r in ranks):
+        raise ValueError("ringreduce: a ProcessSet's communicator holds processes outside the "
+                         "communicator ringreduce was initialised on")
+    return tuple(sorted(ranks))
+
+
+def _create(job: _Job, ranks: Sequence[int]) -> ProcessSet:
+    """Register one set (collective over every rank of the job, all in the same order)."""
+    MPI = mpi()
+    everyone = job.comm.Get_group()
+    members = everyone.Incl(list(ranks))
+    comm = job.comm.Create(members)
+    members.Free()
+    everyone.Free()
+    set_id, job.next_id = job.next_id, job.next_id + 1
+    process_set = ProcessSet(ranks)
+    process_set.process_set_id = set_id
+    job.sets[set_id] = process_set
+    if comm != MPI.COMM_NULL:
+        job.active[set_id] = ActiveSet(set_id, ranks, comm, job.settings, job.abort,
+                                       job.node_of)
+    return process_set
+
+
+def _register(job: _Job, wanted: Sequence[ProcessSet], what: str) -> None:
+    """Register `wanted` (collective: every rank passes the same rank lists, and communicators
+    whose rank lists may differ per rank) and give each its id. Sets from communicators come
+    first, every distinct one that some rank holds, then the rank lists in order, as Horovod's.
+    An entry whose ranks were registered before, or given twice, is a duplicate: ValueError."""
+    from_comm = [ps for ps in wanted if ps.ranks is None]
+    lists = [_checked_ranks(ps.ranks, job, what) for ps in wanted if ps.ranks is not None]
+    mine = {id(ps): _comm_ranks(ps.mpi_comm, job) for ps in from_comm}
+    before = set(job.sets)
+    glob = job.active[0]
+
+    def work() -> None:
+        glob.transport.check({"collective": what, "name": what, "rank lists": tuple(lists),
+                              "communicators": len(from_comm)})
+        held = glob.transport.allgather_object(tuple(mine.values()),
+                                               {"collective": what, "name": "communicators"})
+        for ranks in sorted({r for per_rank in held for r in per_rank}) + lists:
+            if _existing(job, ranks) is None:
+                _create(job, ranks)
+
+    glob.engine.run(what, work)
+    duplicates, seen = [], set()
+    for index, ps in enumerate(wanted):
+        ranks = list(ps.ranks if ps.ranks is not None else mine[id(ps)])
+        set_id = _existing(job, ranks)
+        if set_id in before or set_id in seen:
+            duplicates.append(f"entry {index}: ranks {ranks}")
+            continue
+        seen.add(set_id)
+        ps.ranks, ps.process_set_id = ranks, set_id
+    if duplicates:
+        raise ValueError(f"ringreduce: {what}: duplicate process sets ({'; '.join(duplicates)});"
+                         " a set with the same ranks is registered already")
+
+
+def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
+    """Register a set, collectively on every rank of the job (each passing the same ranks, or
+    its own communicator of a split), and return it ready for collectives."""
+    job = _state("add_process_set()")
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps.process_set_id is not None:
+        raise ValueError(f"ringreduce: add_process_set(): {ps} is registered already")
+    if ps.ranks is not None:
+        ranks = _checked_ranks(ps.ranks, job, "add_process_set()")
+        if _existing(job, ranks) is not None:
+            raise ValueError(f"ringreduce: attempted to add a duplicate process set: {ps} has "
+                             f"the ranks of process set {_existing(job, ranks)}")
+    _register(job, [ps], "add_process_set")
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a set, collectively on every rank of the job; its members first finish what
+    they queued on it. False (and nothing happens) for the global set or an unknown one."""
+    job = _state("remove_process_set()")
+    set_id = process_set.process_set_id
+    if set_id is None or set_id == 0 or set_id not in job.sets:
+        return False
+    glob = job.active[0]
+
+    def work() -> None:
+        glob.transport.check({"collective": "remove_process_set", "name": "remove_process_set",
+                              "process set": set_id})
+        held = job.active.pop(set_id, None)
+        if held is not None:
+            held.close()
+        job.sets.pop(set_id)._invalidate()
+
+    glob.engine.run(f"remove_process_set.{set_id}", work)
+    process_set._invalidate()
+    return True
+
+
+def register_at_init(process_sets: Union[None, str, Iterable[ProcessSet]]) -> None:
+    """`init(process_sets=...)`: a list of sets, or "dynamic" (sets may be added later; here
+    they always may)."""
+    if process_sets is None or (isinstance(process_sets, str) and
+                                process_sets.lower() == "dynamic"):
+        return
+    wanted = list(process_sets)
+    if any(not isinstance(ps, ProcessSet) for ps in wanted):
+        raise ValueError("ringreduce: init(process_sets=...) takes a list of ProcessSet objects "
+                         "or 'dynamic'")
+    if wanted:
+        _register(_state("init()"), wanted, "init")
+
+
+def job_rank() -> int:
+    return _state("rank()").rank
+
+
+def global_set(what: str) -> ActiveSet:
+    """The global set (every rank), or NotInitializedError naming `what`."""
+    return _state(what).active[0]
+
+
+def is_running() -> bool:
+    return _job is not None

@@ -1,0 +1,57 @@
+"""What identifies a collective across ranks: its signature (kind, name, dtype, shape, op, scale
+factors, root ...), the 64-bit digest that ranks compare, and the messages built from it.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Any, Mapping, Sequence
+
+from . import _native
+
+Signature = Mapping[str, Any]
+ALLREDUCE_FIELDS = frozenset(("collective", "name", "op", "prescale", "postscale", "dtype",
+                              "shape"))
+
+
+def digest(signature: Signature) -> int:
+    """64 bits that equal across ranks exactly when the signatures do. A one-tensor allreduce,
+    the most frequent and the most latency-bound, is hashed in C field by field
+    (`allreduce_digest`), which the fast path calls directly without building the dictionary;
+    other signatures by two CRCs of their fields in sorted order (a real mismatch slips through
+    only if both collide)."""
+    if (signature.keys() == ALLREDUCE_FIELDS and signature["collective"] == "allreduce"
+            and isinstance(signature["name"], str)):
+        return _native.allreduce_digest(signature["name"], signature["op"], signature["dtype"],
+                                        tuple(signature["shape"]), float(signature["prescale"]),
+                                        float(signature["postscale"]))
+    text = repr(sorted(signature.items())).encode()
+    value = (zlib.crc32(text) << 32) | zlib.adler32(text)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def label(signature: Signature) -> str:
+    """How a stall report names a collective: kind, name, and a bucket's parameters."""
+    text = f"{signature.get('collective')} '{signature.get('name')}'"
+    params = signature.get("parameters")
+    if params:
+        shown = ", ".join(params[:8]) + (f", ... ({len(params)} in all)" if len(params) > 8 else "")
+        text += f" (parameters: {shown})"
+    return text
+
+
+def describe_mismatch(signatures: Sequence[Signature], ranks: Sequence[int]) -> str:
+    """Name the tensor, the first differing field, and what each rank (global rank `ranks[i]`
+    for signature i) submitted."""
+    fields = list(signatures[0])
+    fields += [k for s in signatures[1:] for k in s if k not in fields]
+    for field in fields:
+        values = [s.get(field) for s in signatures]
+        if any(v != values[0] for v in values):
+            break
+    names = sorted({str(s.get("name")) for s in signatures})
+    kinds = sorted({str(s.get("collective")) for s in signatures})
+    by_rank = "; ".join(f"rank {r}: {v!r}" for r, v in zip(ranks, values))
+    return (f"ringreduce: ranks disagree on {'/'.join(kinds)} of tensor "
+            f"{' / '.join(repr(n) for n in names)}: '{field}' differs ({by_rank}). Every rank "
+            "must submit the same collectives, in the same order, with the same shapes, dtypes, "
+            "ops and root rank.")

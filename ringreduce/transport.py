@@ -1,0 +1,320 @@
+"""How the bytes of one process set's collectives move: the one place that picks the way.
+
+`Transport.allreduce` takes a typed description of the reduction (`ReduceSpec`: dtype, op, scale
+factors, signature) and two tensors, and picks one way by where the buffer lives and where the
+set's members live:
+
+    a set of one rank        copy and scale
+    CUDA tensor              CUDA-aware MPI: our ring on device memory (cuda.py)
+                             otherwise: pieces staged through pinned host memory, each piece
+                             reduced by the host ways below
+    members share nodes      the node's shared-memory window, in C (shm.py, native/node.c):
+                             one slot per rank (small) or cache-sized blocks (large); across
+                             several nodes our ring between nodes runs on each reduced chunk
+    otherwise                MPI gather and reduce in rank order (small), our segmented ring
+                             reduce-scatter + allgather (large) (ring.py)
+
+The other collectives have one way each, over MPI, after the same signature check
+(negotiation.py). Every collective begins in the set's stall watch, which names the collective
+if the set stalls in it.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from . import _native, cuda, kernels, ring
+from .buffers import CODES, as_array, as_tensor, fresh
+from .config import Settings
+from .errors import MismatchError
+from .kernels import ReduceOp
+from .negotiation import Negotiator
+from .shm import NodeWindow
+from .signature import Signature, label
+from .stall import StallWatch
+
+
+class ReduceSpec:
+    """What a reduction computes, and how the ranks recognise it as the same collective.
+
+    `digest` is its signature's digest, or None when the signature was checked already (the
+    later dtype groups of a grouped allreduce). `signature` is the signature, or a function
+    that makes it: it is only needed for messages (mismatch, stall)."""
+
+    __slots__ = ("dtype", "code", "op", "prescale", "postscale", "digest", "signature")
+
+    def __init__(self, dtype: torch.dtype, op: ReduceOp, prescale: float = 1.0,
+                 postscale: float = 1.0, digest: Optional[int] = None,
+                 signature: Union[Signature, Callable[[], Signature], None] = None) -> None:
+        self.dtype, self.code, self.op = dtype, CODES[dtype], op
+        self.prescale, self.postscale = float(prescale), float(postscale)
+        self.digest, self.signature = digest, signature
+
+    def describe(self) -> Signature:
+        signature = self.signature
+        return (signature() if callable(signature) else signature) or {"collective": "allreduce"}
+
+    def __str__(self) -> str:
+        """How a stall report names the collective."""
+        return label(self.describe())
+
+    def unchecked(self) -> "ReduceSpec":
+        """The same reduction, for buffers whose signature was checked already."""
+        return ReduceSpec(self.dtype, self.op, self.prescale, self.postscale, None,
+                          self.signature)
+
+
+class ScratchPool:
+    """Reusable scratch memory, one growing block per purpose, so steady-state steps allocate
+    nothing. Only the thread running one of the set's collectives uses it."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[str, np.ndarray] = {}
+
+    def get(self, purpose: str, dtype: np.dtype, count: int) -> np.ndarray:
+        nbytes = count * dtype.itemsize
+        block = self._blocks.get(purpose)
+        if block is None or block.nbytes < nbytes:
+            block = self._blocks[purpose] = np.empty(max(nbytes, 64), dtype=np.uint8)
+        return block[:nbytes].view(dtype)
+
+
+def _scale(tensor: torch.Tensor, spec: ReduceSpec, divisor: float, scale: float) -> None:
+    """A contiguous CPU tensor divided by `divisor`, then multiplied by `scale`, in place."""
+    if divisor != 1.0 or scale != 1.0:
+        _native.finish(spec.code, tensor.data_ptr(), tensor.numel(), divisor, scale)
+
+
+class Transport:
+    """The ways of one process set: `comm` holds its members, `local` those on this rank's node,
+    `cross` those with the same local rank; `ranks` are the members' global ranks."""
+
+    def __init__(self, comm: Any, local: Any, cross: Any, settings: Settings,
+                 watch: StallWatch, ranks: Sequence[int]) -> None:
+        self.comm, self.cross, self.settings, self.watch = comm, cross, settings, watch
+        self.size = comm.size
+        # Shared memory needs the same member count on every node, so that each local rank's
+        # chunk has the same size as its peers' on the other nodes.
+        uniform = len(set(comm.allgather(local.size))) == 1
+        self.node = (NodeWindow(local, settings.shared_small_bytes, settings.block_bytes, watch)
+                     if settings.shared_memory and local.size > 1 and uniform else None)
+        self.one_node = self.node is not None and cross.size == 1
+        self.negotiator = Negotiator(comm, watch, ranks, self.node if self.one_node else None)
+        self.scratch = ScratchPool()
+
+    def free(self) -> None:
+        if self.node is not None:
+            self.node.free()
+        self.watch.free()
+
+    # ------------------------------------------------------------------ allreduce
+
+    def allreduce(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
+        """Allreduce `src` into `dst` (the same tensor, or a contiguous one of its size and
+        dtype on its device); `dst` is written only once the signatures agree."""
+        self.watch.begin(spec)
+        if src.is_cuda:
+            self._device(src, dst, spec)
+        else:
+            self._host(src, dst, spec)
+
+    def _host(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
+        """Contiguous CPU tensors: the node ways take their addresses, the MPI ways NumPy
+        views (which cost a microsecond each, as much as a small exchange on a node)."""
+        if self.size == 1:
+            self._alone(src, dst, spec)
+        elif self.node is None:
+            small = src.nbytes <= self.settings.small_message_bytes
+            (self._mpi_gather if small else self._mpi_ring)(src, dst, spec)
+        elif src.nbytes <= self.node.small_bytes:
+            self._node_slots(src, dst, spec)
+        else:
+            self._node_blocks(src, dst, spec)
+
+    def _device(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
+        self._check(spec)
+        if dst.data_ptr() != src.data_ptr():
+            dst.copy_(src)
+        cuda.reduce_device(cuda.as_device_array(dst), spec.dtype, spec.op, spec.prescale,
+                           spec.postscale, self.comm, bool(self.settings.cuda_aware),
+                           self.settings.small_message_bytes, self.settings.segment_bytes,
+                           self._host_pieces(spec))
+
+    def _host_pieces(self, spec: ReduceSpec) -> Callable[[np.ndarray], None]:
+        """How the staged GPU way reduces each piece in pinned host memory: by the host ways,
+        the signature checked already."""
+        pieces = spec.unchecked()
+
+        def host(piece: np.ndarray) -> None:
+            staged = as_tensor(piece, spec.dtype)
+            self._host(staged, staged, pieces)
+
+        return host
+
+    def _alone(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
+        if dst.data_ptr() != src.data_ptr():
+            dst.copy_(src)
+        _scale(dst, spec, 1.0, spec.prescale)
+        _scale(dst, spec, 1.0, spec.postscale)
+
+    def _mpi_gather(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
+        self._check(spec)
+        buf = as_array(self._prescaled(src, dst, spec, always_copy=True))
+        if buf.size:
+            gathered = self.scratch.get("gather", buf.dtype, self.size * buf.size)
+            ring.gather_allreduce(self.comm, buf, kernels.reducer(spec.dtype, spec.op),
+                                  gathered.reshape(self.size, -1), self._finisher(spec))
+
+    def _mpi_ring(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
+        self._check(spec)
+        self._ring(self.comm, "ring", as_array(self._prescaled(src, dst, spec, True)), spec)
+
+    def _node_slots(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
+        digest = self._digest_for_node(spec)
+        src = self._prescaled(src, dst, spec)
+        divisor, scale = self._node_finish(spec)
+        if not self.node.small(src.data_ptr(), dst.data_ptr(), src.nbytes, src.numel(),
+                               spec.code, spec.op, divisor, scale, digest):
+            raise MismatchError(self._mismatch(spec))
+        if not self.one_node:
+            self._ring(self.cross, "cross", as_array(dst), spec)
+
+    def _node_blocks(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
+        digest = self._digest_for_node(spec)
+        src = self._prescaled(src, dst, spec)
+        divisor, scale = self._node_finish(spec)
+        flat = as_array(dst)
+
+        def between_nodes(first: int, count: int) -> None:
+            self._ring(self.cross, "cross", flat[first:first + count], spec)
+
+        if not self.node.large(src.data_ptr(), dst.data_ptr(), src.numel(), spec.code, spec.op,
+                               divisor, scale, digest, None if self.one_node else between_nodes):
+            raise MismatchError(self._mismatch(spec))
+
+    # ------------------------------------------------------------------ pieces of the ways
+
+    def _check(self, spec: ReduceSpec) -> None:
+        if spec.digest is not None:
+            self.negotiator.check(spec.describe(), precomputed=spec.digest)
+
+    def _mismatch(self, spec: ReduceSpec) -> str:
+        return self.negotiator.mismatch(spec.describe())
+
+    def _digest_for_node(self, spec: ReduceSpec) -> int:
+        """The digest the node exchange compares (0: none). It rides with the data on one node;
+        across nodes, or when the input is scaled before the exchange (so a mismatch would find
+        it changed), the set checks it first."""
+        if spec.digest is None:
+            return 0
+        if self.one_node and spec.prescale == 1.0:
+            return spec.digest
+        self._check(spec)
+        return 0
+
+    def _prescaled(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec,
+                   always_copy: bool = False) -> torch.Tensor:
+        """The input to reduce: `src`, or `dst` holding src * prescale (or a copy of src, with
+        `always_copy`, for ways that reduce in place)."""
+        if spec.prescale == 1.0 and not always_copy:
+            return src
+        if dst.data_ptr() != src.data_ptr():
+            dst.copy_(src)
+        _scale(dst, spec, 1.0, spec.prescale)
+        return dst
+
+    def _divisor(self, spec: ReduceSpec) -> float:
+        return float(self.size) if spec.op == ReduceOp.Average else 1.0
+
+    def _node_finish(self, spec: ReduceSpec) -> tuple[float, float]:
+        """What the node's last reduction step divides and scales by: everything on one node;
+        nothing across nodes, where the ring between nodes finishes each chunk."""
+        return (self._divisor(spec), spec.postscale) if self.one_node else (1.0, 1.0)
+
+    def _finisher(self, spec: ReduceSpec) -> Optional[Callable[[np.ndarray], None]]:
+        """What happens to each finished chunk: Average's division, then the postscale."""
+        divisor = self._divisor(spec)
+        if divisor == 1.0 and spec.postscale == 1.0:
+            return None
+        return lambda part: kernels.finish(part, spec.dtype, divisor, spec.postscale)
+
+    def _ring(self, comm: Any, purpose: str, buf: np.ndarray, spec: ReduceSpec) -> None:
+        """Our ring over `comm` (the set, or the cross communicator between nodes), in place."""
+        finish = self._finisher(spec)
+        if comm.size == 1 or buf.size == 0:
+            if finish is not None:
+                finish(buf)
+            return
+        segment = max(1, self.settings.segment_bytes // buf.itemsize)
+        bounds = ring.chunk_bounds(ring.balanced_counts(buf.size, comm.size))
+        scratch = self.scratch.get(purpose, buf.dtype, ring.scratch_elements(bounds, segment))
+        ring.ring_allreduce(comm, buf, kernels.reducer(spec.dtype, spec.op), scratch, segment,
+                            finish)
+
+    # ------------------------------------------------------------------ the other collectives
+
+    def _begin(self, signature: Signature) -> None:
+        self.watch.begin(functools.partial(label, signature))
+
+    def check(self, signature: Signature, per_rank: int = 0) -> np.ndarray:
+        """The signature check alone (for collectives that move no tensor, such as adding a
+        process set); returns every member's `per_rank` value."""
+        self._begin(signature)
+        return self.negotiator.check(signature, per_rank)
+
+    def allgather(self, tensor: torch.Tensor, signature: Signature) -> torch.Tensor:
+        """Every member's `tensor` concatenated along dimension 0 (which may differ)."""
+        firsts = self.check(signature, per_rank=tensor.shape[0])
+        out = fresh((int(firsts.sum()), *tensor.shape[1:]), tensor.dtype, tensor.device)
+        row = math.prod(tensor.shape[1:])
+        self.comm.Allgatherv(as_array(tensor), [as_array(out), (firsts * row).tolist()])
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, root: int, signature: Signature) -> None:
+        """Set member `root`'s `tensor` into every member's, in place."""
+        self.check(signature)
+        self.comm.Bcast(as_array(tensor), root=root)
+
+    def alltoall(self, tensor: torch.Tensor, send_splits: np.ndarray,
+                 signature: Signature) -> tuple[torch.Tensor, np.ndarray]:
+        """Rows `send_splits[i]` of `tensor` to member i; returns what arrived, in member
+        order, and how many rows came from each."""
+        self.check(signature)
+        recv_splits = np.empty(self.size, dtype=np.int64)
+        self.comm.Alltoall(send_splits, recv_splits)
+        out = fresh((int(recv_splits.sum()), *tensor.shape[1:]), tensor.dtype, tensor.device)
+        row = math.prod(tensor.shape[1:])
+        self.comm.Alltoallv([as_array(tensor), (send_splits * row).tolist()],
+                            [as_array(out), (recv_splits * row).tolist()])
+        return out, recv_splits
+
+    def reducescatter(self, array: np.ndarray, bounds: Sequence[tuple[int, int]],
+                      spec: ReduceSpec) -> None:
+        """Reduce `array` (ours to overwrite) so that this member's chunk `bounds[rank]` holds
+        the finished result; the other chunks are left holding partial sums."""
+        self.watch.begin(spec)
+        self._check(spec)
+        kernels.finish(array, spec.dtype, 1.0, spec.prescale)
+        if self.size > 1:
+            segment = max(1, self.settings.segment_bytes // array.itemsize)
+            scratch = self.scratch.get("ring", array.dtype, ring.scratch_elements(bounds, segment))
+            ring.reduce_scatter(self.comm, array, bounds, kernels.reducer(spec.dtype, spec.op),
+                                scratch, segment)
+        lo, hi = bounds[self.comm.rank]
+        kernels.finish(array[lo:hi], spec.dtype, self._divisor(spec), spec.postscale)
+
+    def barrier(self, signature: Signature) -> None:
+        self.check(signature)
+        self.comm.Barrier()
+
+    def broadcast_object(self, obj: Any, root: int, signature: Signature) -> Any:
+        self.check(signature)
+        return self.comm.bcast(obj if self.comm.rank == root else None, root=root)
+
+    def allgather_object(self, obj: Any, signature: Signature) -> list:
+        self.check(signature)
+        return self.comm.allgather(obj)
