@@ -40,13 +40,13 @@ class ProcessSet:
             self.mpi_comm = ranks_or_comm
             return
         try:
-            ranks = sorted(ranks_or_comm)
+            ranks = list(ranks_or_comm)
         except TypeError:
             raise ValueError("ringreduce: ProcessSet takes a list of process ranks or an mpi4py "
                              f"communicator, not {type(ranks_or_comm).__name__}") from None
         if any(isinstance(r, bool) or not isinstance(r, (int, np.integer)) for r in ranks):
             raise ValueError(f"ringreduce: ProcessSet ranks must be integers, got {ranks!r}")
-        self.ranks = [int(r) for r in ranks]
+        self.ranks = sorted(int(r) for r in ranks)
 
     def size(self) -> Optional[int]:
         """How many ranks the set holds; None until it is registered."""

@@ -15,6 +15,8 @@ Methods, each reducing (Sum) a buffer of SIZE bytes on every rank:
     ours_     ringreduce.allreduce_(t, op=Sum)  (in place)
     bucket    what DistributedOptimizer does with a gradient bucket: allreduce_async_ then
               synchronize, so the reduction runs on the engine thread
+    set_      allreduce_ on a process set of ranks 0 and 1 while the other ranks idle (jobs of
+              3 ranks or more); its busbw counts the set's 2 ranks
     mpi       comm.Allreduce(send, recv, op=MPI.SUM) on NumPy arrays ("n/a" for bfloat16,
               which MPI cannot sum)
     gloo      torch.distributed.all_reduce with the gloo backend, over loopback TCP
@@ -53,7 +55,9 @@ from bench_common import init_gloo, metadata as common_metadata, write_results  
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-METHODS = ["ours", "ours_", "bucket", "mpi", "gloo"]
+METHODS = ["ours", "ours_", "bucket", "set_", "mpi", "gloo"]
+PAIR = hvd.add_process_set([0, 1]) if NRANKS >= 3 else None    # a 2-rank set inside the job
+PAIR_COMM = COMM.Split(0 if RANK < 2 else MPI.UNDEFINED, RANK)  # its members, for barriers
 
 
 def parse_size(text: str) -> int:
@@ -111,6 +115,25 @@ def bench_bucket(nbytes: int, dtype: torch.dtype, iters: int) -> float:
         hvd.allreduce_async_(t, op=hvd.Sum, name="bench.bucket")), iters))
 
 
+def bench_set(nbytes: int, dtype: torch.dtype, iters: int) -> float | None:
+    """In place on the set {0, 1}; the other ranks wait in a barrier that sleeps."""
+    if PAIR is None:
+        return None
+    seconds = 0.0
+    if RANK in PAIR.ranks:
+        t = torch.zeros(nbytes // dtype.itemsize, dtype=dtype)
+        seconds = time_it(lambda: hvd.allreduce_(t, op=hvd.Sum, process_set=PAIR), iters,
+                          barrier=PAIR_COMM.Barrier)
+    sleeping_barrier()
+    return slowest(seconds)
+
+
+def sleeping_barrier() -> None:
+    request = COMM.Ibarrier()
+    while not request.Test():
+        time.sleep(0.001)
+
+
 def bench_mpi(nbytes: int, dtype: torch.dtype, iters: int) -> float | None:
     if dtype == torch.bfloat16:
         return None  # MPI has no bfloat16 type to sum
@@ -128,15 +151,11 @@ def bench_gloo(nbytes: int, dtype: torch.dtype, iters: int) -> float:
 
 def bench_memcpy(nbytes: int, iters: int) -> float:
     """Rank 0 copies alone; the others wait in a barrier that sleeps instead of spinning."""
+    seconds = 0.0
     if RANK == 0:
         src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
         seconds = time_it(lambda: dst.copy_(src), iters, barrier=lambda: None)
-        COMM.Ibarrier().Wait()  # a blocking Barrier would not match the others' Ibarrier
-    else:
-        request = COMM.Ibarrier()
-        while not request.Test():
-            time.sleep(0.001)
-        seconds = 0.0
+    sleeping_barrier()
     return COMM.bcast(seconds, root=0)
 
 
@@ -221,7 +240,7 @@ def main() -> None:
         print(HEADER, flush=True)
 
     bench = {"ours": bench_ours, "ours_": bench_ours_inplace, "bucket": bench_bucket,
-             "mpi": bench_mpi,
+             "set_": bench_set if PAIR is not None else None, "mpi": bench_mpi,
              "gloo": None if args.no_gloo else bench_gloo}
     results, memcpy = [], []
     for nbytes in sizes:
@@ -236,10 +255,11 @@ def main() -> None:
             times = {m: fn(nbytes, DTYPES[dtype], iters) if fn else None
                      for m, fn in bench.items()}
             for method, seconds in times.items():
-                if method == "gloo" and args.no_gloo:
+                if bench[method] is None:
                     continue
+                ranks = len(PAIR.ranks) if method == "set_" else NRANKS
                 algbw = nbytes / seconds / 1e9 if seconds else None
-                busbw = algbw * 2 * (NRANKS - 1) / NRANKS if algbw is not None else None
+                busbw = algbw * 2 * (ranks - 1) / ranks if algbw is not None else None
                 r = {"size_bytes": nbytes, "size": size_label(nbytes), "dtype": dtype,
                      "method": method, "iters": iters, "time_s": seconds,
                      "latency_us": seconds * 1e6 if seconds else None,

@@ -13,6 +13,16 @@ import pytest
 
 WORKERS = Path(__file__).parent / "mpi"
 RANK_COUNTS = (1, 2, 3, 4)
+# Each data path on its own: shared memory with 16 KiB blocks (many blocks, every parity case),
+# and with it switched off the MPI paths: the gather path for small buffers, and the ring with
+# 4 KiB segments for everything (length < ranks, empty chunks, ~100 segments per chunk).
+PATHS = {
+    "default": {},
+    "shm-blocks": {"RINGREDUCE_SHARED_SMALL_BYTES": "0", "RINGREDUCE_BLOCK_BYTES": "16384"},
+    "mpi-gather": {"RINGREDUCE_SHARED_MEMORY": "0"},
+    "mpi-ring": {"RINGREDUCE_SHARED_MEMORY": "0", "RINGREDUCE_SMALL_MESSAGE_BYTES": "0",
+                 "RINGREDUCE_SEGMENT_BYTES": "4096"},
+}
 
 
 def find_mpiexec(python: str = sys.executable) -> str:
