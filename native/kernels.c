@@ -265,17 +265,13 @@ int rr_combine(int dtype, int op, const void *a, const void *b, void *out, size_
 
 /* ------------------------------------------------------------------ finishing */
 
-/* Floor division of signed integers (C's division truncates toward zero). */
-#define FLOOR_DIV(x, d) ((x) / (d) - (((x) % (d) != 0) && (((x) < 0) != ((d) < 0))))
-
+/* Integers as Horovod scales them: times (scale / divisor) in float64, truncated toward zero
+ * (through int64, so that no float outside the narrower types' range is converted to them). */
 #define FINISH_INTEGER(T)                                                              \
     do {                                                                               \
         T *v = x;                                                                      \
-        const T d = (T)divisor;                                                        \
-        if (divisor != 1.0 && d != 0)                                                  \
-            for (size_t i = 0; i < n; i++) v[i] = (T)FLOOR_DIV(v[i], d);               \
-        if (scale != 1.0)                                                              \
-            for (size_t i = 0; i < n; i++) v[i] = (T)(scale * (double)v[i]);           \
+        const double factor = scale / divisor;                                         \
+        for (size_t i = 0; i < n; i++) v[i] = (T)(int64_t)(factor * (double)v[i]);     \
     } while (0)
 
 #define FINISH_FLOAT(T)                                                                \

@@ -12,8 +12,9 @@ int rr_combine(int dtype, int op, const void *a, const void *b, void *out, size_
                double divisor, double scale);
 
 /* In place: x = x / divisor * scale, each step skipped when its factor is 1. Floats compute in
- * their own precision (float32 for the 16-bit types, rounded once); integers take floor
- * division, then the scale in float64, truncated back (as Horovod scales integers). */
+ * their own precision (float32 for the 16-bit types, rounded once); integers are multiplied by
+ * scale / divisor in float64 and truncated toward zero, as Horovod scales them (so Average of
+ * integers is the sum times 1/size, truncated). */
 int rr_finish(int dtype, void *x, size_t n, double divisor, double scale);
 
 size_t rr_dtype_size(int dtype);

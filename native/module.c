@@ -90,13 +90,13 @@ static PyObject *headers_begin(PyObject *self, PyObject *const *args, Py_ssize_t
     return PyBool_FromLong(ready);
 }
 
-/* headers_end(node, per_rank_address) -> 0, or -1 when the digests differ. */
-static PyObject *headers_end(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (check_args(nargs, 2, "headers_end")) return NULL;
+/* headers_read(node, digests_address, per_rank_address) -> whether the digests agree. */
+static PyObject *headers_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 3, "headers_read")) return NULL;
     rr_node *node = node_of(args[0]);
-    int64_t *out = PyLong_AsVoidPtr(args[1]);
+    int64_t *digests = PyLong_AsVoidPtr(args[1]), *per_rank = PyLong_AsVoidPtr(args[2]);
     if (node == NULL || PyErr_Occurred()) return NULL;
-    return PyLong_FromLong(rr_headers_end(node, out));
+    return PyBool_FromLong(rr_headers_read(node, digests, per_rank));
 }
 
 /* small_begin(node, src_address, nbytes, digest, spin_seconds) -> True when every flag is up */
@@ -266,7 +266,7 @@ static PyMethodDef methods[] = {
     {"node_detach", node_detach, METH_O, "Forget the segments (before they are freed)."},
     {"node_ready", node_ready, METH_O, "Whether every local rank has raised our flag."},
     FAST(headers_begin, "Publish a signature digest, raise the flag, spin a while."),
-    FAST(headers_end, "Compare the digests; write every rank's per-rank value."),
+    FAST(headers_read, "Every rank's digest and per-rank word of the last exchange."),
     FAST(small_begin, "Publish data and header, raise the flag, spin a while for the peers."),
     FAST(small_end, "Check the digests and reduce every slot in rank order."),
     FAST(large_begin, "Set up a block-by-block allreduce of a large buffer."),

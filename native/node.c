@@ -183,12 +183,14 @@ int rr_headers_begin(rr_node *node, int64_t digest, int64_t per_rank, double spi
     return spin_until_ready(node, spin_seconds);
 }
 
-int rr_headers_end(rr_node *node, int64_t *per_rank) {
+int rr_headers_read(rr_node *node, int64_t *digests, int64_t *per_rank) {
     int64_t flag = raised(node);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    if (!digests_agree(node, flag)) return -1;
-    for (int r = 0; r < node->n; r++) per_rank[r] = header_of(node, r, flag)[2];
-    return 0;
+    for (int r = 0; r < node->n; r++) {
+        digests[r] = header_of(node, r, flag)[0];
+        per_rank[r] = header_of(node, r, flag)[2];
+    }
+    return digests_agree(node, flag);
 }
 
 /* ------------------------------------------------------------------------------ small */

@@ -17,10 +17,11 @@ void rr_node_detach(rr_node *node);
 int rr_node_ready(rr_node *node);
 
 /* The signature check alone (for collectives whose data goes over MPI): 1 when every flag is
- * up; then rr_headers_end writes every local rank's per-rank value, or returns -1 when the
- * digests differ. */
+ * up. rr_headers_read copies every local rank's digest and per-rank word of the last exchange
+ * (this one, or a small or large allreduce whose digests differed) and returns whether the
+ * digests agree. */
 int rr_headers_begin(rr_node *node, int64_t digest, int64_t per_rank, double spin_seconds);
-int rr_headers_end(rr_node *node, int64_t *per_rank);
+int rr_headers_read(rr_node *node, int64_t *digests, int64_t *per_rank);
 
 int rr_small_begin(rr_node *node, const void *src, size_t nbytes, int64_t digest,
                    double spin_seconds);

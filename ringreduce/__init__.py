@@ -5,37 +5,55 @@
 from .collectives import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async,
                           allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall,
                           alltoall_async, barrier, broadcast, broadcast_, broadcast_async,
-                          broadcast_async_, grouped_allreduce, grouped_allreduce_,
-                          grouped_allreduce_async, grouped_allreduce_async_, poll, reducescatter,
-                          reducescatter_async, synchronize)
+                          broadcast_async_, grouped_allgather, grouped_allgather_async,
+                          grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                          grouped_allreduce_async_, grouped_reducescatter,
+                          grouped_reducescatter_async, join, poll, reducescatter,
+                          reducescatter_async, sparse_allreduce_async, synchronize)
 from .compression import Compression
 from .engine import Handle
 from . import checkpoint
-from .errors import (ConsistencyError, HorovodInternalError, MismatchError, NotInitializedError,
-                     RingReduceError)
+from .errors import (ConsistencyError, HorovodInternalError, JoinedError, MismatchError,
+                     NotInitializedError, RingReduceError, UnsupportedError)
 from .kernels import ReduceOp
 from .objects import (allgather_object, broadcast_object, broadcast_optimizer_state,
                       broadcast_parameters, check_consistency)
 from .optimizer import DistributedOptimizer
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .sync_batch_norm import SyncBatchNorm
-from .world import (cross_rank, cross_size, init, is_initialized, local_rank, local_size, rank,
-                    shutdown, size, start_timeline, stop_timeline)
+from .world import (ccl_built, check_extension, cross_rank, cross_size, cuda_built, ddl_built,
+                    gloo_built, gloo_enabled, gpu_available, init, is_homogeneous,
+                    is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
+                    mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size,
+                    split_list, start_timeline, stop_timeline)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # start-up and topology
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
-    "cross_size", "cross_rank", "ProcessSet", "global_process_set", "add_process_set",
-    "remove_process_set",
+    "cross_size", "cross_rank", "is_homogeneous",
+    # build and environment queries
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",
+    "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "gpu_available",
+    "split_list", "check_extension",
+    # process sets
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    # collectives
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
-    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
-    "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "barrier", "poll",
-    "synchronize", "Handle", "DistributedOptimizer", "broadcast_parameters",
-    "broadcast_optimizer_state", "broadcast_object", "allgather_object", "check_consistency",
-    "checkpoint", "SyncBatchNorm", "start_timeline", "stop_timeline",
-    "Compression", "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "sparse_allreduce_async", "allgather", "allgather_async", "grouped_allgather",
+    "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "grouped_reducescatter", "grouped_reducescatter_async", "join", "barrier", "poll",
+    "synchronize", "Handle",
+    # training
+    "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
+    "broadcast_object", "allgather_object", "check_consistency", "checkpoint", "SyncBatchNorm",
+    "start_timeline", "stop_timeline", "Compression",
+    # ops
+    "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
+    # errors
     "RingReduceError", "HorovodInternalError", "MismatchError", "NotInitializedError",
-    "ConsistencyError",
+    "JoinedError", "UnsupportedError", "ConsistencyError",
 ]

@@ -7,6 +7,7 @@ Results are written to the caller's tensor only after the collective succeeded.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Any, Callable, Optional, Sequence
@@ -75,13 +76,6 @@ def _op(op: Any, average: Optional[bool], what: str) -> ReduceOp:
     return op
 
 
-def _check_scaling(tensor: torch.Tensor, pre: float, post: float, what: str, name: str,
-                   ps: ActiveSet) -> None:
-    if not tensor.dtype.is_floating_point and (pre != 1.0 or post != 1.0):
-        raise TypeError(f"ringreduce: {what} of tensor '{name}' on rank {ps.ranks[ps.rank]}: "
-                        f"prescale/postscale factors need a floating tensor, not {tensor.dtype}")
-
-
 def _differentiable(tensor: Any) -> bool:
     return isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled()
 
@@ -131,7 +125,6 @@ def _small_allreduce(tensor: Any, name: Optional[str], op: Any, postscale: float
             or not tensor.is_cpu or tensor.layout is not torch.strided
             or tensor.dtype not in CODES or not tensor.is_contiguous()
             or tensor.nbytes > transport.node.small_bytes
-            or (postscale != 1.0 and not tensor.dtype.is_floating_point)
             or not ps.engine.claim_idle()):
         return None
     try:
@@ -168,7 +161,6 @@ def _allreduce_work(tensor: torch.Tensor, average: Optional[bool], name: Optiona
     op = _op(op, average, kind)
     name = ps.auto_name(kind) if name is None else name
     t = _tensor(tensor, kind, name, ps)
-    _check_scaling(t, pre, post, kind, name, ps)
     spec = _allreduce_spec(t, op, pre, post, name)
 
     def work() -> torch.Tensor:
@@ -193,8 +185,6 @@ def _grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str]
     name = ps.auto_name(kind) if name is None else name
     checked = [_tensor(t, kind, f"{name}[{i}]" if len(tensors) > 1 else name, ps)
                for i, t in enumerate(tensors)]
-    for t in checked:
-        _check_scaling(t, prescale, postscale, kind, name, ps)
     wires, contexts = zip(*(compression.compress(t) for t in checked)) if checked else ((), ())
     signature = {"collective": "allreduce", "name": name, "op": op.name,
                  "prescale": prescale, "postscale": postscale}
@@ -316,6 +306,11 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
                       op: Any = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Reduce several tensors in one fused allreduce (differentiable)."""
+    if any(_differentiable(t) for t in tensors):
+        return list(_GroupedAllreduceFunction.apply(
+            (average, name, compression, op, prescale_factor, postscale_factor, process_set),
+            *tensors))
     return _run(_grouped_allreduce_work(list(tensors), name, op, average, prescale_factor,
                                         postscale_factor, compression, False,
                                         "grouped_allreduce", process_set))
@@ -332,29 +327,62 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] 
 
 # ---------------------------------------------------------------- allgather, broadcast, ...
 
-def _allgather_work(tensor: torch.Tensor, name: Optional[str], process_set: ProcessSet) -> Work:
-    ps = active(process_set, "allgather()")
-    name = ps.auto_name("allgather") if name is None else name
-    t = _tensor(tensor, "allgather", name, ps)
-    t = t.reshape(1) if t.dim() == 0 else t
-    signature = {"collective": "allgather", "name": name, "dtype": NAMES[t.dtype],
-                 "trailing shape": tuple(t.shape[1:])}
-    return ps, name, lambda: ps.transport.allgather(t, signature)
+def _group_name(ps: ActiveSet, name: Optional[str], kind: str, count: int) -> list[str]:
+    """The names of a group's collectives: `name` alone for one tensor, `name.i` for several."""
+    base = ps.auto_name(kind) if name is None else name
+    return [base] if count == 1 else [f"{base}.{i}" for i in range(count)]
+
+
+def _allgather_work(tensors: Sequence[torch.Tensor], name: Optional[str],
+                    process_set: ProcessSet, kind: str = "allgather") -> Work:
+    """Concatenate every member's tensors along dimension 0, one allgather per tensor, all in
+    one piece of work; its result is the list of outputs."""
+    ps = active(process_set, f"{kind}()")
+    names = _group_name(ps, name, kind, len(tensors))
+    runs = []
+    for tensor, each in zip(tensors, names):
+        t = _tensor(tensor, kind, each, ps)
+        t = t.reshape(1) if t.dim() == 0 else t
+        signature = {"collective": "allgather", "name": each, "dtype": NAMES[t.dtype],
+                     "trailing shape": tuple(t.shape[1:])}
+        runs.append(functools.partial(ps.transport.allgather, t, signature))
+    return ps, names[0], lambda: [run() for run in runs]
 
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start concatenating every member's `tensor` along dimension 0 (sizes may differ
     there)."""
-    return _submit(_allgather_work(tensor, name, process_set))
+    return _submit(_first(_allgather_work([tensor], name, process_set)))
 
 
 def allgather(tensor: torch.Tensor, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Concatenate every member's `tensor` along dimension 0 (differentiable)."""
+    """Concatenate every member's `tensor` along dimension 0 (differentiable: the gradient is
+    this rank's rows of the incoming gradients averaged over the set, as Horovod's)."""
     if _differentiable(tensor):
-        return _AllgatherFunction.apply(tensor, name, process_set)
-    return _run(_allgather_work(tensor, name, process_set))
+        return _AllgatherFunction.apply((name, process_set), tensor)[0]
+    return _run(_first(_allgather_work([tensor], name, process_set)))
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                            process_set: ProcessSet = global_process_set) -> Handle:
+    """Start allgathers of several tensors as one collective; the handle yields a list."""
+    return _submit(_allgather_work(list(tensors), name, process_set, "grouped_allgather"))
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Allgather several tensors as one collective (differentiable)."""
+    if any(_differentiable(t) for t in tensors):
+        return list(_AllgatherFunction.apply((name, process_set), *tensors))
+    return _run(_allgather_work(list(tensors), name, process_set, "grouped_allgather"))
+
+
+def _first(work: Work) -> Work:
+    """A one-tensor group's work, yielding that tensor's result instead of a list."""
+    ps, name, fn = work
+    return ps, name, lambda: fn()[0]
 
 
 def _broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
@@ -408,7 +436,8 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
 
 
 def _alltoall_work(tensor: torch.Tensor, splits: Any, name: Optional[str],
-                   process_set: ProcessSet) -> Work:
+                   process_set: ProcessSet, with_splits: bool) -> Work:
+    """The result is the output, with the received splits too when `with_splits`."""
     ps = active(process_set, "alltoall()")
     name = ps.auto_name("alltoall") if name is None else name
     t = _tensor(tensor, "alltoall", name, ps)
@@ -434,7 +463,7 @@ def _alltoall_work(tensor: torch.Tensor, splits: Any, name: Optional[str],
 
     def work() -> Any:
         out, received = ps.transport.alltoall(t, send_splits, signature)
-        return out if splits is None else (out, torch.from_numpy(received).to(torch.int32))
+        return (out, torch.from_numpy(received).to(torch.int32)) if with_splits else out
 
     return ps, name, work
 
@@ -443,41 +472,57 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start an all-to-all: rows splits[i] go to member i; rows from every member come back in
     member order. Without splits, dimension 0 is divided equally."""
-    return _submit(_alltoall_work(tensor, splits, name, process_set))
+    return _submit(_alltoall_work(tensor, splits, name, process_set, splits is not None))
 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
              process_set: ProcessSet = global_process_set) -> Any:
-    """All-to-all; returns the output, and the received splits too when `splits` is given."""
-    return _run(_alltoall_work(tensor, splits, name, process_set))
+    """All-to-all; returns the output, and the received splits too when `splits` is given
+    (differentiable: the gradient goes back by the all-to-all of the received splits)."""
+    if _differentiable(tensor):
+        out, received = _AlltoallFunction.apply(tensor, splits, name, process_set)
+        return out if splits is None else (out, received)
+    return _run(_alltoall_work(tensor, splits, name, process_set, splits is not None))
 
 
-def _reducescatter_work(tensor: torch.Tensor, name: Optional[str], op: Any,
+def _reducescatter_work(tensors: Sequence[torch.Tensor], name: Optional[str], op: Any,
                         prescale_factor: float, postscale_factor: float,
-                        process_set: ProcessSet) -> Work:
-    ps = active(process_set, "reducescatter()")
-    name = ps.auto_name("reducescatter") if name is None else name
-    t = _tensor(tensor, "reducescatter", name, ps)
-    op = _op(op, None, "reducescatter")
-    _check_scaling(t, prescale_factor, postscale_factor, "reducescatter", name, ps)
-    if t.dim() == 0:
-        raise ValueError(f"ringreduce: reducescatter of tensor '{name}' on rank "
-                         f"{ps.ranks[ps.rank]}: needs a tensor with at least one dimension")
-    work_tensor = t.clone()
-    dtype, shape = _describe(t)
+                        compression: type[Compressor], process_set: ProcessSet,
+                        kind: str = "reducescatter") -> Work:
+    """Reduce each tensor over the set; set rank r keeps the r-th block of rows of each (lower
+    ranks get the extra rows). The result is the list of this rank's blocks."""
+    ps = active(process_set, f"{kind}()")
+    op = _op(op, None, kind)
+    names = _group_name(ps, name, kind, len(tensors))
+    runs = []
+    for tensor, each in zip(tensors, names):
+        t = _tensor(tensor, kind, each, ps)
+        if t.dim() == 0:
+            raise ValueError(f"ringreduce: {kind} of tensor '{each}' on rank "
+                             f"{ps.ranks[ps.rank]}: needs a tensor with at least one dimension")
+        wire, context = compression.compress(t)
+        runs.append(_reducescatter_one(ps, wire.clone(), context, compression, each, op,
+                                       prescale_factor, postscale_factor))
+    return ps, names[0], lambda: [run() for run in runs]
+
+
+def _reducescatter_one(ps: ActiveSet, work_tensor: torch.Tensor, context: Any,
+                       compression: type[Compressor], name: str, op: ReduceOp, pre: float,
+                       post: float) -> Callable[[], torch.Tensor]:
+    dtype, shape = _describe(work_tensor)
     signature = {"collective": "reducescatter", "name": name, "op": op.name, "dtype": dtype,
-                 "shape": shape, "prescale": prescale_factor, "postscale": postscale_factor}
-    spec = ReduceSpec(t.dtype, op, prescale_factor, postscale_factor, digest(signature),
-                      signature)
-    rows = ring.balanced_counts(t.shape[0], ps.size)
-    bounds = ring.chunk_bounds([r * math.prod(t.shape[1:]) for r in rows])
+                 "shape": shape, "prescale": pre, "postscale": post}
+    spec = ReduceSpec(work_tensor.dtype, op, pre, post, digest(signature), signature)
+    rows = ring.balanced_counts(work_tensor.shape[0], ps.size)
+    bounds = ring.chunk_bounds([r * math.prod(work_tensor.shape[1:]) for r in rows])
     start = sum(rows[:ps.rank])
 
-    def work() -> torch.Tensor:
+    def run() -> torch.Tensor:
         ps.transport.reducescatter(as_array(work_tensor), bounds, spec)
-        return work_tensor[start:start + rows[ps.rank]].clone()
+        mine = work_tensor[start:start + rows[ps.rank]].clone()
+        return compression.decompress(mine, context)
 
-    return ps, name, work
+    return run
 
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Any = Average,
@@ -485,15 +530,81 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: An
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start a reduce-scatter: reduce over the set's ranks, and set rank r keeps the r-th block
     of rows (dimension 0 divided as evenly as possible, lower ranks getting the extra rows)."""
-    return _submit(_reducescatter_work(tensor, name, op, prescale_factor, postscale_factor,
-                                       process_set))
+    return _submit(_first(_reducescatter_work([tensor], name, op, prescale_factor,
+                                              postscale_factor, Compression.none, process_set)))
 
 
-def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, op: Any = Average,
+def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
+                  compression: type[Compressor] = Compression.none, op: Any = Average,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
-    return _run(_reducescatter_work(tensor, name, op, prescale_factor, postscale_factor,
-                                    process_set))
+    """Reduce-scatter (differentiable: the gradient is the allgather of the incoming ones,
+    scaled as the forward scaled)."""
+    args = (name, compression, op, process_set, prescale_factor, postscale_factor)
+    if _differentiable(tensor):
+        return _ReducescatterFunction.apply(args, tensor)[0]
+    return _run(_first(_reducescatter_work([tensor], name, op, prescale_factor,
+                                           postscale_factor, compression, process_set)))
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                                op: Any = Average, process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> Handle:
+    """Start reduce-scatters of several tensors as one collective; the handle yields a list."""
+    return _submit(_reducescatter_work(list(tensors), name, op, prescale_factor,
+                                       postscale_factor, Compression.none, process_set,
+                                       "grouped_reducescatter"))
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                          compression: type[Compressor] = Compression.none, op: Any = Average,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Reduce-scatter several tensors as one collective (differentiable)."""
+    args = (name, compression, op, process_set, prescale_factor, postscale_factor)
+    if any(_differentiable(t) for t in tensors):
+        return list(_ReducescatterFunction.apply(args, *tensors))
+    return _run(_reducescatter_work(list(tensors), name, op, prescale_factor, postscale_factor,
+                                    compression, process_set, "grouped_reducescatter"))
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
+                           process_set: ProcessSet = global_process_set) -> Handle:
+    """Reduce a sparse COO tensor as Horovod does: allgather every member's indices and
+    values; the result holds them all (duplicate indices add up when coalesced), values divided
+    by the set's size for Average. The handle yields the sparse result."""
+    ps = active(process_set, "sparse_allreduce_async()")
+    name = ps.auto_name("sparse_allreduce") if name is None else name
+    op = _op(op, None, "sparse_allreduce_async")
+    if op not in (Sum, Average):
+        raise ValueError(f"ringreduce: sparse_allreduce_async of tensor '{name}' on rank "
+                         f"{ps.ranks[ps.rank]}: op must be Sum or Average, not {op.name}")
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        raise TypeError(f"ringreduce: sparse_allreduce_async of tensor '{name}' on rank "
+                        f"{ps.ranks[ps.rank]}: expected a sparse COO tensor")
+    _, _, gather = _allgather_work([tensor._indices().t().contiguous(), tensor._values()],
+                                   f"{name}.sparse", process_set, "sparse_allreduce")
+
+    def work() -> torch.Tensor:
+        indices, values = gather()
+        if op == Average:
+            values = values / ps.size
+        return torch.sparse_coo_tensor(indices.t(), values, tensor.shape)
+
+    return _submit((ps, name, work))
+
+
+def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
+    """This rank has run out of data: until every rank of the set has joined, it takes part in
+    the others' allreduces with zeros (Average still divides by the set's size), so ranks with
+    fewer batches need not stop the others; other collectives raise JoinedError meanwhile.
+    Blocks until every rank has joined; returns the rank that joined last, on every rank.
+    `device`: where to make the zeros for GPU allreduces (-1: the current CUDA device)."""
+    ps = active(process_set, "join()")
+    where = torch.device("cuda", device) if device >= 0 else None
+    return ps.engine.run(ps.auto_name("join"), lambda: ps.join(where))
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
@@ -516,6 +627,9 @@ def synchronize(handle: Handle) -> Any:
 
 
 # ---------------------------------------------------------------- autograd
+# Each backward computes what Horovod's does (its allgather and broadcast average the
+# incoming gradients over the set); the forward runs the non-differentiable path, since autograd
+# is off inside it.
 
 class _AllreduceFunction(torch.autograd.Function):
     """d(allreduce)/dx is the same allreduce of the incoming gradients."""
@@ -532,29 +646,50 @@ class _AllreduceFunction(torch.autograd.Function):
                 None, None, None, None, None, None, None)
 
 
+class _GroupedAllreduceFunction(torch.autograd.Function):
+    """The same grouped allreduce of the incoming gradients."""
+
+    @staticmethod
+    def forward(ctx, args, *tensors):
+        average, name, compression, op, pre, post, process_set = args
+        ctx.args = (average, compression, op, pre, post, process_set)
+        return tuple(grouped_allreduce(tensors, average, name, compression, op, pre, post,
+                                       process_set))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        average, compression, op, pre, post, process_set = ctx.args
+        return (None, *grouped_allreduce(grads, average, None, compression, op, pre, post,
+                                         process_set))
+
+
 class _AllgatherFunction(torch.autograd.Function):
-    """The gradient of member r's input is its rows of the sum of all members' output
-    gradients."""
+    """Each input's gradient is its rows of the incoming gradients averaged over the set."""
 
     @staticmethod
-    def forward(ctx, tensor, name, process_set):
-        ctx.rows = tensor.shape[0] if tensor.dim() else 1
-        ctx.scalar = tensor.dim() == 0
+    def forward(ctx, args, *tensors):
+        name, process_set = args
         ctx.process_set = process_set
-        return allgather(tensor, name, process_set)
+        ctx.shapes = [t.shape for t in tensors]
+        return tuple(grouped_allgather(tensors, name, process_set))
 
     @staticmethod
-    def backward(ctx, grad):
-        summed = allreduce(grad, op=Sum, process_set=ctx.process_set)
-        rows = allgather(torch.tensor([ctx.rows], dtype=torch.int64),
-                         process_set=ctx.process_set)
-        start = int(rows[:active(ctx.process_set, "allgather backward").rank].sum())
-        part = summed.narrow(0, start, ctx.rows)
-        return part.reshape(()) if ctx.scalar else part, None, None
+    def backward(ctx, *grads):
+        ps = active(ctx.process_set, "allgather backward")
+        averaged = grouped_allreduce([g.contiguous() for g in grads], op=Average,
+                                     process_set=ctx.process_set)
+        rows = [s[0] if len(s) else 1 for s in ctx.shapes]
+        everyone = allgather(torch.tensor([rows], dtype=torch.int64),
+                             process_set=ctx.process_set)
+        starts = everyone[:ps.rank].sum(0).tolist()
+        parts = [a.narrow(0, start, count).reshape(shape)
+                 for a, start, count, shape in zip(averaged, starts, rows, ctx.shapes)]
+        return (None, *parts)
 
 
 class _BroadcastFunction(torch.autograd.Function):
-    """Only the root's input reaches the outputs, so it alone gets the summed gradient."""
+    """Only the root's input reaches the outputs: it gets the incoming gradients averaged over
+    the set, the others zeros."""
 
     @staticmethod
     def forward(ctx, tensor, root_rank, name, process_set):
@@ -563,8 +698,46 @@ class _BroadcastFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        summed = allreduce(grad, op=Sum, process_set=ctx.process_set)
+        averaged = allreduce(grad, op=Average, process_set=ctx.process_set)
         ps = active(ctx.process_set, "broadcast backward")
         if ps.ranks[ps.rank] != ctx.root:
-            summed.zero_()
-        return summed, None, None, None
+            averaged.zero_()
+        return averaged, None, None, None
+
+
+class _AlltoallFunction(torch.autograd.Function):
+    """The incoming gradients go back where their rows came from: an all-to-all by the
+    received splits."""
+
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        out, received = _run(_alltoall_work(tensor, splits, name, process_set, True))
+        ctx.received, ctx.process_set = received, process_set
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx, grad, _received):
+        back, _ = alltoall(grad.contiguous(), ctx.received, process_set=ctx.process_set)
+        return back, None, None, None
+
+
+class _ReducescatterFunction(torch.autograd.Function):
+    """Each input's gradient is the allgather of the incoming ones, times the factors the
+    forward applied (prescale, postscale, and 1/size for Average)."""
+
+    @staticmethod
+    def forward(ctx, args, *tensors):
+        name, compression, op, process_set, pre, post = args
+        ps = active(process_set, "reducescatter()")
+        op = _op(op, None, "reducescatter")
+        ctx.process_set = process_set
+        ctx.factor = pre * post / (ps.size if op == Average else 1)
+        return tuple(_run(_reducescatter_work(list(tensors), name, op, pre, post, compression,
+                                              process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        gathered = grouped_allgather([g.contiguous() for g in grads],
+                                     process_set=ctx.process_set)
+        return (None, *[g * ctx.factor for g in gathered])

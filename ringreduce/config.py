@@ -1,7 +1,10 @@
 """Every `RINGREDUCE_*` setting in one typed object, built once at `init()`.
 
 Each field has a default, a parser for its environment variable and a doc line. A keyword
-argument given to `init()` wins over the environment, which wins over the default.
+argument given to `init()` wins over `RINGREDUCE_<NAME>`, which wins over the Horovod variable
+that means the same (HOROVOD_FUSION_THRESHOLD ...), which wins over the default. Horovod
+variables that ringreduce has no use for are listed by `ignored_horovod_variables`, so that
+init() can say once that they are ignored.
 """
 from __future__ import annotations
 
@@ -33,8 +36,10 @@ def _parse_bytes(text: str) -> int:
     return int(float(number) * scale)
 
 
-def _setting(default: Any, parse: Callable[[str], Any], doc: str) -> Any:
-    return dataclasses.field(default=default, metadata={"parse": parse, "doc": doc})
+def _setting(default: Any, parse: Callable[[str], Any], doc: str, horovod: str = "") -> Any:
+    """A field; `horovod` names the Horovod environment variable that means the same."""
+    return dataclasses.field(default=default,
+                             metadata={"parse": parse, "doc": doc, "horovod": horovod})
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,8 @@ class Settings:
         "shared-memory allreduce of a large buffer: bytes per block, small enough for the "
         "staging areas to stay in cache")
     fusion_threshold: int = _setting(
-        16 << 20, _parse_bytes, "DistributedOptimizer: the byte cap of one gradient bucket")
+        16 << 20, _parse_bytes, "DistributedOptimizer: the byte cap of one gradient bucket",
+        horovod="HOROVOD_FUSION_THRESHOLD")
     first_bucket_bytes: int = _setting(
         1 << 20, _parse_bytes,
         "DistributedOptimizer: the cap of the first bucket, small so communication starts early "
@@ -72,10 +78,12 @@ class Settings:
     stall_check_time: float = _setting(
         60.0, float,
         "seconds a rank waits for the others to join a collective before it logs which ranks "
-        "are missing (and again every such interval); 0 = off")
+        "are missing (and again every such interval); 0 = off",
+        horovod="HOROVOD_STALL_CHECK_TIME_SECONDS")
     stall_shutdown_time: float = _setting(
         0.0, float,
-        "seconds of such waiting after which the job is aborted with that message; 0 = never")
+        "seconds of such waiting after which the job is aborted with that message; 0 = never",
+        horovod="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
     consistency_check_steps: int = _setting(
         0, int,
         "DistributedOptimizer: every this many steps, check that all parameters are bitwise "
@@ -91,7 +99,8 @@ class Settings:
     timeline: str = _setting(
         "", str,
         "write a Chrome-trace/Perfetto timeline of every collective's phases to this path, one "
-        "file per rank ('{rank}' in the path, else '.rank<r>' before the extension); empty = off")
+        "file per rank ('{rank}' in the path, else '.rank<r>' before the extension); empty = off",
+        horovod="HOROVOD_TIMELINE")
 
     @staticmethod
     def env_name(name: str) -> str:
@@ -106,14 +115,34 @@ class Settings:
             raise TypeError(f"ringreduce: unknown setting(s) {sorted(unknown)}; known: "
                             f"{sorted(known)}")
         values = {}
+        if _parse_bool(os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "0")):
+            values["stall_check_time"] = 0.0
         for name, f in known.items():
-            raw = os.environ.get(cls.env_name(name))
+            ours, horovods = cls.env_name(name), f.metadata["horovod"]
             if overrides.get(name) is not None:
                 values[name] = overrides[name]
-            elif raw is not None:
-                try:
-                    values[name] = f.metadata["parse"](raw)
-                except ValueError as exc:
-                    raise ValueError(f"ringreduce: bad value {raw!r} for {cls.env_name(name)}: "
-                                     f"{exc}") from None
+                continue
+            if ours in os.environ:
+                variable = ours
+            elif horovods and horovods in os.environ and name not in values:
+                variable = horovods
+            else:
+                continue
+            raw = os.environ[variable]
+            try:
+                values[name] = f.metadata["parse"](raw)
+            except ValueError as exc:
+                raise ValueError(f"ringreduce: bad value {raw!r} for {variable}: {exc}") from None
         return cls(**values)
+
+
+# Horovod variables whose job ringreduce does another way (or always does): no warning.
+_HOROVOD_HONOURED = {"HOROVOD_STALL_CHECK_DISABLE", "HOROVOD_DYNAMIC_PROCESS_SETS"} | {
+    f.metadata["horovod"] for f in dataclasses.fields(Settings) if f.metadata["horovod"]}
+
+
+def ignored_horovod_variables(environ: Any = None) -> list[str]:
+    """The HOROVOD_* variables set in the environment that ringreduce does not use (cycle
+    time, cache capacity, autotuning ...: it has no background cycle or response cache)."""
+    environ = os.environ if environ is None else environ
+    return sorted(v for v in environ if v.startswith("HOROVOD_") and v not in _HOROVOD_HONOURED)

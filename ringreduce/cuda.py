@@ -230,23 +230,23 @@ def _launch(kernel: Any, elements: int, args: tuple, rows: int = 1) -> None:
 
 
 def _scale(array: Any, dtype: torch.dtype, factor: float) -> None:
-    """array *= factor in place, rounded once (floating dtypes only; factor 1 is free)."""
+    """array *= factor in place, rounded once; integers in float64, truncated toward zero, as
+    Horovod scales them (factor 1 is free)."""
     if factor == 1.0 or array.size == 0:
         return
     if dtype in _HALF:
         _launch(_kernel("half", f"{_HALF[dtype]}_scale"), array.size,
                 (array, np.int64(array.size), np.float32(factor)))
-    else:
+    elif dtype.is_floating_point:
         cupy_module().multiply(array, factor, out=array)
+    else:
+        array[...] = (array.astype(np.float64) * factor).astype(np.int64)
 
 
 def _finish(part: Any, dtype: torch.dtype, op: ReduceOp, ranks: int, postscale: float) -> None:
-    """The owner's last touch on a reduced chunk. Floats: Average and postscale fused into one
-    multiply by postscale/ranks. Integers: floor division for Average."""
-    if dtype.is_floating_point:
-        _scale(part, dtype, postscale / ranks if op == ReduceOp.Average else postscale)
-    elif op == ReduceOp.Average and ranks > 1:
-        cupy_module().floor_divide(part, ranks, out=part)
+    """The owner's last touch on a reduced chunk: Average and postscale fused into one
+    multiply by postscale/ranks."""
+    _scale(part, dtype, postscale / ranks if op == ReduceOp.Average else postscale)
 
 
 def _device_reducer(dtype: torch.dtype, op: ReduceOp,

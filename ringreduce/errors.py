@@ -1,8 +1,9 @@
 """The exception types users catch.
 
 `RingReduceError` subclasses `RuntimeError` so code written for Horovod's
-`HorovodInternalError` (also a `RuntimeError`) keeps working; the alias is exported.
-Argument errors stay plain `ValueError` / `TypeError`.
+`HorovodInternalError` (also a `RuntimeError`) keeps working; the alias is exported. Where
+Horovod raises another built-in type, ours derives from it too, so `except` clauses written for
+Horovod still catch it. Argument errors stay plain `ValueError` / `TypeError`.
 """
 
 
@@ -10,8 +11,18 @@ class RingReduceError(RuntimeError):
     """Something went wrong in a collective or in the MPI world."""
 
 
-class NotInitializedError(RingReduceError):
-    """A ringreduce function was called before `ringreduce.init()`."""
+class NotInitializedError(RingReduceError, ValueError):
+    """A ringreduce function was called before `ringreduce.init()` (Horovod: ValueError)."""
+
+
+class JoinedError(RingReduceError):
+    """A collective other than an allreduce was called while some rank of its process set has
+    joined (`join()`): that rank has no data to contribute. Raised on the ranks that called it."""
+
+
+class UnsupportedError(RingReduceError, NotImplementedError):
+    """A combination Horovod does not implement either (Horovod: NotImplementedError), such as
+    Adasum on a rank count that is not a power of two."""
 
 
 class MismatchError(RingReduceError):

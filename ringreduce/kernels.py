@@ -57,8 +57,8 @@ def reducer(dtype: torch.dtype, op: ReduceOp) -> Kernel:
 
 
 def finish(array: np.ndarray, dtype: torch.dtype, divisor: float, scale: float) -> None:
-    """array = array / divisor * scale in place (integers: floor division, and the scale in
-    float64, truncated); factors of 1 are free."""
+    """array = array / divisor * scale in place (integers: times scale / divisor in float64,
+    truncated toward zero, as Horovod scales them); factors of 1 are free."""
     if (divisor != 1.0 or scale != 1.0) and array.size:
         _native.finish(CODES[dtype], array.ctypes.data, array.size, float(divisor), float(scale))
 

@@ -96,16 +96,28 @@ class ActiveSet:
         else:
             self.local = comm.Split_type(mpi().COMM_TYPE_SHARED, key=comm.rank)
         self.cross = comm.Split(color=self.local.rank, key=comm.rank)
+        self.homogeneous = len(set(comm.allgather(self.local.size))) == 1
         where = "" if set_id == 0 else f" on process set {set_id} (ranks {self.ranks})"
         watch = StallWatch(comm, settings.stall_check_time, settings.stall_shutdown_time, abort,
                            self.ranks, where)
-        self.transport = Transport(comm, self.local, self.cross, settings, watch, self.ranks)
+        self.transport = Transport(comm, self.local, self.cross, settings, watch, self.ranks,
+                                   self.homogeneous)
         self.engine = Engine(f"ringreduce-set{set_id}", self.ranks[comm.rank], comm.Iprobe)
         self._names = itertools.count()
 
     def auto_name(self, kind: str) -> str:
         """Automatic names count per set: members that call in the same order agree on them."""
         return f"{kind}.noname.{next(self._names)}"
+
+    def join(self, device: Optional[Any]) -> int:
+        """Horovod's join on this set (collective; see Transport.join): returns the global rank
+        that joined last. Members that joined early ran fewer named collectives, so the counter
+        of automatic names restarts from the highest afterwards, and members agree again."""
+        last = self.transport.join(device)
+        counters = self.transport.allgather_object(next(self._names),
+                                                   {"collective": "join", "name": "names"})
+        self._names = itertools.count(max(counters))
+        return self.ranks[last]
 
     def root(self, root_rank: Any, what: str, name: str) -> int:
         """The set rank of global rank `root_rank`, or a clear error."""

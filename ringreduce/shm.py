@@ -33,7 +33,7 @@ class NodeWindow:
         self.node = _native.node_attach(local.rank, bases, slot_bytes, block_bytes)
         self.win.Sync()
         local.Barrier()
-        self._per_rank = np.zeros(local.size, dtype=np.int64)
+        self._headers = np.zeros((2, local.size), dtype=np.int64)   # digests, per-rank words
 
     def free(self) -> None:
         _native.node_detach(self.node)
@@ -46,16 +46,20 @@ class NodeWindow:
     def _wait(self) -> None:
         self.watch.wait(lambda: _native.node_ready(self.node))
 
-    def exchange_headers(self, digest: int, per_rank: int) -> Optional[np.ndarray]:
-        """The signature check of a collective whose data goes another way (over MPI): on one
-        node it must meet allreduces at the same flag, or a mismatch between an allreduce and
-        another collective would leave each side waiting on a different mechanism. Returns every
-        local rank's `per_rank` value, or None when the digests differ (on every local rank)."""
+    def exchange_headers(self, digest: int, per_rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """The signature exchange of a collective whose data goes another way (over MPI): on
+        one node it must meet allreduces at the same flag, or a mismatch between an allreduce
+        and another collective would leave each side waiting on a different mechanism. Returns
+        every local rank's digest and `per_rank` value."""
         if not _native.headers_begin(self.node, digest, per_rank, SPIN_SECONDS):
             self._wait()
-        if _native.headers_end(self.node, self._per_rank.ctypes.data) < 0:
-            return None
-        return self._per_rank.copy()
+        return self.last_headers()
+
+    def last_headers(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every local rank's digest and per-rank word of the last exchange (copies)."""
+        digests, per_rank = self._headers
+        _native.headers_read(self.node, digests.ctypes.data, per_rank.ctypes.data)
+        return digests.copy(), per_rank.copy()
 
     def small(self, src: int, dst: int, nbytes: int, count: int, dtype: int, op: int,
               divisor: float, scale: float, digest: int) -> bool:

@@ -22,6 +22,7 @@ log = logging.getLogger("ringreduce")
 _BUSY_SECONDS = 0.00005  # poll flat out this long (as MPI does): a peer is usually close
 _YIELD_SECONDS = 0.001   # then yield the core between polls (oversubscribed ranks), then sleep
 _REMEMBERED = 4096       # the descriptions of this many recent collectives, for stall reports
+_JOINED_COUNT = 1 << 62  # what a joined rank publishes on the progress board
 
 
 class ProgressBoard:
@@ -74,11 +75,19 @@ class StallWatch:
         self.where = where
         self.board = ProgressBoard(comm) if comm.size > 1 else None
         self.begun = 0
+        self.quiet = False      # a joined rank waits for the others by design: no reports
         self._recent: list[tuple[int, Any]] = [(0, "")] * _REMEMBERED   # (count, description)
 
     def free(self) -> None:
         if self.board is not None:
             self.board.free()
+
+    def set_joined(self, joined: bool) -> None:
+        """While this rank has joined, it waits quietly, and its peers' reports do not count
+        it as missing (its published count is above any collective's)."""
+        self.quiet = joined
+        if self.board is not None:
+            self.board.publish(_JOINED_COUNT if joined else self.begun)
 
     def begin(self, description: Any) -> int:
         """Count one more collective begun on this rank, and remember what it was (a callable
@@ -94,7 +103,8 @@ class StallWatch:
         if done():
             return
         start = time.monotonic()
-        next_report = start + self.check_time if self.check_time > 0 else float("inf")
+        next_report = start + self.check_time if self.check_time > 0 and not self.quiet \
+            else float("inf")
         while not done():
             now = time.monotonic()
             if now - start < _BUSY_SECONDS:

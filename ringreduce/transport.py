@@ -17,6 +17,12 @@ set's members live:
 The other collectives have one way each, over MPI, after the same signature check
 (negotiation.py). Every collective begins in the set's stall watch, which names the collective
 if the set stalls in it.
+
+Join (Horovod's `join()`): a member that has run out of data sends the JOINED mark in every
+signature exchange. When the others' exchange meets it, every member takes part in one join
+round (an allgather of what each runs); an allreduce then runs again with the joined members
+contributing zeros, other collectives raise `JoinedError` on the members that called them. The
+joined members leave once every member has joined.
 """
 from __future__ import annotations
 
@@ -28,14 +34,19 @@ import numpy as np
 import torch
 
 from . import _native, cuda, kernels, ring
-from .buffers import CODES, as_array, as_tensor, fresh
+from .buffers import CODES, NAMES, as_array, as_tensor, fresh
 from .config import Settings
-from .errors import MismatchError
+from .errors import JoinedError, MismatchError
 from .kernels import ReduceOp
-from .negotiation import Negotiator
+from .negotiation import JOINED, Negotiator, PeersJoined
 from .shm import NodeWindow
-from .signature import Signature, label
+from .signature import Signature, describe_mismatch, label
 from .stall import StallWatch
+
+DTYPES = {name: dtype for dtype, name in NAMES.items()}
+# What a member runs, as a join round shares it: (collective, signature, reduction or None),
+# the reduction being (dtype name, element count, op, prescale, postscale, on a GPU).
+Description = tuple[str, Signature, Optional[tuple]]
 
 
 class ReduceSpec:
@@ -94,14 +105,13 @@ class Transport:
     `cross` those with the same local rank; `ranks` are the members' global ranks."""
 
     def __init__(self, comm: Any, local: Any, cross: Any, settings: Settings,
-                 watch: StallWatch, ranks: Sequence[int]) -> None:
+                 watch: StallWatch, ranks: Sequence[int], homogeneous: bool) -> None:
+        """`homogeneous`: every node holds as many members. Shared memory needs it, so that
+        each local rank's chunk has the same size as its peers' on the other nodes."""
         self.comm, self.cross, self.settings, self.watch = comm, cross, settings, watch
-        self.size = comm.size
-        # Shared memory needs the same member count on every node, so that each local rank's
-        # chunk has the same size as its peers' on the other nodes.
-        uniform = len(set(comm.allgather(local.size))) == 1
+        self.size, self.ranks = comm.size, list(ranks)
         self.node = (NodeWindow(local, settings.shared_small_bytes, settings.block_bytes, watch)
-                     if settings.shared_memory and local.size > 1 and uniform else None)
+                     if settings.shared_memory and local.size > 1 and homogeneous else None)
         self.one_node = self.node is not None and cross.size == 1
         self.negotiator = Negotiator(comm, watch, ranks, self.node if self.one_node else None)
         self.scratch = ScratchPool()
@@ -117,10 +127,16 @@ class Transport:
         """Allreduce `src` into `dst` (the same tensor, or a contiguous one of its size and
         dtype on its device); `dst` is written only once the signatures agree."""
         self.watch.begin(spec)
-        if src.is_cuda:
-            self._device(src, dst, spec)
-        else:
-            self._host(src, dst, spec)
+        try:
+            self._way(src, dst, spec)
+        except PeersJoined:
+            reduction = (NAMES[spec.dtype], src.numel(), int(spec.op), spec.prescale,
+                         spec.postscale, src.is_cuda)
+            self._join_round(("allreduce", spec.describe(), reduction))
+            self._way(src, dst, spec.unchecked())
+
+    def _way(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
+        (self._device if src.is_cuda else self._host)(src, dst, spec)
 
     def _host(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
         """Contiguous CPU tensors: the node ways take their addresses, the MPI ways NumPy
@@ -179,7 +195,7 @@ class Transport:
         divisor, scale = self._node_finish(spec)
         if not self.node.small(src.data_ptr(), dst.data_ptr(), src.nbytes, src.numel(),
                                spec.code, spec.op, divisor, scale, digest):
-            raise MismatchError(self._mismatch(spec))
+            self._disagreement(spec)
         if not self.one_node:
             self._ring(self.cross, "cross", as_array(dst), spec)
 
@@ -194,7 +210,7 @@ class Transport:
 
         if not self.node.large(src.data_ptr(), dst.data_ptr(), src.numel(), spec.code, spec.op,
                                divisor, scale, digest, None if self.one_node else between_nodes):
-            raise MismatchError(self._mismatch(spec))
+            self._disagreement(spec)
 
     # ------------------------------------------------------------------ pieces of the ways
 
@@ -202,8 +218,9 @@ class Transport:
         if spec.digest is not None:
             self.negotiator.check(spec.describe(), precomputed=spec.digest)
 
-    def _mismatch(self, spec: ReduceSpec) -> str:
-        return self.negotiator.mismatch(spec.describe())
+    def _disagreement(self, spec: ReduceSpec) -> None:
+        """The node's exchange found different digests: PeersJoined or MismatchError."""
+        self.negotiator.judge(self.node.last_headers()[0], spec.describe())
 
     def _digest_for_node(self, spec: ReduceSpec) -> int:
         """The digest the node exchange compares (0: none). It rides with the data on one node;
@@ -255,16 +272,69 @@ class Transport:
         ring.ring_allreduce(comm, buf, kernels.reducer(spec.dtype, spec.op), scratch, segment,
                             finish)
 
+    # ------------------------------------------------------------------ join
+
+    def join(self, device: Optional[torch.device]) -> int:
+        """This member has run out of data: until every member has joined, take part in every
+        allreduce the others run, with zeros (on `device`, or the one they use); returns the
+        set rank that joined last (the highest of those that joined at the same point)."""
+        point = self.watch.begun
+        self.watch.set_joined(True)
+        try:
+            while True:
+                digests, points = self.negotiator.exchange(JOINED, point)
+                if (digests == JOINED).all():
+                    return int(np.flatnonzero(points == points.max())[-1])
+                description = self._join_round(None)
+                if description is not None and description[2] is not None:
+                    self._zeros(description[2], device)
+        finally:
+            self.watch.set_joined(False)
+
+    def _join_round(self, mine: Optional[Description]) -> Optional[Description]:
+        """After an exchange in which some members had joined, every member shares what it
+        runs (None when joined). Returns the active members' common description; on an active
+        member, MismatchError when they disagree among themselves."""
+        everyone = self.comm.allgather(mine)
+        active = [(r, d) for r, d in enumerate(everyone) if d is not None]
+        if all(d[:2] == active[0][1][:2] for _, d in active):
+            return active[0][1]
+        if mine is not None:
+            raise MismatchError(describe_mismatch([d[1] for _, d in active],
+                                                  [self.ranks[r] for r, _ in active]))
+        return None
+
+    def _zeros(self, reduction: tuple, device: Optional[torch.device]) -> None:
+        """A joined member's part in an allreduce: zeros of the others' dtype and length."""
+        dtype_name, count, op, prescale, postscale, on_gpu = reduction
+        where = (device or torch.device("cuda", torch.cuda.current_device())) if on_gpu \
+            else torch.device("cpu")
+        zeros = torch.zeros(count, dtype=DTYPES[dtype_name], device=where)
+        self._way(zeros, zeros, ReduceSpec(zeros.dtype, ReduceOp(op), prescale, postscale))
+
+    def _refuse_while_joined(self, signature: Signature, joined: PeersJoined) -> None:
+        self._join_round((str(signature.get("collective")), signature, None))
+        names = [self.ranks[r] for r in joined.ranks]
+        raise JoinedError(
+            f"ringreduce: {signature.get('collective')} '{signature.get('name')}' on rank "
+            f"{self.ranks[self.comm.rank]}: ranks {names} of this process set have joined "
+            "(join()); until every rank has joined only allreduces run, the joined ranks "
+            "contributing zeros. Run it before join(), or after every rank has joined.")
+
     # ------------------------------------------------------------------ the other collectives
 
     def _begin(self, signature: Signature) -> None:
         self.watch.begin(functools.partial(label, signature))
 
-    def check(self, signature: Signature, per_rank: int = 0) -> np.ndarray:
-        """The signature check alone (for collectives that move no tensor, such as adding a
-        process set); returns every member's `per_rank` value."""
+    def check(self, signature: Signature, per_rank: int = 0,
+              precomputed: Optional[int] = None) -> np.ndarray:
+        """The signature check of a collective other than an allreduce; returns every
+        member's `per_rank` value. JoinedError when some member has joined."""
         self._begin(signature)
-        return self.negotiator.check(signature, per_rank)
+        try:
+            return self.negotiator.check(signature, per_rank, precomputed)
+        except PeersJoined as joined:
+            self._refuse_while_joined(signature, joined)
 
     def allgather(self, tensor: torch.Tensor, signature: Signature) -> torch.Tensor:
         """Every member's `tensor` concatenated along dimension 0 (which may differ)."""
@@ -296,8 +366,7 @@ class Transport:
                       spec: ReduceSpec) -> None:
         """Reduce `array` (ours to overwrite) so that this member's chunk `bounds[rank]` holds
         the finished result; the other chunks are left holding partial sums."""
-        self.watch.begin(spec)
-        self._check(spec)
+        self.check(spec.describe(), precomputed=spec.digest)
         kernels.finish(array, spec.dtype, 1.0, spec.prescale)
         if self.size > 1:
             segment = max(1, self.settings.segment_bytes // array.itemsize)
@@ -308,7 +377,13 @@ class Transport:
         kernels.finish(array[lo:hi], spec.dtype, self._divisor(spec), spec.postscale)
 
     def barrier(self, signature: Signature) -> None:
-        self.check(signature)
+        """Every member here; while some have joined, the join round itself is the barrier."""
+        self._begin(signature)
+        try:
+            self.negotiator.check(signature)
+        except PeersJoined:
+            self._join_round(("barrier", signature, None))
+            return
         self.comm.Barrier()
 
     def broadcast_object(self, obj: Any, root: int, signature: Signature) -> Any:

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import importlib.util
 import logging
 import sys
 import threading
 import time
 import traceback
-from typing import Any, Iterable, Optional, Union
+import warnings
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import torch
 
 from . import timeline
-from .config import Settings
+from .config import Settings, ignored_horovod_variables
 from .cuda import resolve_cuda_aware
 from .errors import RingReduceError
 from .mpi import mpi
@@ -64,6 +68,11 @@ def init(comm: Any = None, process_sets: Union[None, str, Iterable[ProcessSet]] 
             _atexit_registered = True
         if resolved.timeline:
             timeline.start(resolved.timeline, ours.rank)
+        ignored = ignored_horovod_variables()
+        if ignored and ours.rank == 0:
+            warnings.warn(f"ringreduce: ignoring Horovod settings it has no use for: "
+                          f"{', '.join(ignored)} (see the README's Settings for ours)",
+                          stacklevel=2)
         log.debug("rank %d/%d: local %d/%d, cross %d/%d", ours.rank, ours.size, glob.local.rank,
                   glob.local.size, glob.cross.rank, glob.cross.size)
     register_at_init(process_sets)
@@ -103,6 +112,76 @@ def cross_size() -> int:
 
 def cross_rank() -> int:
     return global_set("cross_rank()").cross.rank
+
+
+def is_homogeneous() -> bool:
+    """Whether every node runs the same number of ranks."""
+    return global_set("is_homogeneous()").homogeneous
+
+
+# What this library is built with, as Horovod's build queries answer it: MPI always (mpi4py),
+# our own CUDA path when CuPy and a CUDA build of torch are present, none of the others.
+
+def mpi_built() -> bool:
+    return True
+
+
+def mpi_enabled() -> bool:
+    """MPI carries every collective once ringreduce runs."""
+    return is_running()
+
+
+def mpi_threads_supported() -> bool:
+    """Always true once initialised: init() insists on MPI_THREAD_MULTIPLE."""
+    global_set("mpi_threads_supported()")
+    return True
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def nccl_built() -> int:
+    """Horovod returns the NCCL version code, or 0 without NCCL."""
+    return 0
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    """Whether our GPU path can run: a CUDA build of torch, and CuPy to view its tensors."""
+    return torch.version.cuda is not None and importlib.util.find_spec("cupy") is not None
+
+
+def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
+    """Horovod's helper: whether the framework sees a GPU (only 'torch' is ours)."""
+    return ext_base_name == "torch" and torch.cuda.is_available()
+
+
+def split_list(items: Sequence[Any], parts: int) -> list:
+    """Horovod's helper: `items` cut into `parts` consecutive pieces whose lengths differ by at
+    most one, longer ones first."""
+    base, extra = divmod(len(items), parts)
+    bounds = [i * base + min(i, extra) for i in range(parts + 1)]
+    return [items[bounds[i]:bounds[i + 1]] for i in range(parts)]
+
+
+def check_extension(ext_name: str, ext_env_var: str, pkg_path: str, *args: Any) -> None:
+    """Horovod's check that its framework extension was built; ringreduce's always is."""
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

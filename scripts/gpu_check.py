@@ -41,7 +41,7 @@ def reference(length, dtype, op, n, pre=1.0, post=1.0):
            hvd.Min: lambda: xs.min(0).values, hvd.Max: lambda: xs.max(0).values,
            hvd.Product: lambda: xs.prod(0)}[op]().to(dtype)
     if op == hvd.Average:
-        out = out / n if dtype.is_floating_point else torch.div(out, n, rounding_mode="floor")
+        out = out / n if dtype.is_floating_point else (out.double() * (1.0 / n)).to(dtype)
     return out * post if post != 1.0 else out
 
 

@@ -51,8 +51,6 @@ expect(ValueError, ["'dev2'", here, "meta"], hvd.broadcast_, torch.ones(2, devic
        name="dev2")
 expect(ValueError, ["Adasum"], hvd.allreduce, torch.ones(2), op=hvd.Adasum)
 expect(ValueError, ["not both"], hvd.allreduce, torch.ones(2), average=True, op=hvd.Sum)
-expect(TypeError, ["'iscale'", "floating"], hvd.allreduce, torch.ones(2, dtype=torch.int32),
-       name="iscale", prescale_factor=0.5)
 expect(ValueError, ["'rs0'", "at least one dimension"], hvd.reducescatter, torch.tensor(1.0),
        name="rs0")
 

@@ -92,7 +92,7 @@ class TorchEvent:
 
 
 cupy = types.ModuleType("cupy")
-for ufunc in ("add", "minimum", "maximum", "multiply", "floor_divide"):
+for ufunc in ("add", "minimum", "maximum", "multiply"):
     setattr(cupy, ufunc, getattr(np, ufunc))
 cupy.empty = lambda count, dtype: on_device(np.empty(count, dtype))
 cupy.RawModule = lambda code, options=(): types.SimpleNamespace(get_function=half_kernel)
@@ -132,7 +132,7 @@ def reference(length, dtype, op, pre, post):
            hvd.Min: lambda dim: xs.amin(dim), hvd.Max: lambda dim: xs.amax(dim)}[op](0)
     out = out.to(dtype)
     if op == hvd.Average:
-        out = out / n if dtype.is_floating_point else torch.div(out, n, rounding_mode="floor")
+        out = out / n if dtype.is_floating_point else (out.double() * (1.0 / n)).to(dtype)
     return out * post if post != 1.0 else out
 
 

@@ -54,9 +54,7 @@ def finish(t, dtype, divisor, scale):
         if divisor != 1.0:
             t = t / divisor
         return t * scale if scale != 1.0 else t
-    if divisor != 1.0:
-        t = torch.div(t, int(divisor), rounding_mode="floor")
-    return (t.double() * scale).to(dtype) if scale != 1.0 else t
+    return (t.double() * (scale / divisor)).to(torch.int64).to(dtype)
 
 
 class NodeOracle:

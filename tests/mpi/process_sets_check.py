@@ -47,7 +47,7 @@ def reference(ps, length, dtype, op, salt=0):
            hvd.Product: xs.prod}[op](0).to(dtype)
     if op == hvd.Average:
         k = len(ps.ranks)
-        out = out / k if dtype.is_floating_point else torch.div(out, k, rounding_mode="floor")
+        out = out / k if dtype.is_floating_point else (out.double() * (1.0 / k)).to(dtype)
     return out
 
 

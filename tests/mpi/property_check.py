@@ -40,7 +40,7 @@ def reference(shape, dtype, op, seed):
                         for k in range(n)])
     out = torch.from_numpy(np.asarray(OPS[op](stacked, axis=0))).to(dtype)
     if op == hvd.Average:
-        out = out / n if dtype.is_floating_point else torch.div(out, n, rounding_mode="floor")
+        out = out / n if dtype.is_floating_point else (out.double() * (1.0 / n)).to(dtype)
     return out.reshape(shape)
 
 
