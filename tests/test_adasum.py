@@ -1,0 +1,53 @@
+"""Adasum (ringreduce/adasum.py): the support check here; under a real mpiexec, the reduction
+against a NumPy reference of Horovod's tree, and the refusal of other rank counts."""
+import pytest
+import torch
+
+from conftest import run_ok
+from ringreduce import adasum
+from ringreduce.errors import HorovodInternalError
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_adasum_matches_horovods_tree_and_is_identical_on_every_rank(n):
+    run_ok(n, "adasum_check.py", timeout=120)
+
+
+def test_adasum_refuses_three_ranks_on_every_rank_before_any_traffic():
+    run_ok(3, "adasum_check.py", timeout=120)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4, 8, 1024])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+def test_powers_of_two_and_floats_are_supported(size, dtype):
+    assert adasum.why_unsupported(size, dtype) is None
+    adasum.check_supported(size, dtype)
+
+
+@pytest.mark.parametrize("size", [0, 3, 5, 6, 12])
+def test_other_rank_counts_raise_horovods_not_implemented_error(size):
+    assert f"has {size}" in adasum.why_unsupported(size, torch.float32)
+    with pytest.raises(NotImplementedError, match=f"power-of-two number of ranks.* has {size}$"):
+        adasum.check_supported(size, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8, torch.int8, torch.int32,
+                                   torch.int64])
+def test_other_dtypes_raise_horovods_internal_error(dtype):
+    name = str(dtype).removeprefix("torch.")
+    assert adasum.why_unsupported(2, dtype).endswith(f"not {name}")
+    with pytest.raises(HorovodInternalError, match=f"float16, float32 and float64 .*not {name}"):
+        adasum.check_supported(4, dtype)
+
+
+def test_rank_count_is_checked_before_dtype_as_horovod_does():
+    with pytest.raises(NotImplementedError):
+        adasum.check_supported(3, torch.int32)
+
+
+def test_weights_follow_horovods_formula_and_threshold():
+    assert adasum.weight(0.0, 5.0) == 1.0                  # orthogonal: a plain sum
+    assert adasum.weight(4.0, 4.0) == 0.5                  # parallel and equal: an average
+    assert adasum.weight(3.0, 0.0) == 1.0                  # zero vector: weight 1
+    assert adasum.weight(1e-9, 0.99e-8) == 1.0             # squared norm under 1e-8: weight 1
+    assert adasum.weight(1e-8, 1e-8) == 0.5
