@@ -14,7 +14,7 @@ from .compression import Compression
 from .engine import Handle
 from . import checkpoint
 from .errors import (ConsistencyError, HorovodInternalError, JoinedError, MismatchError,
-                     NotInitializedError, RingReduceError, UnsupportedError)
+                     NotInitializedError, RingReduceError, UnsupportedError, UsageError)
 from .kernels import ReduceOp
 from .objects import (allgather_object, broadcast_object, broadcast_optimizer_state,
                       broadcast_parameters, check_consistency)
@@ -55,5 +55,5 @@ __all__ = [
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     # errors
     "RingReduceError", "HorovodInternalError", "MismatchError", "NotInitializedError",
-    "JoinedError", "UnsupportedError", "ConsistencyError",
+    "JoinedError", "UnsupportedError", "UsageError", "ConsistencyError",
 ]

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .buffers import NAMES, STORAGE_DTYPES
-from .errors import HorovodInternalError
+from .errors import HorovodInternalError, UnsupportedError
 
 Scratch = Callable[[str, np.dtype, int], np.ndarray]
 Span = tuple[int, int, int]          # (tensor index, first, stop) within one rank's part
@@ -52,9 +52,9 @@ def why_unsupported(size: int, dtype: torch.dtype) -> Optional[str]:
 
 
 def check_supported(size: int, dtype: torch.dtype) -> None:
-    """Raise what Horovod raises: NotImplementedError when `size` is not a power of two (its
-    Python front end refuses before any traffic), HorovodInternalError for a dtype other than
-    float16/32/64 (its Adasum op fails with 'Unsupported data type.')."""
+    """Raise what Horovod raises: NotImplementedError (our UnsupportedError) when `size` is not
+    a power of two (its Python front end refuses before any traffic), HorovodInternalError for a
+    dtype other than float16/32/64 (its Adasum op fails with 'Unsupported data type.')."""
     problem = _problem(size, dtype)
     if problem is not None:
         error, message = problem
@@ -195,7 +195,7 @@ def _weighted_sum(a: np.ndarray, a_weight: float, b: np.ndarray, b_weight: float
 
 def _problem(size: int, dtype: torch.dtype) -> Optional[tuple[type, str]]:
     if size < 1 or size & (size - 1):
-        return NotImplementedError, (f"ringreduce: Adasum needs a power-of-two number of "
+        return UnsupportedError, (f"ringreduce: Adasum needs a power-of-two number of "
                                      f"ranks, and this process set has {size}")
     if dtype not in DTYPES:
         return HorovodInternalError, (f"ringreduce: Adasum reduces float16, float32 and "

@@ -15,10 +15,11 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from . import _native, cuda, ring, timeline
+from . import _native, adasum, cuda, ring, timeline
 from .buffers import CODES, NAMES, SUPPORTED, as_array, fresh
 from .compression import Compression, Compressor
 from .engine import Handle
+from .errors import UnsupportedError
 from .kernels import ReduceOp
 from .process_sets import ActiveSet, ProcessSet, active, global_process_set
 from .signature import digest
@@ -55,7 +56,8 @@ def _tensor(tensor: Any, what: str, name: str, ps: ActiveSet) -> torch.Tensor:
     return tensor.detach().contiguous()
 
 
-def _op(op: Any, average: Optional[bool], what: str) -> ReduceOp:
+def _op(op: Any, average: Optional[bool], what: str, adasum_ok: bool = False) -> ReduceOp:
+    """The reduction op; Adasum only where `adasum_ok` (allreduces), as in Horovod."""
     if average is not None:
         warnings.warn("ringreduce: average= is deprecated; use op=ringreduce.Average or "
                       "op=ringreduce.Sum", DeprecationWarning, stacklevel=3)
@@ -64,15 +66,16 @@ def _op(op: Any, average: Optional[bool], what: str) -> ReduceOp:
         return Average if average else Sum
     if op is None:
         return Average
-    if op.__class__ is ReduceOp and op != Adasum:
+    if op.__class__ is ReduceOp and (op != Adasum or adasum_ok):
         return op
     try:
         op = ReduceOp(op)
     except ValueError:
         raise ValueError(f"ringreduce: {what}: unknown op {op!r}; use ringreduce.Sum, Average, "
                          "Min, Max or Product") from None
-    if op == Adasum:
-        raise ValueError(f"ringreduce: {what}: Adasum is not supported; use Sum or Average")
+    if op == Adasum and not adasum_ok:
+        raise UnsupportedError(f"ringreduce: {what}: Adasum only reduces allreduces; use Sum "
+                               "or Average")
     return op
 
 
@@ -158,9 +161,11 @@ def _allreduce_work(tensor: torch.Tensor, average: Optional[bool], name: Optiona
                                                     compression, in_place, kind, process_set)
         return ps, name, lambda: grouped()[0]
     ps = active(process_set, f"{kind}()")
-    op = _op(op, average, kind)
+    op = _op(op, average, kind, adasum_ok=True)
     name = ps.auto_name(kind) if name is None else name
     t = _tensor(tensor, kind, name, ps)
+    if op == Adasum:
+        adasum.check_supported(ps.size, t.dtype)
     spec = _allreduce_spec(t, op, pre, post, name)
 
     def work() -> torch.Tensor:
@@ -181,11 +186,14 @@ def _grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str]
                             compression: type[Compressor], in_place: bool, kind: str,
                             process_set: ProcessSet) -> Work:
     ps = active(process_set, f"{kind}()")
-    op = _op(op, average, kind)
+    op = _op(op, average, kind, adasum_ok=True)
     name = ps.auto_name(kind) if name is None else name
     checked = [_tensor(t, kind, f"{name}[{i}]" if len(tensors) > 1 else name, ps)
                for i, t in enumerate(tensors)]
     wires, contexts = zip(*(compression.compress(t) for t in checked)) if checked else ((), ())
+    if op == Adasum:
+        for wire in wires:
+            adasum.check_supported(ps.size, wire.dtype)
     signature = {"collective": "allreduce", "name": name, "op": op.name,
                  "prescale": prescale, "postscale": postscale}
     if len(wires) == 1:
@@ -227,8 +235,9 @@ def _reduce_fused(ps: ActiveSet, tensors: Sequence[torch.Tensor], op: ReduceOp,
     results: list[Any] = [None] * len(tensors)
     for dtype, members in by_dtype.items():
         fused = torch.cat([tensors[i].reshape(-1) for i in members])
+        lengths = [tensors[i].numel() for i in members]
         ps.transport.allreduce(fused, fused, ReduceSpec(dtype, op, prescale, postscale, signed,
-                                                        signature))
+                                                        signature, lengths))
         signed = None
         for i, part in zip(members, fused.split([tensors[i].numel() for i in members])):
             results[i] = part.view_as(tensors[i])

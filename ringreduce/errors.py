@@ -20,6 +20,12 @@ class JoinedError(RingReduceError):
     joined (`join()`): that rank has no data to contribute. Raised on the ranks that called it."""
 
 
+class UsageError(RingReduceError, AssertionError):
+    """DistributedOptimizer's calls came in an order that cannot give right results (zero_grad
+    between backward and step, more backward passes than announced ...; Horovod: AssertionError).
+    Raised on the rank that made it."""
+
+
 class UnsupportedError(RingReduceError, NotImplementedError):
     """A combination Horovod does not implement either (Horovod: NotImplementedError), such as
     Adasum on a rank count that is not a power of two."""

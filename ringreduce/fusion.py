@@ -22,10 +22,11 @@ class Bucket:
     views: list[torch.Tensor]            # buffer slices shaped like each parameter
     signature: dict = field(default_factory=dict)   # how ranks recognise its allreduce
     direct: bool = False                 # see `gradient`: no buffer, no pack and unpack
+    prefix: str = ""                     # tells one optimizer's buckets from another's
 
     @property
     def name(self) -> str:
-        return f"bucket.{self.index}"
+        return f"{self.prefix}bucket.{self.index}"
 
     @property
     def nbytes(self) -> int:
@@ -44,32 +45,34 @@ class Bucket:
         return p.grad
 
     def pack(self) -> None:
-        """Copy each parameter's gradient into the buffer (zeros where there is none)."""
+        """Copy each parameter's gradient into the buffer (zeros where there is none, or where
+        it is sparse: those travel on their own)."""
         for p, view in zip(self.params, self.views):
-            if p.grad is None:
+            if p.grad is None or p.grad.layout != torch.strided:
                 view.zero_()
             elif p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad)
 
     def unpack(self) -> None:
-        """Copy the reduced buffer back into each parameter's gradient."""
+        """Copy the reduced buffer back into each (dense) parameter gradient."""
         for p, view in zip(self.params, self.views):
             if p.grad is None:
                 p.grad = view.to(p.dtype, copy=True)
-            elif p.grad.data_ptr() != view.data_ptr():
+            elif p.grad.layout == torch.strided and p.grad.data_ptr() != view.data_ptr():
                 p.grad.copy_(view)
 
 
 def plan(named: Sequence[tuple[str, torch.Tensor]], threshold: int, first_bucket: int,
-         wire_dtype=None, explicit_groups: Optional[Sequence[Sequence[torch.Tensor]]] = None
-         ) -> list[Bucket]:
-    """Buckets over the parameters that require grad, in reverse registration order.
+         wire_dtype=None, explicit_groups: Optional[Sequence[Sequence[torch.Tensor]]] = None,
+         prefix: str = "", direct: bool = True) -> list[Bucket]:
+    """Buckets over the given parameters, in reverse registration order.
 
     `wire_dtype(dtype)` gives the buffer dtype for a parameter dtype (for compression);
-    `explicit_groups` (lists of parameters) each become one bucket, before the rest.
+    `explicit_groups` (lists of parameters) each become one bucket, before the rest; bucket
+    names start with `prefix`; `direct=False` gives every bucket a buffer.
     """
     wire = wire_dtype or (lambda dtype: dtype)
-    trainable = [(n, p) for n, p in named if p.requires_grad]
+    trainable = list(named)
     groups: list[list[tuple[str, torch.Tensor]]] = []
     if explicit_groups:
         name_of = {id(p): n for n, p in trainable}
@@ -93,10 +96,11 @@ def plan(named: Sequence[tuple[str, torch.Tensor]], threshold: int, first_bucket
         current_bytes += nbytes
     if current:
         groups.append(current)
-    return [_make_bucket(i, group, wire) for i, group in enumerate(groups)]
+    return [_make_bucket(i, group, wire, prefix, direct) for i, group in enumerate(groups)]
 
 
-def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire) -> Bucket:
+def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire, prefix: str,
+                 direct: bool) -> Bucket:
     dtype = wire(members[0][1].dtype)
     total = sum(p.numel() for _, p in members)
     device = members[0][1].device   # the bucket lives where its parameters do
@@ -104,16 +108,16 @@ def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire) -> B
         raise ValueError(f"ringreduce: bucket {index} (parameters {[n for n, _ in members]}) "
                          "spans several devices; each group must hold parameters of one device")
     names = [n for n, _ in members]
-    signature = {"collective": "allreduce", "name": f"bucket.{index}",
+    signature = {"collective": "allreduce", "name": f"{prefix}bucket.{index}",
                  "dtype": str(dtype).removeprefix("torch."), "shape": (total,),
                  "parameters": tuple(names)}
     params = [p for _, p in members]
-    if len(members) == 1 and device.type == "cpu" and dtype == params[0].dtype:
+    if direct and len(members) == 1 and device.type == "cpu" and dtype == params[0].dtype:
         return Bucket(index, names, params, torch.empty(0, dtype=dtype), [], signature,
-                      direct=True)
+                      direct=True, prefix=prefix)
     buffer = torch.zeros(total, dtype=dtype, device=device)
     views, offset = [], 0
     for p in params:
         views.append(buffer[offset:offset + p.numel()].view(p.shape))
         offset += p.numel()
-    return Bucket(index, names, params, buffer, views, signature)
+    return Bucket(index, names, params, buffer, views, signature, prefix=prefix)

@@ -19,10 +19,11 @@ from .process_sets import ProcessSet, active, global_process_set
 Params = Union[Mapping[str, torch.Tensor], Iterable[Any]]
 
 
-def broadcast_parameters(params: Params, root_rank: int,
+def broadcast_parameters(params: Params, root_rank: int, prefix: Optional[str] = None,
                          process_set: ProcessSet = global_process_set) -> None:
     """Overwrite every member's tensors with global rank root_rank's, in place: a state_dict, a
-    dict of tensors, model.named_parameters(), or a list of tensors."""
+    dict of tensors, model.named_parameters(), or a list of tensors. `prefix` goes in front of
+    the collectives' names (to tell two models' broadcasts apart)."""
     if isinstance(params, Mapping):
         items = sorted(params.items())
     else:
@@ -31,7 +32,8 @@ def broadcast_parameters(params: Params, root_rank: int,
     for index, (name, tensor) in enumerate(items):
         if not isinstance(tensor, torch.Tensor):
             continue
-        handles.append(broadcast_async_(tensor, root_rank, f"broadcast_parameters.{name or index}",
+        label = f"{prefix or ''}{name if name is not None else index}"
+        handles.append(broadcast_async_(tensor, root_rank, f"broadcast_parameters.{label}",
                                         process_set))
     for handle in handles:
         synchronize(handle)

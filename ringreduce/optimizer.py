@@ -1,12 +1,19 @@
-"""`DistributedOptimizer`: gradients are averaged across ranks while backward runs.
+"""`DistributedOptimizer`: gradients are averaged across a process set's ranks while backward runs.
 
 Life cycle of one step:
-  backward: each parameter's post-accumulate hook counts its passes; on the last pass its
-      gradient is packed into its bucket; a full bucket is handed to the engine (in bucket
-      order, the same on every rank), which reduces it on its thread while backward goes on.
-  synchronize(): buckets that never filled (parameters with no gradient on this rank) are
-      packed with zeros and submitted, so every rank reduces the same buckets; then wait.
+  backward: the step's first gradient checks the plan (which parameters train, which have
+      sparse gradients); a change re-plans the buckets, the same way on every rank. Each
+      parameter's post-accumulate hook counts its passes; on the last pass its gradient is
+      packed into its bucket; a full bucket is handed to the set's engine (in bucket order, the
+      same on every rank), which reduces it on its thread while backward goes on.
+  synchronize(): buckets that never filled are packed with zeros where this rank has no
+      gradient and submitted, so every rank reduces the same buckets; sparse gradients are
+      allgathered (Horovod's sparse allreduce); one small allreduce tells which parameters had
+      a gradient on some rank, the others keep `.grad` None as in one process; then wait.
   step(): synchronize() unless inside skip_synchronize(), then the wrapped optimizer's step.
+
+With op=Adasum the life cycle is Horovod's instead (`_AdasumOptimizer`): each rank steps its
+own optimizer, and the parameter deltas are combined.
 
 The returned object is an instance of a subclass of the wrapped optimizer's class, sharing its
 param_groups and state, so isinstance checks, LR schedulers and state_dict keep working.
@@ -15,24 +22,33 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 import weakref
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from . import cuda, fusion, timeline
-from .collectives import Average, Sum, _op
+from . import adasum, cuda, fusion, timeline
+from .collectives import Adasum, Average, Max, Sum, _op, sparse_allreduce_async
 from .compression import Compression, Compressor
 from .engine import Handle
-from .errors import RingReduceError
+from .errors import UnsupportedError, UsageError
 from .objects import check_consistency
 from .process_sets import ProcessSet, active, global_process_set
 from .signature import digest
 from .transport import ReduceSpec
 
+# Horovod's words, so that filters written for its warning match ours.
+_STEP_AFTER_SYNCHRONIZE = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after "
+    "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
+    "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
+
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     """The methods mixed into the dynamic subclass; see `DistributedOptimizer`."""
+
+    _ringreduce_wrapped = True
 
     def _setup(self, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, gradient_as_bucket_view,
@@ -41,11 +57,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._process_set = process_set
         self._rank = ps.ranks[ps.rank]
         settings = ps.transport.settings
-        named = _named_parameters(self.param_groups, named_parameters)
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise ValueError("ringreduce: backward_passes_per_step must be an integer >= 1, got "
-                             f"{backward_passes_per_step!r}")
-        op = _op(op, None, "DistributedOptimizer")
+        self._named = _named_parameters(self.param_groups, named_parameters)
+        self._names = {id(p): n for n, p in self._named}
+        _check_passes(backward_passes_per_step)
+        op = _op(op, None, "DistributedOptimizer", adasum_ok=True)
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("ringreduce: gradient_predivide_factor only applies to op=Average "
                              f"(got op={op.name}); drop the factor or use Average")
@@ -54,36 +69,71 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                              "Compression.none (compressed buckets hold another dtype)")
         # Average with a predivide factor f: sum(g / f) * f / size.
         predivided = gradient_predivide_factor != 1.0
-        reduce_op = Sum if predivided else op
-        prescale = 1.0 / gradient_predivide_factor
-        postscale = gradient_predivide_factor / ps.size if predivided else 1.0
+        self._reduction = (Sum if predivided else op, 1.0 / gradient_predivide_factor,
+                           gradient_predivide_factor / ps.size if predivided else 1.0)
         self._sparse_as_dense = sparse_as_dense
         self._passes = backward_passes_per_step
-        self._names = {id(p): n for n, p in named}
-        self._named = named
         self._consistency_every = settings.consistency_check_steps
         self._steps_taken = 0
-        wire = compression.wire_dtype
+        self._compression = compression
+        self._groups = groups
+        self._threshold = settings.fusion_threshold if fusion_threshold is None \
+            else fusion_threshold
+        self._first_bucket = settings.first_bucket_bytes if first_bucket_bytes is None \
+            else first_bucket_bytes
+        self._prefix = ps.optimizer_prefix()
+        self._views = gradient_as_bucket_view
+        self._skip_sync = False
+        self._broken: Optional[str] = None     # why this step cannot be completed
+        self._sparse: set[int] = set()         # parameters whose gradients come sparse
+        self._hooked: set[int] = set()
+        self._hooks: list = []
+        weakref.finalize(self, _remove_hooks, self._hooks)
+        self._plan()
+        self._reset_step()
+
+    # ------------------------------------------------------------ the plan
+
+    def _trainable(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p) for n, p in self._named if p.requires_grad]
+
+    def _plan(self) -> None:
+        """Buckets over the trainable parameters with dense gradients, their reductions, and a
+        gradient hook on every trainable parameter."""
+        trainable = self._trainable()
+        dense = [(n, p) for n, p in trainable if id(p) not in self._sparse]
+        wire = self._compression.wire_dtype
 
         def wire_dtype(dtype: torch.dtype) -> torch.dtype:
-            return wire if wire is not None and compression.applies_to(dtype) else dtype
+            return wire if wire is not None and self._compression.applies_to(dtype) else dtype
 
-        threshold = settings.fusion_threshold if fusion_threshold is None else fusion_threshold
-        first = settings.first_bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
-        self._buckets = fusion.plan(named, threshold, first, wire_dtype,
-                                    _explicit_groups(groups, named))
-        self._specs = [ReduceSpec(b.buffer.dtype, reduce_op, prescale, postscale,
-                                  digest(b.signature), b.signature) for b in self._buckets]
+        self._buckets = fusion.plan(dense, self._threshold, self._first_bucket, wire_dtype,
+                                    _explicit_groups(self._groups, dense), self._prefix,
+                                    direct=not self._adasum)
+        op, prescale, postscale = self._reduction
+        self._specs = [ReduceSpec(b.buffer.dtype, op, prescale, postscale, digest(b.signature),
+                                  b.signature, [p.numel() for p in b.params])
+                       for b in self._buckets]
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        self._view_of = {id(p): v for b in self._buckets for p, v in zip(b.params, b.views)}
+        self._sparse_params = [(n, p) for n, p in trainable if id(p) in self._sparse]
+        self._planned = frozenset(id(p) for _, p in trainable)
+        self._planned_sparse = frozenset(self._sparse)
+        self._position = {id(p): i for i, (_, p) in enumerate(dense)}
+        self._present = torch.zeros(len(dense), dtype=torch.uint8)
+        presence = {"collective": "allreduce", "name": f"{self._prefix}presence",
+                    "parameters": tuple(n for n, _ in dense)}
+        self._presence_spec = ReduceSpec(torch.uint8, Max, digest=digest(presence),
+                                         signature=presence)
         for bucket in self._buckets:
             _describe(bucket)
-        self._views = gradient_as_bucket_view
-        self._view_of = {id(p): v for b in self._buckets for p, v in zip(b.params, b.views)}
         if self._views:
             self._point_grads_at_buckets()
-        self._skip_sync = False
+        self._hook([p for _, p in trainable])
+
+    def _hook(self, params: list[torch.Tensor]) -> None:
         # The hooks live in torch's C++ parameter objects, which the garbage collector cannot
-        # see through: hold the optimizer weakly there, and drop the hooks with it.
+        # see through: hold the optimizer weakly there.
         me = weakref.ref(self)
 
         def on_gradient(p: torch.Tensor) -> None:
@@ -91,56 +141,87 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if optimizer is not None:
                 optimizer._on_gradient(p)
 
-        hooks = [p.register_post_accumulate_grad_hook(on_gradient)
-                 for b in self._buckets for p in b.params]
-        weakref.finalize(self, _remove_hooks, hooks)
-        self._reset_step()
+        for p in params:
+            if id(p) not in self._hooked:
+                self._hooked.add(id(p))
+                self._hooks.append(p.register_post_accumulate_grad_hook(on_gradient))
 
-    # ------------------------------------------------------------ backward
-
-    def _reset_step(self) -> None:
-        self._pass_count = {id(p): 0 for b in self._buckets for p in b.params}
-        self._waiting = [len(b.params) for b in self._buckets]  # params not ready, per bucket
-        self._next_bucket = 0               # buckets are submitted strictly in order
-        self._handles: list[Handle] = []
-        self._synchronized = False
-        self._first_gradient_at: dict[int, float] = {}  # bucket index -> time (timeline only)
+    def _replan_if_changed(self) -> None:
+        """Before anything of a step is submitted: a parameter frozen or unfrozen since the
+        plan, or a gradient found sparse, re-plans the buckets. Every rank that makes the same
+        change re-plans alike; a rank that does not fails the buckets' signature check
+        (MismatchError naming the parameters)."""
+        trainable = frozenset(id(p) for _, p in self._trainable())
+        if trainable != self._planned or self._sparse != self._planned_sparse:
+            self._plan()
+            self._reset_step()
 
     def _point_grads_at_buckets(self) -> None:
         for bucket in self._buckets:
             for p, view in zip(bucket.params, bucket.views):
+                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
                 p.grad = view
 
+    # ------------------------------------------------------------ backward
+
+    def _reset_step(self) -> None:
+        self._fresh = True                   # nothing of this step seen yet
+        self._pass_count = dict.fromkeys(self._planned, 0)
+        self._waiting = [len(b.params) for b in self._buckets]  # params not ready, per bucket
+        self._next_bucket = 0                # buckets are submitted strictly in order
+        self._handles: list[Handle] = []
+        self._found_sparse: set[int] = set()   # parameters with sparse gradients this step
+        self._present.zero_()
+        self._synchronized = False
+        self._first_gradient_at: dict[int, float] = {}  # bucket index -> time (timeline only)
+
     def _on_gradient(self, p: torch.Tensor) -> None:
+        if self._fresh:
+            self._fresh = False
+            self._replan_if_changed()
+            self._fresh = False
         key = id(p)
-        if timeline.running():      # "waiting for gradients" starts at the first
-            self._first_gradient_at.setdefault(self._bucket_of[key].index, time.perf_counter())
-        self._pass_count[key] += 1
-        count = self._pass_count[key]
+        if key not in self._pass_count:      # trainable only since this step began
+            return
+        count = self._pass_count[key] = self._pass_count[key] + 1
         if count > self._passes:
-            raise RingReduceError(
+            self._broken = (
                 f"ringreduce: gradient of '{self._names[key]}' was computed {count} times on "
                 f"rank {self._rank} before step(); backward_passes_per_step is {self._passes}. "
                 "Increase backward_passes_per_step to accumulate gradients locally, or call "
                 "step()/synchronize() between backward passes.")
+            raise UsageError(self._broken)
         if count < self._passes:
             return
         if p.grad is not None and p.grad.layout != torch.strided:
-            if not self._sparse_as_dense:
-                raise TypeError(
+            if self._sparse_as_dense:
+                p.grad = p.grad.to_dense()
+            elif self._adasum:
+                raise UnsupportedError(
                     f"ringreduce: parameter '{self._names[key]}' on rank {self._rank} has a "
-                    f"{p.grad.layout} gradient; pass sparse_as_dense=True to DistributedOptimizer")
-            p.grad = p.grad.to_dense()
+                    "sparse gradient, which Adasum cannot combine; pass sparse_as_dense=True")
+            else:
+                self._found_sparse.add(key)
+                if key in self._planned_sparse:     # reduced on its own at synchronize()
+                    return
         bucket = self._bucket_of[key]
+        if timeline.running():      # "waiting for gradients" starts at the first
+            self._first_gradient_at.setdefault(bucket.index, time.perf_counter())
         view = self._view_of.get(key)   # None: a direct bucket
         if (self._views and view is not None and p.grad is not None
                 and p.grad.data_ptr() != view.data_ptr()):
             view.copy_(p.grad)   # the gradient was re-created (set_to_none): view it again
             p.grad = view
+        self._gradient_ready(p)
+        self._present[self._position[key]] = 1
         self._waiting[bucket.index] -= 1
         if self._waiting[bucket.index] == 0:
             timeline.record(bucket.name, "gradients ready")
         self._submit_ready_buckets()
+
+    def _gradient_ready(self, p: torch.Tensor) -> None:
+        """What a final gradient does before its bucket is packed (Adasum: the local step)."""
 
     def _submit_ready_buckets(self, force: bool = False) -> None:
         while self._next_bucket < len(self._buckets) and (
@@ -151,15 +232,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             gradient = None
             with timeline.span(bucket.name, "pack"):
                 if bucket.direct:
-                    gradient = bucket.gradient()
-                elif bucket.buffer.is_cuda:
-                    ready = cuda.pack(bucket)
+                    gradient = self._direct_gradient(bucket)
                 else:
-                    bucket.pack()
+                    ready = self._pack(bucket)
             self._handles.append(self._set.engine.submit(
                 bucket.name, self._reduce_work(bucket, ready, gradient)))
             timeline.record(bucket.name, "submitted")
             self._next_bucket += 1
+
+    def _pack(self, bucket: fusion.Bucket) -> Any:
+        """Gradients into the bucket's buffer; on a GPU, returns the event the reduction waits
+        for."""
+        if bucket.buffer.is_cuda:
+            return cuda.pack(bucket)
+        bucket.pack()
+        return None
+
+    def _direct_gradient(self, bucket: fusion.Bucket) -> torch.Tensor:
+        """The tensor a direct bucket reduces in place: its parameter's gradient, or zeros
+        standing in for a sparse one (which travels on its own)."""
+        p = bucket.params[0]
+        if p.grad is not None and p.grad.layout != torch.strided:
+            return torch.zeros_like(p)
+        return bucket.gradient()
 
     def _reduce_work(self, bucket: fusion.Bucket, ready: Any = None,
                      gradient: Optional[torch.Tensor] = None):
@@ -172,7 +267,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             tensor = bucket.buffer if gradient is None else gradient
             with timeline.span(bucket.name, "allreduce"), cuda.after(ready):
                 transport.allreduce(tensor, tensor, spec)
-            if not bucket.direct:
+            if not bucket.direct and not self._adasum:
                 with timeline.span(bucket.name, "unpack"):
                     if bucket.buffer.is_cuda:
                         cuda.unpack(bucket)   # and waits: complete before synchronize() returns
@@ -188,23 +283,61 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         submission), the part of backward that its communication can overlap."""
         if not timeline.running():
             return
-        _describe(bucket)   # again: another optimizer's buckets may have the same names
+        _describe(bucket)
         start = self._first_gradient_at.get(bucket.index)
         if start is not None:
             timeline.add_span(bucket.name, "waiting for gradients", start, time.perf_counter())
 
-    # ------------------------------------------------------------ public methods
-
-    def synchronize(self) -> None:
-        """Finish reducing every gradient of this step (zeros for gradients never produced)."""
-        if self._synchronized:
-            return
+    def _complete_collectives(self) -> None:
+        """Submit whatever of this step's collectives are left, in the same order on every
+        rank, and wait for all of them."""
+        if self._fresh:                      # no gradient at all this step
+            self._fresh = False
+            self._replan_if_changed()
+            self._fresh = False
         self._submit_ready_buckets(force=True)
+        sparse = [(n, p) for n, p in self._named
+                  if id(p) in self._planned_sparse or id(p) in self._found_sparse]
+        self._sparse |= self._found_sparse    # the next step's plan reduces them on their own
+        results = [(p, sparse_allreduce_async(_sparse_or_empty(p), f"{self._prefix}sparse.{n}",
+                                              self._reduction[0], self._process_set))
+                   for n, p in sparse]
+        presence = None
+        if not self._views and not self._adasum and len(self._present):
+            presence = self._set.engine.submit(f"{self._prefix}presence", lambda: (
+                self._set.transport.allreduce(self._present, self._present,
+                                              self._presence_spec)))
         try:
             for handle in self._handles:
                 handle.wait()
+            for p, handle in results:
+                p.grad = handle.wait()
+            if presence is not None:
+                presence.wait()
+                self._forget_gradients_nobody_had()
         finally:
             self._handles = []
+
+    def _forget_gradients_nobody_had(self) -> None:
+        """A parameter no rank had a gradient for keeps `.grad` None, as in one process (zeros
+        stand in only for ranks that lack a gradient another rank has)."""
+        for bucket in self._buckets:
+            for p in bucket.params:
+                if not self._present[self._position[id(p)]]:
+                    p.grad = None
+
+    # ------------------------------------------------------------ public methods
+
+    def synchronize(self) -> None:
+        """Finish reducing every gradient of this step (zeros for gradients a rank lacks)."""
+        if self._broken is not None:
+            raise UsageError(f"{self._broken} This step's gradients are incomplete: call "
+                             "optimizer.zero_grad() and run the step again.")
+        if self._synchronized:
+            return
+        try:
+            self._complete_collectives()
+        finally:
             self._synchronized = True
 
     @contextlib.contextmanager
@@ -219,25 +352,33 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         if not self._skip_sync:
+            if self._synchronized:
+                warnings.warn(_STEP_AFTER_SYNCHRONIZE)
             self.synchronize()
         elif not self._synchronized:
-            raise RingReduceError(
+            raise UsageError(
                 f"ringreduce: step() inside skip_synchronize() on rank {self._rank} before "
                 "synchronize(); call optimizer.synchronize() first")
         result = super(self.__class__, self).step(closure)
+        self._finish_step()
+        return result
+
+    def _finish_step(self) -> None:
         self._reset_step()
         self._steps_taken += 1
         if self._consistency_every and self._steps_taken % self._consistency_every == 0:
             check_consistency(self._named, name=f"check_consistency.step{self._steps_taken}",
                               process_set=self._process_set)
-        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._handles:
-            raise RingReduceError(
-                f"ringreduce: optimizer.zero_grad() on rank {self._rank} was called after "
-                "loss.backward() but before optimizer.step() or optimizer.synchronize(); the "
-                "gradients are still being reduced. Call zero_grad() before backward.")
+        if self._handles or (self._broken is not None and not self._fresh):
+            if self._broken is None:
+                raise UsageError(
+                    f"ringreduce: optimizer.zero_grad() on rank {self._rank} was called after "
+                    "loss.backward() but before optimizer.step() or optimizer.synchronize(); "
+                    "the gradients are still being reduced. Call zero_grad() before backward.")
+            self._complete_collectives()    # a broken step still meets the other ranks' ones
+        self._broken = None
         if self._views:     # keep the gradients as views of the buckets
             for bucket in self._buckets:
                 bucket.buffer.zero_()
@@ -247,17 +388,98 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         p.grad = None
                     else:
                         p.grad.zero_()
+            for _, p in self._sparse_params:
+                p.grad = None
             self._point_grads_at_buckets()
-            self._reset_step()
-            return
-        super(self.__class__, self).zero_grad(set_to_none)
+        else:
+            super(self.__class__, self).zero_grad(set_to_none)
         self._reset_step()
 
     def set_backward_passes_per_step(self, passes: int) -> None:
-        if not isinstance(passes, int) or passes < 1:
-            raise ValueError(f"ringreduce: backward_passes_per_step must be >= 1, got {passes!r}")
+        _check_passes(passes)
         self._passes = passes
         self._reset_step()
+
+    @property
+    def _adasum(self) -> bool:
+        return False
+
+
+class _AdasumOptimizer:
+    """op=Adasum, as Horovod's: once a parameter's gradient is final, the wrapped optimizer
+    steps that parameter alone on this rank (its state, momentum or Adam's moments, stays this
+    rank's own); the step's delta goes into the bucket, and the buckets are combined by Adasum
+    across the set; step() adds the combined delta to where the parameter started, the same
+    on every rank. synchronize() has nothing to do; skip_synchronize() is refused."""
+
+    @property
+    def _adasum(self) -> bool:
+        return True
+
+    def _gradient_ready(self, p: torch.Tensor) -> None:
+        self._step_alone(p)
+
+    def _pack(self, bucket: fusion.Bucket) -> Any:
+        """The deltas are in the buffer already."""
+        if bucket.buffer.is_cuda:
+            return torch.cuda.current_stream(bucket.buffer.device).record_event()
+        return None
+
+    def _step_alone(self, p: torch.Tensor) -> None:
+        """The wrapped optimizer's step on `p` only; its delta into the bucket, `p` back to
+        where it started until the combined delta arrives."""
+        start = self._start[id(p)]
+        start.copy_(p.detach())
+        params = [group["params"] for group in self.param_groups]
+        for group in self.param_groups:
+            group["params"] = [q for q in group["params"] if q is p]
+        try:
+            super(self.__class__, self).step()
+        finally:
+            for group, saved in zip(self.param_groups, params):
+                group["params"] = saved
+        self._view_of[id(p)].copy_(p.detach() - start)
+        with torch.no_grad():
+            p.copy_(start)
+        self._stepped.add(id(p))
+
+    def _plan(self) -> None:
+        _DistributedOptimizer._plan(self)
+        self._start = {id(p): torch.empty_like(p) for b in self._buckets for p in b.params}
+
+    def _reset_step(self) -> None:
+        _DistributedOptimizer._reset_step(self)
+        self._stepped: set[int] = set()      # parameters stepped alone this step
+
+    def synchronize(self) -> None:
+        """Nothing: Adasum combines parameter deltas at step(), as Horovod's does."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        raise UsageError("ringreduce: skipping synchronization is not supported with op=Adasum "
+                         "(as in Horovod): the deltas are combined at step()")
+        yield  # pragma: no cover
+
+    def step(self, closure=None):
+        if self._broken is not None:
+            raise UsageError(f"{self._broken} This step's gradients are incomplete: call "
+                             "optimizer.zero_grad() and run the step again.")
+        loss = closure() if closure is not None else None
+        if self._fresh:
+            self._fresh = False
+            self._replan_if_changed()
+            self._fresh = False
+        for bucket in self._buckets[self._next_bucket:]:
+            for p in bucket.params:
+                if id(p) not in self._stepped:
+                    self._step_alone(p)
+        self._complete_collectives()
+        with torch.no_grad():
+            for bucket in self._buckets:
+                for p, delta in zip(bucket.params, bucket.views):
+                    p.copy_(self._start[id(p)] + delta)
+        self._finish_step()
+        return loss
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
@@ -279,10 +501,30 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     place in its .grad either way, with no buffer.
     `groups`: an int (that many buckets of about equal parameter count) or lists of parameters
     that each travel as one bucket; `num_groups` is Horovod's older spelling of an int `groups`.
+    `op=Adasum` combines parameter deltas instead of averaging gradients (Horovod's Adasum
+    optimizer; a power-of-two number of ranks).
     """
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
-               {k: v for k, v in _DistributedOptimizer.__dict__.items()
-                if k not in ("__dict__", "__weakref__")})
+    if getattr(optimizer, "_ringreduce_wrapped", False):
+        raise ValueError("ringreduce: this optimizer is a DistributedOptimizer already; wrap "
+                         "the plain torch optimizer once")
+    ps = active(process_set, "DistributedOptimizer()")
+    adasum_op = op is not None and _op(op, None, "DistributedOptimizer", True) == Adasum
+    if adasum_op and ps.size > 1:
+        if gradient_predivide_factor != 1.0:
+            raise ValueError("ringreduce: gradient_predivide_factor is not supported with "
+                             "op=Adasum (as in Horovod)")
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                adasum.check_supported(ps.size, compression.wire_dtype if
+                                       compression.wire_dtype and
+                                       compression.applies_to(p.dtype) else p.dtype)
+    mixins = (_AdasumOptimizer, _DistributedOptimizer) if adasum_op and ps.size > 1 \
+        else (_DistributedOptimizer,)
+    methods = {}
+    for mixin in reversed(mixins):
+        methods.update({k: v for k, v in mixin.__dict__.items()
+                        if k not in ("__dict__", "__weakref__", "__doc__")})
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)   # share param_groups, state, defaults, hooks
     wrapped._setup(named_parameters, compression, backward_passes_per_step, op,
@@ -290,6 +532,22 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                    else num_groups, sparse_as_dense, gradient_as_bucket_view, fusion_threshold,
                    first_bucket_bytes, process_set)
     return wrapped
+
+
+def _check_passes(passes: Any) -> None:
+    if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+        raise ValueError("ringreduce: backward_passes_per_step must be an integer >= 1, got "
+                         f"{passes!r}")
+
+
+def _sparse_or_empty(p: torch.Tensor) -> torch.Tensor:
+    """p's sparse gradient, or an empty one where this rank has none (the allgather is
+    collective, so every rank takes part)."""
+    if p.grad is not None and p.grad.layout == torch.sparse_coo:
+        return p.grad.coalesce()
+    empty_values = torch.zeros((0, *p.shape[1:]), dtype=p.dtype, device=p.device)
+    return torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.int64), empty_values,
+                                   p.shape)
 
 
 def _describe(bucket: fusion.Bucket) -> None:
@@ -333,7 +591,7 @@ def _explicit_groups(groups: Any, named: list[tuple[str, torch.Tensor]]):
     if isinstance(groups, int):
         if groups < 1:
             raise ValueError(f"ringreduce: groups must be >= 1, got {groups}")
-        params = [p for _, p in named if p.requires_grad]
+        params = [p for _, p in named]
         per = -(-len(params) // groups)
         return [params[i:i + per] for i in range(0, len(params), per)]
     if not all(isinstance(g, (list, tuple)) for g in groups):

@@ -104,6 +104,14 @@ class ActiveSet:
                                    self.homogeneous)
         self.engine = Engine(f"ringreduce-set{set_id}", self.ranks[comm.rank], comm.Iprobe)
         self._names = itertools.count()
+        self._optimizers = itertools.count()
+
+    def optimizer_prefix(self) -> str:
+        """What the bucket names of the set's next DistributedOptimizer start with: nothing
+        for the first, 'opt<k>.' for the k-th after it, so two optimizers' buckets never share
+        a name (members that create them in the same order agree)."""
+        k = next(self._optimizers)
+        return "" if k == 0 else f"opt{k}."
 
     def auto_name(self, kind: str) -> str:
         """Automatic names count per set: members that call in the same order agree on them."""

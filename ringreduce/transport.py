@@ -4,6 +4,7 @@
 factors, signature) and two tensors, and picks one way by where the buffer lives and where the
 set's members live:
 
+    op=Adasum                Horovod's Adasum over the set's ranks (adasum.py)
     a set of one rank        copy and scale
     CUDA tensor              CUDA-aware MPI: our ring on device memory (cuda.py)
                              otherwise: pieces staged through pinned host memory, each piece
@@ -33,7 +34,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from . import _native, cuda, kernels, ring
+from . import _native, adasum, cuda, kernels, ring
 from .buffers import CODES, NAMES, as_array, as_tensor, fresh
 from .config import Settings
 from .errors import JoinedError, MismatchError
@@ -54,16 +55,19 @@ class ReduceSpec:
 
     `digest` is its signature's digest, or None when the signature was checked already (the
     later dtype groups of a grouped allreduce). `signature` is the signature, or a function
-    that makes it: it is only needed for messages (mismatch, stall)."""
+    that makes it: it is only needed for messages (mismatch, stall). `lengths`: the element
+    counts of the tensors fused in the buffer, which Adasum weighs each on its own."""
 
-    __slots__ = ("dtype", "code", "op", "prescale", "postscale", "digest", "signature")
+    __slots__ = ("dtype", "code", "op", "prescale", "postscale", "digest", "signature",
+                 "lengths")
 
     def __init__(self, dtype: torch.dtype, op: ReduceOp, prescale: float = 1.0,
                  postscale: float = 1.0, digest: Optional[int] = None,
-                 signature: Union[Signature, Callable[[], Signature], None] = None) -> None:
+                 signature: Union[Signature, Callable[[], Signature], None] = None,
+                 lengths: Optional[Sequence[int]] = None) -> None:
         self.dtype, self.code, self.op = dtype, CODES[dtype], op
         self.prescale, self.postscale = float(prescale), float(postscale)
-        self.digest, self.signature = digest, signature
+        self.digest, self.signature, self.lengths = digest, signature, lengths
 
     def describe(self) -> Signature:
         signature = self.signature
@@ -76,7 +80,7 @@ class ReduceSpec:
     def unchecked(self) -> "ReduceSpec":
         """The same reduction, for buffers whose signature was checked already."""
         return ReduceSpec(self.dtype, self.op, self.prescale, self.postscale, None,
-                          self.signature)
+                          self.signature, self.lengths)
 
 
 class ScratchPool:
@@ -136,7 +140,23 @@ class Transport:
             self._way(src, dst, spec.unchecked())
 
     def _way(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
-        (self._device if src.is_cuda else self._host)(src, dst, spec)
+        if spec.op == ReduceOp.Adasum:
+            self._adasum(src, dst, spec)
+        else:
+            (self._device if src.is_cuda else self._host)(src, dst, spec)
+
+    def _adasum(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
+        """Horovod's Adasum over the set's communicator; GPU tensors go through host memory,
+        as Horovod's do without NCCL."""
+        self._check(spec)
+        host = src.cpu() if src.is_cuda else self._prescaled(src, dst, spec, always_copy=True)
+        if src.is_cuda:
+            _scale(host, spec, 1.0, spec.prescale)
+        adasum.adasum_allreduce(self.comm, as_array(host), spec.dtype, spec.lengths,
+                                self.scratch.get)
+        _scale(host, spec, 1.0, spec.postscale)
+        if src.is_cuda:
+            dst.copy_(host)
 
     def _host(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
         """Contiguous CPU tensors: the node ways take their addresses, the MPI ways NumPy
@@ -215,8 +235,10 @@ class Transport:
     # ------------------------------------------------------------------ pieces of the ways
 
     def _check(self, spec: ReduceSpec) -> None:
-        if spec.digest is not None:
-            self.negotiator.check(spec.describe(), precomputed=spec.digest)
+        """The signature exchange every way begins with, across the whole set. A spec checked
+        already sends 0 (which every member sends alike): a member that has joined must still
+        meet every exchange (on one node, the node's own exchange carries the digest)."""
+        self.negotiator.check(spec.describe(), precomputed=spec.digest or 0)
 
     def _disagreement(self, spec: ReduceSpec) -> None:
         """The node's exchange found different digests: PeersJoined or MismatchError."""
@@ -226,10 +248,8 @@ class Transport:
         """The digest the node exchange compares (0: none). It rides with the data on one node;
         across nodes, or when the input is scaled before the exchange (so a mismatch would find
         it changed), the set checks it first."""
-        if spec.digest is None:
-            return 0
         if self.one_node and spec.prescale == 1.0:
-            return spec.digest
+            return spec.digest or 0
         self._check(spec)
         return 0
 
@@ -284,6 +304,7 @@ class Transport:
             while True:
                 digests, points = self.negotiator.exchange(JOINED, point)
                 if (digests == JOINED).all():
+                    self.watch.begun = int(points.max())    # every member counts alike again
                     return int(np.flatnonzero(points == points.max())[-1])
                 description = self._join_round(None)
                 if description is not None and description[2] is not None:

@@ -49,7 +49,11 @@ expect(ValueError, ["'dev'", here, "meta"], hvd.allreduce, torch.ones(2, device=
        name="dev")
 expect(ValueError, ["'dev2'", here, "meta"], hvd.broadcast_, torch.ones(2, device="meta"), 0,
        name="dev2")
-expect(ValueError, ["Adasum"], hvd.allreduce, torch.ones(2), op=hvd.Adasum)
+expect(hvd.UnsupportedError, ["Adasum only reduces allreduces"], hvd.reducescatter,
+       torch.ones(2), op=hvd.Adasum)
+if n & (n - 1):     # Horovod's Adasum needs a power-of-two number of ranks
+    expect(NotImplementedError, ["power-of-two", str(n)], hvd.allreduce, torch.ones(2),
+           op=hvd.Adasum)
 expect(ValueError, ["not both"], hvd.allreduce, torch.ones(2), average=True, op=hvd.Sum)
 expect(ValueError, ["'rs0'", "at least one dimension"], hvd.reducescatter, torch.tensor(1.0),
        name="rs0")

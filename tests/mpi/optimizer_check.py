@@ -189,10 +189,17 @@ def check_errors():
     x, y = data(0)
     F.cross_entropy(model(shard(x)), shard(y)).backward()
     expect(hvd.RingReduceError, "before optimizer.step()", dist.zero_grad)
-    expect(hvd.RingReduceError, "backward_passes_per_step is 1",
+    expect(AssertionError, "backward_passes_per_step is 1",    # Horovod: AssertionError
            lambda: F.cross_entropy(model(shard(x)), shard(y)).backward())
-    dist.synchronize()
+    # the local gradient is now mixed into a reduced one: the step is refused, not taken
+    before = [p.detach().clone() for p in model.parameters()]
+    expect(hvd.UsageError, "call optimizer.zero_grad()", dist.step)
+    expect(hvd.UsageError, "call optimizer.zero_grad()", dist.synchronize)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    dist.zero_grad()        # meets the other ranks' collectives of the step, then resets
+    F.cross_entropy(model(shard(x)), shard(y)).backward()
     dist.step()
+    params_equal_across_ranks(model, "after a refused step")
     dist.zero_grad()
     # predivide: sum(g / f) * f / n is the plain average
     m1, m2 = fresh_model(), fresh_model()
@@ -219,10 +226,10 @@ def check_overlap():
     opt.step()
     events = [(name, phase) for _, name, phase in timeline.events]
     timeline.events = None
-    first = events.index(("bucket.0", "submitted"))
+    first = events.index((opt._buckets[0].name, "submitted"))
     last_grad = events.index(("conv.weight", "gradient ready"))
     assert first < last_grad, events
-    assert len(opt._buckets) > 2 and ("bucket.1", "submitted") in events[:last_grad], events
+    assert len(opt._buckets) > 2 and (opt._buckets[1].name, "submitted") in events[:last_grad]
 
 
 def check_state_helpers():

@@ -1,0 +1,293 @@
+"""Horovod parity at any rank count: grouped allgather and reducescatter, scale factors,
+sparse allreduce and sparse gradients in DistributedOptimizer, Adasum (allreduce and the
+optimizer, against NumPy references of Horovod's formula), the build queries, state broadcast
+for every torch.optim optimizer, and the optimizer's Horovod behaviours.
+"""
+import copy
+import warnings
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ringreduce as hvd
+
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+power_of_two = n & (n - 1) == 0
+
+
+def check_equal(got, want, what):
+    assert got.dtype == want.dtype and got.shape == want.shape, \
+        f"{what}: got {got.dtype}{tuple(got.shape)}, want {want.dtype}{tuple(want.shape)}"
+    assert torch.equal(got, want), f"{what}: got {got.reshape(-1)[:6]} want {want.reshape(-1)[:6]}"
+
+
+def expect(error, fragment, fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except error as e:
+        assert fragment in str(e), f"{fragment!r} not in {e}"
+        return
+    raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise {error.__name__}")
+
+
+def check_grouped_allgather_and_reducescatter():
+    a = torch.full((r + 1, 2), float(r))
+    b = torch.arange(3, dtype=torch.int32) + 10 * r
+    got = hvd.grouped_allgather([a, b])
+    check_equal(got[0], torch.cat([torch.full((k + 1, 2), float(k)) for k in range(n)]), "ga[0]")
+    check_equal(got[1], torch.cat([torch.arange(3, dtype=torch.int32) + 10 * k
+                                   for k in range(n)]), "ga[1]")
+    handle = hvd.grouped_allgather_async([b])
+    check_equal(hvd.synchronize(handle)[0], got[1], "grouped_allgather_async")
+    rows = 2 * n + 1
+    base, extra = divmod(rows, n)
+    counts = [base + (k < extra) for k in range(n)]
+    start = sum(counts[:r])
+    x = torch.arange(rows * 2, dtype=torch.float64).reshape(rows, 2) * (r + 1)
+    y = torch.ones(rows, dtype=torch.int64) * (r + 1)
+    total = n * (n + 1) // 2
+    got = hvd.grouped_reducescatter([x, y], op=hvd.Sum, prescale_factor=0.5,
+                                    postscale_factor=4.0)
+    want = torch.arange(rows * 2, dtype=torch.float64).reshape(rows, 2) * total * 2.0
+    check_equal(got[0], want[start:start + counts[r]], "grouped_reducescatter[0]")
+    # integers: each rank's (k + 1) * 0.5 truncated, summed, times 4
+    ints = sum(int((k + 1) * 0.5) for k in range(n)) * 4
+    check_equal(got[1], torch.full((counts[r],), ints, dtype=torch.int64),
+                "grouped_reducescatter[1]")
+    handle = hvd.grouped_reducescatter_async([x], op=hvd.Average)
+    check_equal(hvd.synchronize(handle)[0],
+                (torch.arange(rows * 2, dtype=torch.float64).reshape(rows, 2) * total / n)[
+                    start:start + counts[r]], "grouped_reducescatter_async")
+    got = hvd.reducescatter(x, op=hvd.Average, prescale_factor=2.0, postscale_factor=0.25)
+    check_equal(got, (torch.arange(rows * 2, dtype=torch.float64).reshape(rows, 2) * total *
+                      0.5 / n)[start:start + counts[r]], "reducescatter scaled")
+    expect(hvd.UnsupportedError, "Adasum", hvd.reducescatter, x, op=hvd.Adasum)
+
+
+def check_sparse_allreduce():
+    # rank k contributes value k + 1 at rows k and k + 1 of a (n + 1) x 2 matrix
+    indices = torch.tensor([[r, r + 1], [0, 1]])
+    sparse = torch.sparse_coo_tensor(indices, torch.tensor([r + 1.0, r + 1.0]), (n + 1, 2))
+    for op in (hvd.Sum, hvd.Average):
+        got = hvd.synchronize(hvd.sparse_allreduce_async(sparse, f"sparse.{op.name}", op))
+        dense = sum(torch.sparse_coo_tensor(torch.tensor([[k, k + 1], [0, 1]]),
+                                            torch.tensor([k + 1.0, k + 1.0]), (n + 1, 2)
+                                            ).to_dense() for k in range(n))
+        want = dense / n if op == hvd.Average else dense
+        assert got.is_sparse, "sparse_allreduce_async returned a dense tensor"
+        assert torch.allclose(got.to_dense(), want), f"sparse {op.name}: {got.to_dense()}"
+
+
+class Embedder(nn.Module):
+    def __init__(self, sparse):
+        super().__init__()
+        self.embedding = nn.Embedding(20, 4, sparse=sparse)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, tokens):
+        return self.head(self.embedding(tokens).mean(1))
+
+
+def check_sparse_gradients_in_the_optimizer():
+    """SparseAdam on sparse gradients (allgathered as Horovod does), and Adam with
+    sparse_as_dense, each against one process on the whole batch."""
+    for sparse_as_dense, make in ((False, lambda m: [torch.optim.SparseAdam(
+                                      list(m.embedding.parameters()), lr=0.05),
+                                      torch.optim.Adam(m.head.parameters(), lr=0.05)]),
+                                  (True, lambda m: [torch.optim.Adam(m.parameters(), lr=0.05)])):
+        torch.manual_seed(3)
+        model = Embedder(sparse=True)
+        reference = copy.deepcopy(model)
+        opts = [hvd.DistributedOptimizer(o, [(name, p) for name, p in model.named_parameters()
+                                             if any(p is q for g in o.param_groups
+                                                    for q in g["params"])],
+                                         sparse_as_dense=sparse_as_dense) for o in make(model)]
+        ref_opts = make(reference)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            tokens = torch.randint(0, 20, (4 * n, 5), generator=g)
+            labels = torch.randint(0, 3, (4 * n,), generator=g)
+            for o in opts:
+                o.zero_grad()
+            F.cross_entropy(model(tokens[4 * r:4 * r + 4]), labels[4 * r:4 * r + 4]).backward()
+            assert model.embedding.weight.grad.is_sparse != sparse_as_dense   # made dense
+            for o in opts:
+                o.step()
+            for o in ref_opts:
+                o.zero_grad()
+            F.cross_entropy(reference(tokens), labels).backward()
+            if sparse_as_dense:
+                reference.embedding.weight.grad = reference.embedding.weight.grad.to_dense()
+            for o in ref_opts:
+                o.step()
+            what = f"sparse_as_dense={sparse_as_dense} step {step}"
+            for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+                assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), \
+                    f"{what}: {name} off by {(p - q).abs().max().item()}"
+        hvd.check_consistency(model)
+
+
+def adasum_combine(a, b):
+    """Horovod's pairwise Adasum in float64 (weight 1 below a squared norm of 1e-8)."""
+    dot, aa, bb = float(a @ b), float(a @ a), float(b @ b)
+    wa = 1 - dot / aa / 2 if aa >= 1e-8 else 1.0
+    wb = 1 - dot / bb / 2 if bb >= 1e-8 else 1.0
+    return wa * a + wb * b
+
+
+def adasum_tree(vectors):
+    while len(vectors) > 1:
+        vectors = [adasum_combine(vectors[i], vectors[i + 1]) for i in range(0, len(vectors), 2)]
+    return vectors[0]
+
+
+def check_adasum():
+    if not power_of_two:
+        expect(NotImplementedError, "power-of-two", hvd.allreduce, torch.ones(4), op=hvd.Adasum)
+        expect(NotImplementedError, "power-of-two", hvd.DistributedOptimizer,
+               torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), op=hvd.Adasum)
+        return
+    vecs = [np.random.default_rng(k).standard_normal(1000) for k in range(n)]
+    got = hvd.allreduce(torch.from_numpy(vecs[r]), op=hvd.Adasum)
+    assert np.allclose(got.numpy(), adasum_tree(vecs), rtol=1e-12, atol=1e-12), "Adasum"
+    # grouped: each tensor weighed on its own
+    other = [np.random.default_rng(100 + k).standard_normal(7) for k in range(n)]
+    a, b = hvd.grouped_allreduce([torch.from_numpy(vecs[r]), torch.from_numpy(other[r])],
+                                 op=hvd.Adasum)
+    assert np.allclose(a.numpy(), adasum_tree(vecs)) and np.allclose(b.numpy(),
+                                                                      adasum_tree(other))
+    # the optimizer: every rank steps its own optimizer; the deltas are combined
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    start = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+                                   model.named_parameters(), op=hvd.Adasum)
+    local_opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.5)
+                  for m in [copy.deepcopy(start) for _ in range(n)]]
+    locals_ = [o.param_groups[0]["params"] for o in local_opts]
+    for step in range(2):
+        data = [torch.randn(3, 6, generator=torch.Generator().manual_seed(10 * k + step),
+                            dtype=torch.float64) for k in range(n)]
+        opt.zero_grad()
+        model(data[r]).pow(2).sum().backward()
+        opt.step()
+        deltas = []
+        for k, (o, params) in enumerate(zip(local_opts, locals_)):
+            before = [p.detach().clone() for p in params]
+            o.zero_grad()
+            out = data[k]
+            out = torch.tanh(out @ params[0].T + params[1]) @ params[2].T + params[3]
+            out.pow(2).sum().backward()
+            o.step()
+            deltas.append([p.detach() - b for p, b in zip(params, before)])
+            for p, b in zip(params, before):
+                p.data.copy_(b)
+        for i in range(4):
+            combined = adasum_tree([d[i].reshape(-1).numpy() for d in deltas])
+            for params in locals_:
+                params[i].data += torch.from_numpy(combined).reshape(params[i].shape)
+        for i, p in enumerate(model.parameters()):
+            assert torch.allclose(p, locals_[0][i], rtol=1e-10, atol=1e-12), \
+                f"Adasum optimizer step {step}: parameter {i} off by " \
+                f"{(p - locals_[0][i]).abs().max().item()}"
+    hvd.check_consistency(model)
+    if n > 1:
+        expect(AssertionError, "Adasum", lambda: opt.skip_synchronize().__enter__())
+
+
+def check_build_queries():
+    assert hvd.mpi_built() and hvd.mpi_enabled() and hvd.mpi_threads_supported()
+    assert not hvd.gloo_built() and not hvd.gloo_enabled() and hvd.nccl_built() == 0
+    assert not hvd.ddl_built() and not hvd.ccl_built() and not hvd.rocm_built()
+    import importlib.util
+    assert hvd.cuda_built() == (torch.version.cuda is not None
+                                and importlib.util.find_spec("cupy") is not None)
+    assert hvd.is_homogeneous()
+    assert hvd.gpu_available("torch") == torch.cuda.is_available()
+    assert hvd.split_list([1, 2, 3, 4, 5], 2) == [[1, 2, 3], [4, 5]]
+
+
+OPTIMIZERS = {
+    "SGD": lambda ps, k: torch.optim.SGD(ps, lr=0.1 * k, momentum=0.9, nesterov=True),
+    "Adam": lambda ps, k: torch.optim.Adam(ps, lr=0.01 * k, betas=(0.8, 0.9), amsgrad=True),
+    "AdamW": lambda ps, k: torch.optim.AdamW(ps, lr=0.01 * k, weight_decay=0.1 * k),
+    "Adamax": lambda ps, k: torch.optim.Adamax(ps, lr=0.01 * k),
+    "ASGD": lambda ps, k: torch.optim.ASGD(ps, lr=0.01 * k, t0=k),
+    "Adadelta": lambda ps, k: torch.optim.Adadelta(ps, lr=k),
+    "Adagrad": lambda ps, k: torch.optim.Adagrad(ps, lr=0.01 * k, lr_decay=0.1),
+    "RMSprop": lambda ps, k: torch.optim.RMSprop(ps, lr=0.01 * k, centered=True),
+    "Rprop": lambda ps, k: torch.optim.Rprop(ps, lr=0.01 * k, step_sizes=(1e-6, k)),
+    "NAdam": lambda ps, k: torch.optim.NAdam(ps, lr=0.01 * k, decoupled_weight_decay=True),
+    "RAdam": lambda ps, k: torch.optim.RAdam(ps, lr=0.01 * k),
+    "LBFGS": lambda ps, k: torch.optim.LBFGS(ps, lr=0.1 * k, history_size=3 + k),
+}
+if hasattr(torch.optim, "Adafactor"):
+    OPTIMIZERS["Adafactor"] = lambda ps, k: torch.optim.Adafactor(ps, lr=0.01 * k)
+
+
+def check_broadcast_optimizer_state():
+    """Every torch.optim optimizer, with options that are not tensors, a frozen parameter that
+    never gets a gradient and one that is unused: the root's state and options everywhere."""
+    for name, make in OPTIMIZERS.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2), nn.Linear(2, 2))
+        model[0].weight.requires_grad_(False)      # frozen: never a gradient
+        opt = make(model.parameters(), r + 1)
+        for step in range(r):                      # a different history on every rank
+            def closure():
+                opt.zero_grad()
+                loss = model[1](model[0](torch.randn(2, 3))).sum()   # model[2] unused
+                loss.backward()
+                return loss
+            opt.step(closure)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        mine = opt.state_dict()
+        everyone = hvd.allgather_object(mine)
+        for k, theirs in enumerate(everyone):
+            assert _same(mine, theirs), f"{name}: rank {k}'s state differs from rank {r}'s"
+        assert opt.param_groups[0]["lr"] == OPTIMIZERS[name](model.parameters(), 1
+                                                             ).param_groups[0]["lr"], name
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+
+def check_optimizer_behaviours():
+    # named_parameters=None works for any model
+    model = nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Sequential(nn.Linear(2, 1))})
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    model["b"](model["a"](torch.ones(1, 2))).sum().backward()
+    opt.step()
+    # step() after synchronize() without skip_synchronize(): Horovod's warning, no second
+    # reduction (the gradient stays the average, not averaged twice)
+    opt.zero_grad()
+    model["b"](model["a"](torch.full((1, 2), float(r + 1)))).sum().backward()
+    opt.synchronize()
+    averaged = model["a"].weight.grad.clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    texts = [str(w.message) for w in caught]
+    assert any(t.startswith("optimizer.step() called without optimizer.skip_synchronize() "
+                            "context after optimizer.synchronize()") for t in texts), texts
+    check_equal(model["a"].weight.grad, averaged, "no second reduction")
+    expect(ValueError, "DistributedOptimizer already", hvd.DistributedOptimizer, opt)
+
+
+for check in (check_grouped_allgather_and_reducescatter, check_sparse_allreduce,
+              check_sparse_gradients_in_the_optimizer, check_adasum, check_build_queries,
+              check_broadcast_optimizer_state, check_optimizer_behaviours):
+    check()
+    hvd.barrier()
+hvd.shutdown()
+print(f"OK rank {r}", flush=True)
