@@ -13,8 +13,10 @@ from .collectives import (Adasum, Average, Max, Min, Product, Sum, allgather, al
 from .compression import Compression
 from .engine import Handle
 from . import checkpoint
-from .errors import (ConsistencyError, HorovodInternalError, JoinedError, MismatchError,
-                     NotInitializedError, RingReduceError, UnsupportedError, UsageError)
+from .errors import (CheckpointError, ConsistencyError, HorovodInternalError, JoinedError,
+                     MismatchError,
+                     NotInitializedError, RingReduceError, ShutDownError, UnsupportedError,
+                     UsageError)
 from .kernels import ReduceOp
 from .objects import (allgather_object, broadcast_object, broadcast_optimizer_state,
                       broadcast_parameters, check_consistency)
@@ -55,5 +57,6 @@ __all__ = [
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     # errors
     "RingReduceError", "HorovodInternalError", "MismatchError", "NotInitializedError",
-    "JoinedError", "UnsupportedError", "UsageError", "ConsistencyError",
+    "JoinedError", "ShutDownError", "UnsupportedError", "UsageError", "ConsistencyError",
+    "CheckpointError",
 ]

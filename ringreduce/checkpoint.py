@@ -3,17 +3,20 @@
 `save` writes on rank 0 only: to a temporary file in the same directory, flushed and fsynced,
 then renamed over the old checkpoint (and the directory fsynced), so a crash mid-write leaves
 the previous checkpoint whole. `load` reads on rank 0 with `weights_only=True` (no arbitrary
-code from a file) and broadcasts, so every rank resumes from identical state.
+code from a file) and broadcasts, so every rank resumes from identical state. Both are
+collective: a failure on rank 0 (a missing file, a full disk, a file weights_only refuses)
+raises the same CheckpointError on every rank, never a hang.
 """
 from __future__ import annotations
 
 import glob
+import io
 import os
 from typing import Any, Optional
 
 import torch
 
-from .collectives import barrier
+from .errors import CheckpointError
 from .objects import broadcast_object
 from .world import rank
 
@@ -22,25 +25,58 @@ def save(path: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Opti
          extra: Any = None) -> None:
     """Write model, optimizer and `extra` (plain data: numbers, strings, lists, dicts, tensors)
     to `path` atomically; returns on every rank once the file is complete."""
+    _check_loadable(extra)
+    failure = None
     if rank() == 0:
         state = {"model": model.state_dict(),
                  "optimizer": optimizer.state_dict() if optimizer is not None else None,
                  "extra": extra}
-        write_atomically(path, state)
-    barrier()
+        try:
+            write_atomically(path, state)
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+    failure = broadcast_object(failure, root_rank=0, name=f"checkpoint.save {path}")
+    if failure is not None:
+        raise CheckpointError(f"ringreduce: checkpoint.save({path!r}) failed on rank 0: "
+                              f"{failure}; the previous checkpoint, if any, is intact")
 
 
 def load(path: str, model: torch.nn.Module,
          optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
     """Restore model and optimizer from rank 0's `path` on every rank; returns `extra`."""
-    state = None
+    loaded: Any = None
     if rank() == 0:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    state = broadcast_object(state, root_rank=0, name=f"checkpoint.load {path}")
+        try:
+            loaded = {"state": torch.load(path, map_location="cpu", weights_only=True)}
+        except Exception as exc:
+            loaded = {"failure": f"{type(exc).__name__}: {exc}"}
+    loaded = broadcast_object(loaded, root_rank=0, name=f"checkpoint.load {path}")
+    if "failure" in loaded:
+        raise CheckpointError(f"ringreduce: checkpoint.load({path!r}) failed on rank 0: "
+                              f"{loaded['failure']}")
+    state = loaded["state"]
     model.load_state_dict(state["model"])
     if optimizer is not None and state["optimizer"] is not None:
         optimizer.load_state_dict(state["optimizer"])
     return state["extra"]
+
+
+def _check_loadable(extra: Any) -> None:
+    """Refuse, at save time and on every rank alike, an `extra` that load's weights_only=True
+    could never read back."""
+    buffer = io.BytesIO()
+    torch.save(extra, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except Exception as exc:
+        raise ValueError(
+            "ringreduce: checkpoint.save(extra=...) holds something checkpoint.load cannot read "
+            "back (it loads with weights_only=True, which runs no code from the file): "
+            f"{str(exc).splitlines()[0]}. Store plain data: numbers, strings, lists, tuples, "
+            "dicts and tensors, e.g. torch.get_rng_state() instead of a generator, or "
+            "np.random.get_state() converted with a list of its fields (the array as "
+            ".tolist()).") from None
 
 
 def write_atomically(path: str, state: Any) -> None:

@@ -21,7 +21,7 @@ from .compression import Compression, Compressor
 from .engine import Handle
 from .errors import UnsupportedError
 from .kernels import ReduceOp
-from .process_sets import ActiveSet, ProcessSet, active, global_process_set
+from .process_sets import ActiveSet, ProcessSet, active, global_process_set, thread_key
 from .signature import digest
 from .transport import ReduceSpec
 
@@ -613,7 +613,8 @@ def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
     `device`: where to make the zeros for GPU allreduces (-1: the current CUDA device)."""
     ps = active(process_set, "join()")
     where = torch.device("cuda", device) if device >= 0 else None
-    return ps.engine.run(ps.auto_name("join"), lambda: ps.join(where))
+    key = thread_key()
+    return ps.engine.run(ps.auto_name("join"), lambda: ps.join(where, key))
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:

@@ -15,6 +15,12 @@ class NotInitializedError(RingReduceError, ValueError):
     """A ringreduce function was called before `ringreduce.init()` (Horovod: ValueError)."""
 
 
+class ShutDownError(RingReduceError):
+    """A member of the process set shut down (ringreduce.shutdown(), or the end of its script)
+    while this rank waited in a collective with it, or before this rank started one: it could
+    never complete. Names the rank that left and the collective."""
+
+
 class JoinedError(RingReduceError):
     """A collective other than an allreduce was called while some rank of its process set has
     joined (`join()`): that rank has no data to contribute. Raised on the ranks that called it."""
@@ -36,6 +42,10 @@ class MismatchError(RingReduceError):
 
     Raised on every rank, with the same message, so no rank is left waiting.
     """
+
+
+class CheckpointError(RingReduceError):
+    """checkpoint.save or checkpoint.load failed on rank 0; raised on every rank alike."""
 
 
 class ConsistencyError(RingReduceError):

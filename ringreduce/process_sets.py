@@ -10,6 +10,7 @@ thread), so sets progress independently of each other. `global_process_set` hold
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -79,6 +80,13 @@ class ProcessSet:
     __repr__ = __str__
 
 
+def thread_key() -> str:
+    """What tells this thread's automatic names from other threads': nothing for the main
+    thread, else its name and a dot."""
+    thread = threading.current_thread()
+    return "" if thread is threading.main_thread() else f"{thread.name}."
+
+
 global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 
@@ -103,7 +111,7 @@ class ActiveSet:
         self.transport = Transport(comm, self.local, self.cross, settings, watch, self.ranks,
                                    self.homogeneous)
         self.engine = Engine(f"ringreduce-set{set_id}", self.ranks[comm.rank], comm.Iprobe)
-        self._names = itertools.count()
+        self._names: dict[str, itertools.count] = {}   # per thread: see auto_name
         self._optimizers = itertools.count()
 
     def optimizer_prefix(self) -> str:
@@ -114,17 +122,24 @@ class ActiveSet:
         return "" if k == 0 else f"opt{k}."
 
     def auto_name(self, kind: str) -> str:
-        """Automatic names count per set: members that call in the same order agree on them."""
-        return f"{kind}.noname.{next(self._names)}"
+        """Automatic names count per set and per thread: members that call in the same order
+        agree on them. Another thread's names carry its name ('allreduce.noname.Thread-2.0'):
+        two threads of a rank never take the same name, and when the members' threads submit
+        in different orders their collectives fail the signature check on every member
+        (MismatchError) instead of pairing one thread's tensor with another's."""
+        key = thread_key()
+        counter = self._names.setdefault(key, itertools.count())
+        return f"{kind}.noname.{key}{next(counter)}"
 
-    def join(self, device: Optional[Any]) -> int:
+    def join(self, device: Optional[Any], key: str) -> int:
         """Horovod's join on this set (collective; see Transport.join): returns the global rank
-        that joined last. Members that joined early ran fewer named collectives, so the counter
-        of automatic names restarts from the highest afterwards, and members agree again."""
+        that joined last. Members that joined early ran fewer named collectives, so the
+        calling thread's counter of automatic names restarts from the highest afterwards, and
+        members agree again."""
         last = self.transport.join(device)
-        counters = self.transport.allgather_object(next(self._names),
-                                                   {"collective": "join", "name": "names"})
-        self._names = itertools.count(max(counters))
+        mine = next(self._names.setdefault(key, itertools.count()))
+        counters = self.transport.allgather_object(mine, {"collective": "join", "name": "names"})
+        self._names[key] = itertools.count(max(counters))
         return self.ranks[last]
 
     def root(self, root_rank: Any, what: str, name: str) -> int:
@@ -139,9 +154,13 @@ class ActiveSet:
                          f"{scope}")
 
     def close(self) -> None:
-        """Run what is queued, then free the set's window, board and communicators (collective
-        over the set's members)."""
+        """Run what is queued, say goodbye to the other members (so that one still waiting in
+        a collective with this rank raises instead of hanging), and once every member has left
+        too, free the set's window, board and communicators (collective)."""
         self.engine.shutdown()
+        departures = self.transport.watch.departures
+        departures.announce()
+        departures.wait_for_everyone()
         self.transport.free()
         for comm in (self.cross, self.local, self.comm):
             comm.Free()

@@ -1,10 +1,12 @@
-"""Stall watch: a rank waiting for others to join a collective says who is missing, and why.
+"""Waiting for a process set's members, and why a wait fails: stalls and departures.
 
 Each rank publishes how many collectives it has begun on a process set in a one-integer MPI
 window of that set. A rank that has waited `stall_check_time` seconds in a collective reads every
-member's count (one-sided, so the missing ranks need not cooperate), logs which ranks have not
-reached the collective and the last one they did reach, and after `stall_shutdown_time` hands
-that message to its `on_shutdown` (which ends the job).
+member's count (one-sided, so the missing ranks need not cooperate) and logs which ranks have not
+reached the collective and the last one they did reach, again every interval for as long as the
+stall lasts; after `stall_shutdown_time` it hands that message to its `on_shutdown` (which ends
+the job). A member that shuts down says goodbye to the others (a small message on the set's
+communicator); a rank waiting in a collective, or starting one, raises ShutDownError naming it.
 """
 from __future__ import annotations
 
@@ -16,54 +18,98 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from .errors import ShutDownError
 from .mpi import mpi
 
 log = logging.getLogger("ringreduce")
 _BUSY_SECONDS = 0.00005  # poll flat out this long (as MPI does): a peer is usually close
 _YIELD_SECONDS = 0.001   # then yield the core between polls (oversubscribed ranks), then sleep
+_GOODBYE_EVERY = 0.005   # seconds between looks for a departed member while waiting
 _REMEMBERED = 4096       # the descriptions of this many recent collectives, for stall reports
 _JOINED_COUNT = 1 << 62  # what a joined rank publishes on the progress board
+_READ_SECONDS = 2.0      # how long a stall report waits for the members' counts
+GOODBYE_TAG = 31
 
 
 class ProgressBoard:
-    """Every rank's count of collectives begun, readable by all through one-sided MPI."""
+    """Every member's count of collectives begun, readable by all through one-sided MPI."""
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm
         self.win = mpi().Win.Allocate(8, disp_unit=8, comm=comm)
         self.mine = np.frombuffer(self.win.tomemory(), dtype=np.int64)
         self.mine[0] = 0
+        self._counts = np.zeros(comm.size, dtype=np.int64)
+        self._reader: Optional[threading.Thread] = None
         comm.Barrier()
 
     def publish(self, count: int) -> None:
         self.mine[0] = count
 
     def read_all(self, timeout: float) -> Optional[np.ndarray]:
-        """Every rank's count, or None if some rank did not answer within `timeout` seconds.
+        """Every member's count, or None if some member did not answer within `timeout` s.
 
-        A read completes only when its target makes MPI progress (the engine thread pokes MPI
-        while idle), so it runs on a helper thread: a rank stuck in native code must not turn
-        the stall report itself into a hang."""
-        counts = np.zeros(self.comm.size, dtype=np.int64)
+        A read completes only when its targets make MPI progress (idle engine threads poke
+        MPI), so it runs on a helper thread: a member stuck in native code, or stopped, must
+        not turn the report itself into a hang. There is never more than one reader: a read
+        still waiting is waited for, not overlapped (a second lock of the window is an error)."""
+        if self._reader is None or not self._reader.is_alive():
+            self._reader = threading.Thread(target=self._read, name="ringreduce-stall-read",
+                                            daemon=True)
+            self._reader.start()
+        self._reader.join(timeout)
+        return None if self._reader.is_alive() else self._counts.copy()
 
-        def read() -> None:
-            self.win.Lock_all()
-            for r in range(self.comm.size):
-                self.win.Get(counts[r:r + 1], r)
-            self.win.Unlock_all()
-
-        reader = threading.Thread(target=read, name="ringreduce-stall-read", daemon=True)
-        reader.start()
-        reader.join(timeout)
-        return None if reader.is_alive() else counts
+    def _read(self) -> None:
+        self.win.Lock_all()
+        for r in range(self.comm.size):
+            self.win.Get(self._counts[r:r + 1], r)
+        self.win.Unlock_all()
 
     def free(self) -> None:
+        """Free the window (collective: every member is shutting down, so a read still waiting
+        for one of them completes first)."""
+        if self._reader is not None:
+            self._reader.join()
         self.win.Free()
+
+
+class Departures:
+    """Which members have shut down. A member leaving says goodbye to every other member;
+    the others notice it whenever they look (while waiting, and before each collective)."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.gone: set[int] = set()          # set ranks
+        self._token = np.array([comm.rank], dtype=np.int64)
+        self._received = np.zeros(1, dtype=np.int64)
+
+    def announce(self) -> None:
+        requests = [self.comm.Isend(self._token, dest=r, tag=GOODBYE_TAG)
+                    for r in range(self.comm.size) if r != self.comm.rank]
+        mpi().Request.Waitall(requests)
+
+    def look(self) -> set[int]:
+        """Receive every goodbye that has arrived; returns all members gone so far."""
+        MPI = mpi()
+        status = MPI.Status()
+        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=GOODBYE_TAG, status=status):
+            self.comm.Recv(self._received, source=status.Get_source(), tag=GOODBYE_TAG)
+            self.gone.add(int(self._received[0]))
+        return self.gone
+
+    def wait_for_everyone(self) -> None:
+        """Until every other member has said goodbye too (at shut-down, before the frees that
+        are collective)."""
+        others = self.comm.size - 1
+        while len(self.look()) < others:
+            time.sleep(0.001)
 
 
 class StallWatch:
     """Counts the collectives begun on one process set and waits for its members, reporting
-    stalls. `ranks` are the members' global ranks (for messages), `where` names the set."""
+    stalls and departures. `ranks` are the members' global ranks (for messages), `where` names
+    the set."""
 
     def __init__(self, comm: Any, check_time: float, shutdown_time: float,
                  on_shutdown: Callable[[str], None], ranks: Sequence[int], where: str) -> None:
@@ -74,6 +120,7 @@ class StallWatch:
         self.ranks = list(ranks)
         self.where = where
         self.board = ProgressBoard(comm) if comm.size > 1 else None
+        self.departures = Departures(comm)
         self.begun = 0
         self.quiet = False      # a joined rank waits for the others by design: no reports
         self._recent: list[tuple[int, Any]] = [(0, "")] * _REMEMBERED   # (count, description)
@@ -91,20 +138,29 @@ class StallWatch:
 
     def begin(self, description: Any) -> int:
         """Count one more collective begun on this rank, and remember what it was (a callable
-        making its name, or an object whose str() is: formatted only if a stall is reported)."""
+        making its name, or an object whose str() is: formatted only if a stall is reported).
+        ShutDownError when a member has left: the collective could never complete."""
         self.begun += 1
         self._recent[self.begun % _REMEMBERED] = (self.begun, description)
         if self.board is not None:
             self.board.publish(self.begun)
+        if self.departures.gone:
+            raise ShutDownError(self._departed(self.departures.gone))
         return self.begun
 
     def wait(self, done: Callable[[], bool]) -> None:
-        """Wait until `done()` without hogging the core; report stalls while waiting."""
+        """Wait until `done()` without hogging the core; report stalls every interval while
+        waiting, end the job at the stall shutdown time, and raise ShutDownError when a member
+        has left."""
         if done():
             return
         start = time.monotonic()
+        never = float("inf")
         next_report = start + self.check_time if self.check_time > 0 and not self.quiet \
-            else float("inf")
+            else never
+        shutdown_at = start + self.shutdown_time if self.shutdown_time > 0 and not self.quiet \
+            else never
+        next_look = start + _YIELD_SECONDS
         while not done():
             now = time.monotonic()
             if now - start < _BUSY_SECONDS:
@@ -113,13 +169,17 @@ class StallWatch:
                 os.sched_yield()
                 continue
             time.sleep(0.0001)
+            if now >= next_look:
+                next_look = now + _GOODBYE_EVERY
+                if self.departures.look():
+                    raise ShutDownError(self._departed(self.departures.gone))
+            if now >= shutdown_at:
+                self.on_shutdown(f"{self.describe(now - start)} Shutting the job down after "
+                                 f"{self.shutdown_time:g} s (RINGREDUCE_STALL_SHUTDOWN_TIME).")
+                shutdown_at = never
             if now >= next_report:
-                message = self.describe(now - start)
-                log.warning(message)
-                next_report = now + self.check_time
-                if self.shutdown_time > 0 and now - start >= self.shutdown_time:
-                    self.on_shutdown(f"{message} Shutting the job down after "
-                                     f"{self.shutdown_time:g} s (RINGREDUCE_STALL_SHUTDOWN_TIME).")
+                log.warning(self.describe(now - start))
+                next_report = max(now, next_report) + self.check_time
 
     def _name(self, count: int) -> str:
         remembered, description = self._recent[count % _REMEMBERED]
@@ -127,19 +187,30 @@ class StallWatch:
             return ""
         return description() if callable(description) else str(description)
 
+    def _departed(self, gone: set[int]) -> str:
+        names = sorted(self.ranks[r] for r in gone)
+        who = f"rank {names[0]}" if len(names) == 1 else f"ranks {names}"
+        return (f"ringreduce: rank {self.ranks[self.comm.rank]}: collective #{self.begun} "
+                f"{self._name(self.begun)}{self.where} cannot complete: {who} shut down "
+                "(ringreduce.shutdown(), or the end of its script) without it. Every rank must "
+                "run the same collectives: let the ranks finish together, or use join() for "
+                "uneven data.")
+
     def describe(self, waited: float) -> str:
         where = (f"ringreduce: stall: rank {self.ranks[self.comm.rank]} has waited {waited:.0f} s "
                  f"in collective #{self.begun} {self._name(self.begun)}{self.where}")
-        counts = self.board.read_all(timeout=2.0) if self.board is not None else None
+        counts = self.board.read_all(_READ_SECONDS) if self.board is not None else None
         if counts is None:
-            return (where + ", and some rank does not answer at all (stuck in native code, or "
-                    "its process is gone).")
+            return (where + ", and some rank does not answer at all (stopped, stuck in native "
+                    "code, or its process is gone).")
         late = [r for r, c in enumerate(counts) if c < self.begun]
         if not late:
             return where + "; every rank has begun it, so a rank is slow or stuck inside it."
         missing = [self.ranks[r] for r in late]
-        behind = "; ".join(f"rank {self.ranks[r]} last began #{c} {self._name(int(c))}".rstrip()
-                           for r, c in zip(late, counts[late]))
+        behind = "; ".join(
+            f"rank {self.ranks[r]} has shut down" if r in self.departures.gone
+            else f"rank {self.ranks[r]} last began #{c} {self._name(int(c))}".rstrip()
+            for r, c in zip(late, counts[late]))
         return (f"{where}, which ranks {missing} have not submitted ({behind}). Those ranks are "
                 "stuck in their own code, or submit collectives in a different order or number "
                 "than the others.")

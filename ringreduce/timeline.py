@@ -35,7 +35,7 @@ from typing import Any, Iterator, Optional
 FLUSH_EVENTS = 1000
 FLUSH_SECONDS = 1.0
 _CLOSER = b"\n]}\n"
-_UNNAMED = re.compile(r"^(.*)\.noname\.\d+$")
+_UNNAMED = re.compile(r"^(.*)\.noname\.(.*\.)?\d+$")
 
 # What the timeline shows with a collective's events, by name: a bucket's parameter names and
 # size. A module-level table (not per Timeline) so it survives timelines started and stopped at

@@ -1,0 +1,227 @@
+"""Reliability, round 2: python reliability_check.py MODE
+
+leave_end     rank 0 reaches the end of its script while rank 1 waits in an allreduce
+leave_exit    the same through sys.exit(0)
+fewer         rank 0 has fewer batches than the others and finishes first
+threads       two threads per rank call allreduce with automatic names: every result is
+              right, or every rank raises MismatchError for it; never a silently wrong one
+optimizer     a parameter unfrozen after wrapping; parameters no rank has a gradient for;
+              two DistributedOptimizers in one backward
+checkpoint    load failures and unloadable extras raise the same error on every rank
+alltoall      non-integer splits are a TypeError
+stoppable     prints its pid, then runs allreduces for a while (the test stops rank 1)
+stall         rank 1 sleeps FAULT_SLEEP seconds before its next allreduce
+"""
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ringreduce as hvd
+
+mode = sys.argv[1]
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+
+
+def stamp(what):
+    print(f"{what} rank {r} at {time.time():.6f}", flush=True)
+
+
+def leave():
+    hvd.allreduce(torch.ones(3), name="before")
+    if r == 0:
+        stamp("LEAVING")
+        if mode == "leave_exit":
+            sys.exit(0)
+        return
+    try:
+        hvd.allreduce(torch.ones(3), name="waiting.here")
+    except hvd.ShutDownError as e:
+        stamp("ERROR")
+        print(f"MESSAGE {e}", flush=True)
+        raise            # uncaught: the job ends with a non-zero exit
+
+
+def fewer():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   model.named_parameters())
+    for step in range(3 if r == 0 else 6):
+        opt.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    stamp("FINISHED")
+
+
+def threads():
+    counts = {"right": 0, "mismatch": 0, "wrong": 0}
+    lock = threading.Lock()
+
+    def work(t):
+        for i in range(60):
+            x = torch.full((8,), float(100 * t + i))
+            try:
+                got = hvd.allreduce(x, op=hvd.Sum)
+                outcome = "right" if torch.equal(got, x * n) else "wrong"
+            except hvd.MismatchError:
+                outcome = "mismatch"
+            with lock:
+                counts[outcome] += 1
+
+    workers = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    print(f"THREADS rank {r} {counts}", flush=True)
+    assert counts["wrong"] == 0, counts
+    everyone = hvd.allgather_object(counts)
+    assert all(c == counts for c in everyone), f"ranks disagree on the outcomes: {everyone}"
+    # a name reused by another thread while pending is refused there, the job goes on
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [n, n]
+
+
+def params_equal(model, what):
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = hvd.allgather_object(flat.numpy().tobytes())
+    assert all(b == everyone[0] for b in everyone), f"{what}: parameters differ across ranks"
+
+
+def optimizer():
+    # a parameter frozen when wrapped, unfrozen later, is reduced from then on
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    reference = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    reference.load_state_dict(model.state_dict())
+    for m in (model, reference):
+        m[0].weight.requires_grad_(False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   model.named_parameters())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(4):
+        if step == 2:
+            for m in (model, reference):
+                m[0].weight.requires_grad_(True)
+        xs = [torch.randn(2, 3, generator=torch.Generator().manual_seed(10 * k + step))
+              for k in range(n)]
+        opt.zero_grad()
+        model(xs[r]).sum().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        sum(reference(x).sum() for x in xs).div(n).backward()
+        ref_opt.step()
+    params_equal(model, "unfrozen after wrapping")
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p, q, atol=1e-6), f"unfrozen: {name} differs from the reference"
+
+    # parameters no rank has a gradient for keep .grad None, and momentum and weight decay
+    # leave them alone, as in one process; one only rank 0 lacks is reduced with its zeros
+    torch.manual_seed(2)
+    model = nn.ModuleDict({"used": nn.Linear(2, 1), "never": nn.Linear(2, 1),
+                           "sometimes": nn.Linear(2, 1)})
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9,
+                                                   weight_decay=0.1), model.named_parameters())
+    never = [p.detach().clone() for p in model["never"].parameters()]
+    for step in range(3):
+        opt.zero_grad()
+        loss = model["used"](torch.ones(1, 2)).sum()
+        if r != 0:
+            loss = loss + model["sometimes"](torch.ones(1, 2)).sum()
+        loss.backward()
+        opt.step()
+        assert all(p.grad is None for p in model["never"].parameters()), "grad made up"
+        assert (model["sometimes"].weight.grad is not None) == (n > 1), "sometimes' grad"
+    assert all(torch.equal(p, q) for p, q in zip(model["never"].parameters(), never)), \
+        "a parameter no rank had a gradient for moved"
+    params_equal(model, "unused parameters")
+
+    # two DistributedOptimizers over disjoint parameters in one backward
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    first = hvd.DistributedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1),
+                                     model[0].named_parameters())
+    second = hvd.DistributedOptimizer(torch.optim.Adam(model[1].parameters(), lr=0.01),
+                                      model[1].named_parameters())
+    assert {b.name for b in first._buckets}.isdisjoint({b.name for b in second._buckets})
+    for step in range(3):
+        first.zero_grad()
+        second.zero_grad()
+        model(torch.randn(3, 4, generator=torch.Generator().manual_seed(r + step))).sum() \
+            .backward()
+        first.step()
+        second.step()
+    params_equal(model, "two optimizers in one backward")
+    try:
+        hvd.DistributedOptimizer(first)
+        raise AssertionError("wrapping twice did not raise")
+    except ValueError as e:
+        assert "DistributedOptimizer already" in str(e), e
+
+
+def expect(error, fragment, fn):
+    try:
+        fn()
+    except error as e:
+        assert fragment in str(e), f"{fragment!r} not in {e}"
+        return str(e)
+    raise AssertionError(f"no {error.__name__} ({fragment})")
+
+
+def checkpoint():
+    directory = sys.argv[2]
+    model = nn.Linear(2, 2)
+    missing = os.path.join(directory, "missing.pt")
+    message = expect(hvd.CheckpointError, "missing.pt",
+                     lambda: hvd.checkpoint.load(missing, model))
+    assert "failed on rank 0" in message and "FileNotFoundError" in message, message
+    unsafe = os.path.join(directory, "unsafe.pt")
+    if r == 0:          # a file that weights_only refuses (it holds a class instance)
+        torch.save({"model": model.state_dict(), "optimizer": None, "extra": Refused()}, unsafe)
+    hvd.barrier()
+    expect(hvd.CheckpointError, "weights_only", lambda: hvd.checkpoint.load(unsafe, model))
+    expect(ValueError, "Store plain data",
+           lambda: hvd.checkpoint.save(os.path.join(directory, "rng.pt"), model,
+                                       extra={"numpy": np.random.get_state()}))
+    good = os.path.join(directory, "good.pt")
+    hvd.checkpoint.save(good, model, extra={"step": 3, "rng": torch.get_rng_state()})
+    assert hvd.checkpoint.load(good, model)["step"] == 3
+    # the job is still usable after the failures
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == n
+
+
+class Refused:
+    pass
+
+
+def alltoall():
+    expect(TypeError, "splits must be integers",
+           lambda: hvd.alltoall(torch.ones(n, 2), splits=[0.5] * (n - 1) + [n - 0.5 * (n - 1)]))
+    assert hvd.alltoall(torch.ones(n, 2), splits=[1] * n)[0].shape == (n, 2)
+
+
+def stoppable():
+    print(f"PID rank {r} {os.getpid()}", flush=True)
+    for i in range(int(os.environ.get("ROUNDS", "60"))):
+        hvd.allreduce(torch.ones(4), name=f"round.{i}")
+        time.sleep(0.25)
+
+
+def stall():
+    hvd.allreduce(torch.ones(4), name="warm")
+    if r == 1:
+        time.sleep(float(os.environ.get("FAULT_SLEEP", "60")))
+    stamp("WAITING")
+    hvd.allreduce(torch.ones(4), name="stalled.here")
+
+
+{"leave_end": leave, "leave_exit": leave, "fewer": fewer, "threads": threads,
+ "optimizer": optimizer, "checkpoint": checkpoint, "alltoall": alltoall,
+ "stoppable": stoppable, "stall": stall}[mode]()
+print(f"OK rank {r}", flush=True)
