@@ -1,0 +1,64 @@
+"""`hvd.elastic` (Horovod's elastic API) at 1-3 ranks under a real mpiexec, plus its pure logic
+in one process."""
+import pytest
+
+from conftest import PATHS, run_mpi, run_ok
+from ringreduce import elastic
+from ringreduce.errors import HorovodInternalError
+
+BATCHES_PER_RANK = {1: 12, 2: 6, 3: 4}      # elastic_check.py: 24 samples, batches of 2
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_elastic_training_sync_commit_restore_and_resets(n):
+    output = run_ok(n, "elastic_check.py", timeout=120).output
+    # Rank 0 reports each reset, with every rank's error; the failures injected on every rank
+    # (and, from 2 ranks on, one rank's alone) are recovered from, then the limit ends a
+    # deterministic error.
+    resets = 3 if n > 1 else 2
+    assert f"elastic reset {resets} of at most 5 after" in output, output[-3000:]
+    assert f"elastic reset {resets + 1} of at most 5" not in output
+    if n > 1:
+        alone = (f"rank {n - 1}: RingReduceError: injected failure at "
+                 f"(2, {BATCHES_PER_RANK[n] - 1}, 'before forward')")
+        assert alone in output, output[-3000:]
+        assert "MismatchError" in output and "'ringreduce.elastic.reset'" in output
+    assert output.count("elastic reset after a host update") == 2
+
+
+def test_elastic_resets_over_mpi():
+    """The reset agreement meets the others' collective over MPI too (the signature check by
+    Iallgather, which the gather and ring paths share, instead of shared memory)."""
+    output = run_ok(3, "elastic_check.py", "resets", env=PATHS["mpi-ring"], timeout=120).output
+    assert "rank 2: RingReduceError: injected failure on rank 2 alone" in output
+
+
+def test_killed_rank_ends_an_elastic_job():
+    result = run_mpi(2, "elastic_check.py", "kill", timeout=60)
+    assert result.returncode != 0
+    assert result.seconds < 30, f"took {result.seconds:.1f}s to exit"
+    assert "OK rank" not in result.output
+
+
+def test_reset_limit_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(elastic.RESET_LIMIT_VARIABLE, raising=False)
+    assert elastic.reset_limit() == elastic.DEFAULT_RESET_LIMIT == 5
+    monkeypatch.setenv(elastic.RESET_LIMIT_VARIABLE, "0")
+    assert elastic.reset_limit() == 0
+    for bad in ("-1", "many"):
+        monkeypatch.setenv(elastic.RESET_LIMIT_VARIABLE, bad)
+        with pytest.raises(ValueError, match=elastic.RESET_LIMIT_VARIABLE):
+            elastic.reset_limit()
+
+
+def test_horovods_names_and_exception_types():
+    for name in ("run", "TorchState", "ElasticSampler", "State", "ObjectState",
+                 "StateHandler", "ModelStateHandler", "OptimizerStateHandler",
+                 "SamplerStateHandler", "get_handler_registry", "set_handler_registry",
+                 "HostsUpdatedInterrupt", "HostUpdateResult"):
+        assert name in elastic.__all__ and hasattr(elastic, name), name
+    # An interrupt must not be caught as a failure (which would restore the commit).
+    assert not issubclass(elastic.HostsUpdatedInterrupt, HorovodInternalError)
+    assert elastic.HostsUpdatedInterrupt(True).skip_sync
+    assert elastic.HostUpdateResult.mixed == (elastic.HostUpdateResult.added
+                                              | elastic.HostUpdateResult.removed)
