@@ -12,11 +12,10 @@ from .collectives import (Adasum, Average, Max, Min, Product, Sum, allgather, al
                           reducescatter_async, sparse_allreduce_async, synchronize)
 from .compression import Compression
 from .engine import Handle
-from . import checkpoint
+from . import checkpoint, elastic
 from .errors import (CheckpointError, ConsistencyError, HorovodInternalError, JoinedError,
-                     MismatchError,
-                     NotInitializedError, RingReduceError, ShutDownError, UnsupportedError,
-                     UsageError)
+                     MismatchError, NotInitializedError, RingReduceError, ShutDownError,
+                     UnsupportedError, UsageError)
 from .kernels import ReduceOp
 from .objects import (allgather_object, broadcast_object, broadcast_optimizer_state,
                       broadcast_parameters, check_consistency)
@@ -52,6 +51,7 @@ __all__ = [
     # training
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
     "broadcast_object", "allgather_object", "check_consistency", "checkpoint", "SyncBatchNorm",
+    "elastic",
     "start_timeline", "stop_timeline", "Compression",
     # ops
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
