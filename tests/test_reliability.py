@@ -1,0 +1,110 @@
+"""Reliability, round 2 (issue 12): a rank that leaves, a stopped rank, threads, optimizer edge
+cases, checkpoint errors: each ends in a right result or a clear error on every rank."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import WORKERS, find_mpiexec, run_mpi, run_ok
+
+
+def stamps(output, what):
+    """{rank: time} of the 'WHAT rank R at T' lines."""
+    return {int(r): float(t) for r, t in re.findall(rf"^{what} rank (\d+) at ([\d.]+)$", output,
+                                                    re.MULTILINE)}
+
+
+@pytest.mark.parametrize("mode", ["leave_end", "leave_exit"])
+def test_rank_that_leaves_ends_the_others_wait_with_an_error_naming_it(mode):
+    result = run_mpi(2, "reliability_check.py", mode, timeout=60)
+    assert result.returncode != 0, "a rank's uncaught ShutDownError must fail the job"
+    assert "OK rank 1" not in result.output
+    assert ("OK rank 0" in result.output) == (mode == "leave_end")
+    message = re.search(r"^MESSAGE (.*)$", result.output, re.MULTILINE)
+    assert message, result.output[-3000:]
+    assert ("rank 1: collective #2 allreduce 'waiting.here' cannot complete: rank 0 shut down"
+            in message.group(1)), message.group(1)
+    left, failed = stamps(result.output, "LEAVING")[0], stamps(result.output, "ERROR")[1]
+    print(f"{mode}: rank 1 raised {1000 * (failed - left):.1f} ms after rank 0 left")
+    assert failed - left < 10, "the waiting rank must hear of the departure within seconds"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_rank_with_fewer_batches_fails_the_others_step_not_a_hang(n):
+    result = run_mpi(n, "reliability_check.py", "fewer", timeout=60)
+    assert result.returncode != 0
+    assert "FINISHED rank 0" in result.output
+    assert "allreduce 'bucket.0' (parameters: bias, weight) cannot complete: rank 0 shut down" \
+        in result.output, result.output[-3000:]
+
+
+@pytest.mark.parametrize("mode", ["threads", "optimizer", "alltoall"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_reliability_cases(mode, n):
+    run_ok(n, "reliability_check.py", mode, timeout=90)
+
+
+def test_checkpoint_errors_reach_every_rank(tmp_path):
+    run_ok(3, "reliability_check.py", "checkpoint", str(tmp_path), timeout=90)
+
+
+def test_stopped_rank_is_reported_every_interval_and_the_job_recovers():
+    """SIGSTOP one rank for 10 s with a 3 s check time: several reports, no MPICH assertion
+    (a stall reader that timed out must not still hold the window's lock), then the job ends
+    normally."""
+    stopped_for = 10.0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "RINGREDUCE_STALL_CHECK_TIME": "3", "ROUNDS": "24"}
+    cmd = [find_mpiexec(), "-n", "2", sys.executable, str(WORKERS / "reliability_check.py"),
+           "stoppable"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        pid = None
+        while pid is None and time.monotonic() < deadline:
+            found = [int(m.group(1)) for m in map(re.compile(r"PID rank 1 (\d+)").search,
+                                                  list(lines)) if m]
+            pid = found[0] if found else None
+            time.sleep(0.05)
+        assert pid is not None, "".join(lines)[-3000:]
+        time.sleep(1.0)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(stopped_for)
+        os.kill(pid, signal.SIGCONT)
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    reader.join(timeout=10)
+    output = "".join(lines)
+    assert proc.returncode == 0, output[-4000:]
+    assert "lockall" not in output and "Internal error" not in output, output[-4000:]
+    reports = [line for line in output.splitlines() if "ringreduce: stall: rank 0" in line]
+    assert len(reports) >= 2, output[-4000:]
+    assert all("collective #" in line and "allreduce 'round." in line for line in reports), \
+        reports
+    print(f"survived a {stopped_for:.0f} s stop with {len(reports)} stall reports")
+
+
+@pytest.mark.parametrize("check_time", ["0", "5"])
+def test_stall_shutdown_fires_at_its_own_deadline(check_time):
+    """RINGREDUCE_STALL_SHUTDOWN_TIME=2 ends the job 2 s into the stall, also with the checks
+    off, and not at the next report after it (which would be at 5 s)."""
+    env = {"RINGREDUCE_STALL_CHECK_TIME": check_time, "RINGREDUCE_STALL_SHUTDOWN_TIME": "2",
+           "FAULT_SLEEP": "60"}
+    result = run_mpi(2, "reliability_check.py", "stall", env=env, timeout=60)
+    assert result.returncode != 0
+    assert "Shutting the job down after 2 s" in result.output, result.output[-3000:]
+    waited = re.search(r"rank 0 has waited (\d+) s", result.output)
+    assert waited and int(waited.group(1)) < 4, result.output[-3000:]
+    assert result.seconds < 30, f"took {result.seconds:.1f}s"
