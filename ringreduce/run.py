@@ -1,0 +1,254 @@
+"""`ringreduce-run`: horovodrun's common flags, spelled for the MPI launcher that is installed.
+
+Job scripts written for `horovodrun -np 8 -H node1:4,node2:4 python train.py` keep their line
+with `ringreduce-run` in front (or `python -m ringreduce.run`). MPI starts the processes: this
+only translates. MPICH's Hydra (and Intel MPI's) and Open MPI's `mpirun` spell hosts, host files
+and environment passing differently; ringreduce's settings travel as `RINGREDUCE_*` variables.
+Flags whose job needs Horovod's own driver (Gloo, elastic host discovery) are refused.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+from . import __version__, world
+
+HYDRA, OPEN_MPI = "MPICH Hydra", "Open MPI"
+
+# horovodrun flags that need Horovod's driver or do a job MPI does: (takes a value, why refused).
+_ELASTIC = "elastic jobs of changing size need Horovod's elastic driver; hvd.elastic runs here " \
+           "with a fixed set of ranks"
+_REFUSED = {
+    "--gloo": (False, "ringreduce runs on MPI only (there is no Gloo controller)"),
+    "--host-discovery-script": (True, _ELASTIC),
+    "--min-np": (True, _ELASTIC),
+    "--max-np": (True, _ELASTIC),
+    "--slots-per-host": (True, _ELASTIC),
+    "--blacklist-cooldown-range": (True, _ELASTIC),
+    "--network-interface": (True, "MPI picks the network: use your MPI's own option (e.g. Open "
+                                  "MPI's --mca btl_tcp_if_include) through --mpi-args"),
+    "--start-timeout": (True, "MPI's launcher has its own start-up timeout"),
+    "--tcp": (False, "MPI picks the transport"),
+    "--disable-cache": (False, "ringreduce has no response cache"),
+    "--cache-capacity": (True, "ringreduce has no response cache"),
+    "--cycle-time-ms": (True, "ringreduce has no background cycle"),
+    "--autotune": (False, "ringreduce has no autotuner; see the README's Settings for its "
+                          "measured defaults"),
+}
+
+
+class LaunchError(Exception):
+    """A flag or combination this launcher cannot honour; the message says why."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ringreduce-run",
+        description="Run a ringreduce training script under MPI with horovodrun's flags.")
+    p.add_argument("-v", "--version", action="version", version=f"ringreduce {__version__}")
+    p.add_argument("-np", "--num-proc", dest="np", type=int,
+                   help="number of processes (under Slurm, default: the allocation's)")
+    p.add_argument("-H", "--hosts", help="hosts and slots, e.g. node1:4,node2:4")
+    p.add_argument("-hostfile", "--hostfile", help="file of lines 'hostname slots=N'")
+    p.add_argument("-p", "--ssh-port", type=int, help="ssh port of the other hosts")
+    p.add_argument("--verbose", action="store_true", help="print the command that runs")
+    p.add_argument("--fusion-threshold-mb", type=float,
+                   help="gradient bucket cap in MiB (RINGREDUCE_FUSION_THRESHOLD)")
+    p.add_argument("--timeline-filename", help="per-rank timeline path (RINGREDUCE_TIMELINE)")
+    p.add_argument("--stall-check-warning-time-seconds", type=float,
+                   help="seconds before a stall is reported (RINGREDUCE_STALL_CHECK_TIME)")
+    p.add_argument("--stall-check-shutdown-time-seconds", type=float,
+                   help="seconds of stall that end the job (RINGREDUCE_STALL_SHUTDOWN_TIME)")
+    p.add_argument("--no-stall-check", action="store_true", help="no stall reports")
+    p.add_argument("--check-build", action="store_true",
+                   help="print what this build supports and exit")
+    p.add_argument("--mpi-args", default="", help="extra arguments for the MPI launcher")
+    for flag, (takes_value, _) in _REFUSED.items():
+        p.add_argument(flag, dest="refused_" + flag.strip("-").replace("-", "_"),
+                       help=argparse.SUPPRESS,
+                       **({"default": None} if takes_value else {"action": "store_true"}))
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
+    return p
+
+
+def find_launcher(python: str = sys.executable) -> str:
+    """The mpiexec beside the interpreter (the embedded wheel's), else mpirun or mpiexec on
+    PATH."""
+    beside = Path(python).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    for name in ("mpirun", "mpiexec"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise LaunchError("no MPI launcher found: install ringreduce with the [mpich] extra, or "
+                      "load your site's MPI (module load ...)")
+
+
+def flavour(launcher: str) -> str:
+    """Which launcher family `launcher` is, from its --version text."""
+    try:
+        text = subprocess.run([launcher, "--version"], capture_output=True, text=True,
+                              timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LaunchError(f"{launcher} --version failed: {exc}") from exc
+    if "Open MPI" in text or "OpenRTE" in text or "Open RTE" in text:
+        return OPEN_MPI
+    if "HYDRA" in text or "Intel(R) MPI" in text:
+        return HYDRA
+    raise LaunchError(f"{launcher} is neither MPICH/Intel MPI's Hydra nor Open MPI's mpirun; "
+                      f"run it directly ({text.strip()[:200]!r})")
+
+
+def settings_environment(args: argparse.Namespace) -> dict[str, str]:
+    """Our settings from horovodrun's flags, as the variables every rank reads at init()."""
+    env = {}
+    if args.fusion_threshold_mb is not None:
+        env["RINGREDUCE_FUSION_THRESHOLD"] = str(int(args.fusion_threshold_mb * (1 << 20)))
+    if args.timeline_filename:
+        env["RINGREDUCE_TIMELINE"] = args.timeline_filename
+    if args.stall_check_warning_time_seconds is not None:
+        env["RINGREDUCE_STALL_CHECK_TIME"] = f"{args.stall_check_warning_time_seconds:g}"
+    if args.no_stall_check:
+        env["RINGREDUCE_STALL_CHECK_TIME"] = "0"
+    if args.stall_check_shutdown_time_seconds is not None:
+        env["RINGREDUCE_STALL_SHUTDOWN_TIME"] = f"{args.stall_check_shutdown_time_seconds:g}"
+    return env
+
+
+def hydra_hostfile(horovod_hostfile: str, directory: str) -> str:
+    """Horovod's 'host slots=N' lines as Hydra's 'host:N' lines, in a file under `directory`."""
+    lines = []
+    for raw in Path(horovod_hostfile).read_text().splitlines():
+        words = raw.split("#")[0].split()
+        if not words:
+            continue
+        slots = [w.split("=", 1)[1] for w in words[1:] if w.startswith("slots=")]
+        lines.append(f"{words[0]}:{slots[0]}" if slots else words[0])
+    path = os.path.join(directory, "hosts")
+    Path(path).write_text("\n".join(lines) + "\n")
+    return path
+
+
+def build_command(args: argparse.Namespace, launcher: str, family: str,
+                  environ: dict[str, str], scratch: str) -> list[str]:
+    """The MPI launcher's command line for `args` (the environment is passed separately)."""
+    if not args.command:
+        raise LaunchError("no program given: ringreduce-run -np 2 python train.py")
+    if args.hosts and args.hostfile:
+        raise LaunchError("give -H/--hosts or --hostfile, not both")
+    in_slurm = "SLURM_JOB_ID" in environ
+    if args.np is None and not in_slurm:
+        raise LaunchError("-np is required (outside Slurm there is no allocation to fill)")
+    cmd = [launcher]
+    if args.np is not None:
+        cmd += ["-n", str(args.np)]
+    if family == HYDRA:
+        if args.hosts:
+            cmd += ["-hosts", args.hosts]
+        if args.hostfile:
+            cmd += ["-f", hydra_hostfile(args.hostfile, scratch)]
+        if args.ssh_port is not None:
+            raise LaunchError("MPICH's Hydra takes no ssh port: set 'Port' for those hosts in "
+                              "~/.ssh/config instead")
+        # Hydra passes the whole environment to every rank by default.
+    else:
+        if args.hosts:
+            cmd += ["-H", args.hosts]
+        if args.hostfile:
+            cmd += ["--hostfile", args.hostfile]
+        if args.ssh_port is not None:
+            cmd += ["--mca", "plm_rsh_args", f"-p {args.ssh_port}"]
+        for name in sorted(environ):
+            if name.startswith(("RINGREDUCE_", "HOROVOD_", "PYTHON", "OMP_")) or name in (
+                    "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV"):
+                cmd += ["-x", name]
+    cmd += shlex.split(args.mpi_args)
+    return cmd + args.command
+
+
+def check_build() -> str:
+    """Horovod's --check-build table, answered for this build."""
+    def box(yes: bool) -> str:
+        return "[X]" if yes else "[ ]"
+    return "\n".join([
+        f"ringreduce v{__version__} (Horovod-compatible API):", "",
+        "Available Frameworks:", f"    {box(False)} TensorFlow", f"    {box(True)} PyTorch",
+        f"    {box(False)} MXNet", "",
+        "Available Controllers:", f"    {box(world.mpi_built())} MPI",
+        f"    {box(world.gloo_built())} Gloo", "",
+        "Available Tensor Operations:", f"    {box(bool(world.nccl_built()))} NCCL",
+        f"    {box(world.ddl_built())} DDL", f"    {box(world.ccl_built())} CCL",
+        f"    {box(world.mpi_built())} MPI", f"    {box(world.gloo_built())} Gloo",
+        f"    {box(world.cuda_built())} CUDA (ringreduce's own GPU path: torch with CUDA, "
+        "and CuPy)", ""])
+
+
+def refused(args: argparse.Namespace) -> Optional[str]:
+    """Why the first of horovodrun's flags that we cannot honour is refused, if one was given."""
+    for flag, (_, why) in _REFUSED.items():
+        if getattr(args, "refused_" + flag.strip("-").replace("-", "_")) not in (None, False):
+            return f"ringreduce-run: {flag} is not supported: {why}"
+    return None
+
+
+def run(argv: Sequence[str], environ: Optional[dict[str, str]] = None) -> int:
+    """Parse, translate, run; the exit status of the MPI launcher (128 + N if killed by N)."""
+    environ = dict(os.environ if environ is None else environ)
+    args = parser().parse_args(argv)
+    why = refused(args)
+    if why:
+        print(why, file=sys.stderr)
+        return 2
+    if args.check_build:
+        print(check_build())
+        return 0
+    try:
+        launcher = find_launcher()
+        family = flavour(launcher)
+        environ.update(settings_environment(args))
+        with tempfile.TemporaryDirectory(prefix="ringreduce-run-") as scratch:
+            cmd = build_command(args, launcher, family, environ, scratch)
+            if "SLURM_JOB_ID" in environ and not (args.hosts or args.hostfile):
+                print(f"ringreduce-run: under Slurm (job {environ['SLURM_JOB_ID']}): placement "
+                      f"is left to {family}'s Slurm support", file=sys.stderr)
+            if args.verbose:
+                ours = {k: v for k, v in environ.items() if k.startswith("RINGREDUCE_")}
+                print(f"ringreduce-run: {family}: "
+                      + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(ours.items()))
+                      + (" " if ours else "") + shlex.join(cmd), file=sys.stderr, flush=True)
+            return _run_forwarding_signals(cmd, environ)
+    except LaunchError as exc:
+        print(f"ringreduce-run: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_forwarding_signals(cmd: list[str], environ: dict[str, str]) -> int:
+    """Run `cmd`; SIGINT, SIGTERM and SIGHUP sent to us go to it (the MPI launcher then
+    stops its ranks); its exit status is ours."""
+    child = subprocess.Popen(cmd, env=environ)
+    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, lambda number, _frame: child.send_signal(number))
+                for s in forwarded}
+    try:
+        code = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 128 - code if code < 0 else code
+
+
+def main() -> None:
+    sys.exit(run(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""ringreduce-run: horovodrun's flags on both embedded MPIs, refusals, exit status."""
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import WORKERS
+from ringreduce import run as launcher
+
+CHECK = str(WORKERS / "launcher_check.py")
+OPEN_MPI_ROOT = ["--mpi-args", "--oversubscribe --allow-run-as-root"]
+
+
+def launch(python, *flags, env=None, timeout=120):
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([python, "-m", "ringreduce.run", *flags], capture_output=True,
+                          text=True, env=full_env, timeout=timeout)
+
+
+def assert_ran(result, n):
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for r in range(n):
+        assert f"OK rank {r} of {n}" in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.parametrize("hosts", [(), ("-H", "localhost:2")])
+def test_mpich_np_and_hosts(hosts):
+    result = launch(sys.executable, "-np", "2", *hosts, "--verbose", "--fusion-threshold-mb",
+                    "8", sys.executable, CHECK, env={"WANT_FUSION": str(8 << 20)})
+    assert_ran(result, 2)
+    assert "ringreduce-run: MPICH Hydra: RINGREDUCE_FUSION_THRESHOLD=8388608 " in result.stderr
+    if hosts:
+        assert "-hosts localhost:2" in result.stderr
+
+
+@pytest.mark.parametrize("hosts", [(), ("-H", "localhost:2")])
+def test_open_mpi_np_and_hosts(openmpi_python, hosts):
+    result = launch(openmpi_python, "-np", "2", *hosts, "--verbose", "--fusion-threshold-mb",
+                    "8", *OPEN_MPI_ROOT, openmpi_python, CHECK,
+                    env={"WANT_FUSION": str(8 << 20)}, timeout=300)
+    assert_ran(result, 2)
+    assert "ringreduce-run: Open MPI: " in result.stderr
+    assert "-x RINGREDUCE_FUSION_THRESHOLD" in result.stderr, result.stderr
+    if hosts:
+        assert "-H localhost:2" in result.stderr
+
+
+def test_exit_status_passes_through():
+    result = launch(sys.executable, "-np", "2", sys.executable, CHECK, env={"EXIT_WITH": "3"})
+    assert result.returncode != 0
+
+
+def test_check_build():
+    result = launch(sys.executable, "--check-build")
+    assert result.returncode == 0
+    assert "[X] PyTorch" in result.stdout and "[X] MPI" in result.stdout
+    assert "[ ] NCCL" in result.stdout and "[ ] Gloo" in result.stdout
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--gloo"], "--gloo is not supported: ringreduce runs on MPI only"),
+    (["--host-discovery-script", "d.sh"], "elastic jobs of changing size"),
+    (["--min-np", "2"], "elastic jobs of changing size"),
+])
+def test_flags_it_cannot_honour_are_refused(flags, message):
+    result = launch(sys.executable, "-np", "2", *flags, sys.executable, CHECK)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "OK rank" not in result.stdout
+
+
+def test_unknown_flag_and_missing_np_are_errors():
+    result = launch(sys.executable, "-np", "2", "--bogus", sys.executable, CHECK)
+    assert result.returncode == 2 and "unrecognized arguments: --bogus" in result.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    result = subprocess.run([sys.executable, "-m", "ringreduce.run", sys.executable, CHECK],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 2 and "-np is required" in result.stderr
+
+
+def test_translation_for_each_launcher(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# two nodes\nnode1 slots=4\nnode2 slots=2\n")
+    args = launcher.parser().parse_args(
+        ["-np", "6", "--hostfile", str(hostfile), "--stall-check-warning-time-seconds", "5",
+         "-p", "2222", "python", "train.py", "--lr", "0.1"])
+    env = {"PATH": "/bin", **launcher.settings_environment(args)}
+    assert env["RINGREDUCE_STALL_CHECK_TIME"] == "5"
+    ompi = launcher.build_command(args, "mpirun", launcher.OPEN_MPI, env, str(tmp_path))
+    assert ompi[:3] == ["mpirun", "-n", "6"]
+    assert ["--hostfile", str(hostfile)] == ompi[3:5]
+    assert ["--mca", "plm_rsh_args", "-p 2222"] == ompi[5:8]
+    assert "RINGREDUCE_STALL_CHECK_TIME" in ompi and ompi[-4:] == ["python", "train.py",
+                                                                     "--lr", "0.1"]
+    with pytest.raises(launcher.LaunchError, match="ssh/config"):
+        launcher.build_command(args, "mpiexec", launcher.HYDRA, env, str(tmp_path))
+    args.ssh_port = None
+    hydra = launcher.build_command(args, "mpiexec", launcher.HYDRA, env, str(tmp_path))
+    assert hydra[:4] == ["mpiexec", "-n", "6", "-f"]
+    assert open(hydra[4]).read() == "node1:4\nnode2:2\n"
+    slurm = argparse.Namespace(**{**vars(args), "np": None, "hostfile": None})
+    assert launcher.build_command(slurm, "mpiexec", launcher.HYDRA, {"SLURM_JOB_ID": "7"},
+                                  str(tmp_path))[1:] == ["python", "train.py", "--lr", "0.1"]
+
+
+def test_sigterm_to_the_launcher_stops_the_job():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "ROUNDS": "400"}
+    proc = subprocess.Popen([sys.executable, "-m", "ringreduce.run", "-np", "2", sys.executable,
+                             str(WORKERS / "reliability_check.py"), "stoppable"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("PID rank 1"):
+                break
+        proc.terminate()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert proc.returncode != 0
+    assert "OK rank" not in proc.stdout.read()
