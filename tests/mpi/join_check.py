@@ -2,7 +2,8 @@
 contributing zeros (Average still divides by the set's size); other collectives raise
 JoinedError meanwhile; join() returns the last rank to join, on every rank.
 
-Usage: join_check.py FIRST   (rank FIRST joins first, then FIRST+1, ... around the ring)
+Usage: join_check.py FIRST|all   (rank FIRST joins first, then FIRST+1, ... around the
+ring; all: each rank first in turn, in one run)
 Then a DistributedOptimizer epoch with a different number of batches per rank, against one
 process applying the same averaged gradients (the parameters of the rank that joined last,
 broadcast after join() as Horovod's documentation says).
@@ -17,48 +18,56 @@ from models import Net
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
-first = int(sys.argv[1]) % n
-order = [(first + k) % n for k in range(n)]      # the order in which ranks join
-rounds = {rank: order.index(rank) + 1 for rank in range(n)}   # allreduce rounds before joining
 
 
 def value(rank, i):
     return float(10 * rank + i + 1)
 
 
-for i in range(rounds[r]):
-    active = [k for k in range(n) if rounds[k] > i]
-    x = torch.full((70_001,), value(r, i))        # the block path on one node
-    total = hvd.allreduce(x, op=hvd.Sum, name=f"round.{i}")
-    assert torch.equal(total, torch.full((70_001,), sum(value(k, i) for k in active))), \
-        (r, i, total[:2])
-    small = hvd.allreduce(torch.full((3,), value(r, i)), op=hvd.Average)   # unnamed
-    assert torch.allclose(small, torch.full((3,), sum(value(k, i) for k in active) / n)), small
-    ints = hvd.allreduce(torch.full((5,), r + 1, dtype=torch.int32), op=hvd.Max)
-    assert torch.equal(ints, torch.full((5,), max(k + 1 for k in active), dtype=torch.int32))
-    grouped = hvd.grouped_allreduce([torch.ones(2) * (r + 1), torch.ones(3, dtype=torch.float64)],
-                                    op=hvd.Sum)
-    assert torch.equal(grouped[1], torch.full((3,), float(len(active)), dtype=torch.float64))
-    if len(active) < n:                           # someone has joined: only allreduces run
-        root = active[0]
-        for call in (lambda: hvd.broadcast(torch.ones(2), root_rank=root),
-                     lambda: hvd.allgather(torch.ones(1)),
-                     lambda: hvd.alltoall(torch.ones(n)),
-                     lambda: hvd.reducescatter(torch.ones(n)),
-                     lambda: hvd.broadcast_object(1, root_rank=root)):
-            try:
-                call()
-                raise AssertionError("a collective ran while a rank had joined")
-            except hvd.JoinedError as e:
-                assert isinstance(e, RuntimeError) and "have joined" in str(e), e
-                assert f"{sorted(set(range(n)) - set(active))}" in str(e), e
-        hvd.barrier()                              # a barrier is fine: the joined wait anyway
-last = hvd.join()
-assert last == order[-1], (last, order)
-# every rank is back in step, automatic names included
-again = hvd.allreduce(torch.ones(4), op=hvd.Sum)
-assert torch.equal(again, torch.full((4,), float(n))), again
-assert hvd.allgather(torch.tensor([r])).tolist() == list(range(n))
+def joins_in_turn(first):
+    """Rank `first` joins first, then first+1, ... around the ring."""
+    order = [(first + k) % n for k in range(n)]      # the order in which ranks join
+    rounds = {rank: order.index(rank) + 1 for rank in range(n)}   # rounds before joining
+    for i in range(rounds[r]):
+        active = [k for k in range(n) if rounds[k] > i]
+        x = torch.full((70_001,), value(r, i))        # the block path on one node
+        total = hvd.allreduce(x, op=hvd.Sum, name=f"round.{i}")
+        assert torch.equal(total, torch.full((70_001,), sum(value(k, i) for k in active))), \
+            (r, i, total[:2])
+        small = hvd.allreduce(torch.full((3,), value(r, i)), op=hvd.Average)   # unnamed
+        assert torch.allclose(small, torch.full((3,), sum(value(k, i) for k in active) / n)), \
+            small
+        ints = hvd.allreduce(torch.full((5,), r + 1, dtype=torch.int32), op=hvd.Max)
+        assert torch.equal(ints, torch.full((5,), max(k + 1 for k in active), dtype=torch.int32))
+        grouped = hvd.grouped_allreduce(
+            [torch.ones(2) * (r + 1), torch.ones(3, dtype=torch.float64)], op=hvd.Sum)
+        assert torch.equal(grouped[1], torch.full((3,), float(len(active)), dtype=torch.float64))
+        if len(active) < n:                           # someone has joined: only allreduces run
+            root = active[0]
+            for call in (lambda: hvd.broadcast(torch.ones(2), root_rank=root),
+                         lambda: hvd.allgather(torch.ones(1)),
+                         lambda: hvd.alltoall(torch.ones(n)),
+                         lambda: hvd.reducescatter(torch.ones(n)),
+                         lambda: hvd.broadcast_object(1, root_rank=root)):
+                try:
+                    call()
+                    raise AssertionError("a collective ran while a rank had joined")
+                except hvd.JoinedError as e:
+                    assert isinstance(e, RuntimeError) and "have joined" in str(e), e
+                    assert f"{sorted(set(range(n)) - set(active))}" in str(e), e
+            hvd.barrier()                              # a barrier is fine: the joined wait anyway
+    last = hvd.join()
+    assert last == order[-1], (last, order)
+    # every rank is back in step, automatic names included
+    again = hvd.allreduce(torch.ones(4), op=hvd.Sum)
+    assert torch.equal(again, torch.full((4,), float(n))), again
+    assert hvd.allgather(torch.tensor([r])).tolist() == list(range(n))
+
+
+firsts = range(n) if sys.argv[1] == "all" else [int(sys.argv[1]) % n]
+for first in firsts:
+    print(f"JOIN rank {r}: rank {first} joins first", flush=True)   # names the failing case
+    joins_in_turn(first)
 
 # An epoch with uneven data: rank k has k + 2 batches, then joins. The reference applies, at
 # step s, the sum of the gradients of the ranks that still have data, divided by n.
