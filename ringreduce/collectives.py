@@ -239,7 +239,7 @@ def _reduce_fused(ps: ActiveSet, tensors: Sequence[torch.Tensor], op: ReduceOp,
         ps.transport.allreduce(fused, fused, ReduceSpec(dtype, op, prescale, postscale, signed,
                                                         signature, lengths))
         signed = None
-        for i, part in zip(members, fused.split([tensors[i].numel() for i in members])):
+        for i, part in zip(members, fused.split(lengths)):
             results[i] = part.view_as(tensors[i])
     return results
 

@@ -70,7 +70,7 @@ class Engine:
         self._poke = poke
         self._cv = threading.Condition(threading.Lock())
         self._queue: collections.deque[Handle] = collections.deque()
-        self._in_flight: dict[str, Optional[Handle]] = {}
+        self._in_flight: set[str] = set()
         self._busy = False
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
@@ -80,7 +80,7 @@ class Engine:
         """Queue `work` to run after everything submitted before it; returns its handle."""
         handle = Handle(name, work)
         with self._cv:
-            self._claim_name(name, handle)
+            self._claim_name(name)
             self._queue.append(handle)
             self._cv.notify_all()
         return handle
@@ -89,12 +89,12 @@ class Engine:
         """Run `work` now and return its result: inline when the engine is idle, else queued."""
         with self._cv:
             if not self._queue and not self._busy:
-                self._claim_name(name, None)
+                self._claim_name(name)
                 self._busy = True
                 handle = None
             else:
                 handle = Handle(name, work)
-                self._claim_name(name, handle)
+                self._claim_name(name)
                 self._queue.append(handle)
                 self._cv.notify_all()
         if handle is not None:
@@ -123,19 +123,19 @@ class Engine:
             self._cv.notify_all()
         self._thread.join()
 
-    def _claim_name(self, name: str, handle: Optional[Handle]) -> None:
+    def _claim_name(self, name: str) -> None:
         if self._stopping:
             raise RingReduceError("ringreduce: the engine is shut down; call init() again")
         if name in self._in_flight:
             raise ValueError(
                 f"ringreduce: a collective named '{name}' is still in flight on rank "
                 f"{self.rank}; wait for it (synchronize) before reusing the name")
-        self._in_flight[name] = handle
+        self._in_flight.add(name)
 
     def _finish(self, name: str) -> None:
         with self._cv:
             self._busy = False
-            self._in_flight.pop(name, None)
+            self._in_flight.discard(name)
             if self._queue:     # wake the engine thread only when there is work for it
                 self._cv.notify_all()
 

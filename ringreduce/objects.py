@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Iterable, Mapping, Optional, Union
 
-import numpy as np
 import torch
 
 from .collectives import broadcast_async_, synchronize

@@ -176,11 +176,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._first_gradient_at: dict[int, float] = {}  # bucket index -> time (timeline only)
 
-    def _on_gradient(self, p: torch.Tensor) -> None:
+    def _begin_step(self) -> None:
+        """At the step's first gradient (or its synchronize, if none came): re-plan if needed.
+        `_fresh` is cleared again after, since a re-plan resets the step."""
         if self._fresh:
             self._fresh = False
             self._replan_if_changed()
             self._fresh = False
+
+    def _on_gradient(self, p: torch.Tensor) -> None:
+        self._begin_step()
         key = id(p)
         if key not in self._pass_count:      # trainable only since this step began
             return
@@ -291,10 +296,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _complete_collectives(self) -> None:
         """Submit whatever of this step's collectives are left, in the same order on every
         rank, and wait for all of them."""
-        if self._fresh:                      # no gradient at all this step
-            self._fresh = False
-            self._replan_if_changed()
-            self._fresh = False
+        self._begin_step()                   # also when no gradient came this step
         self._submit_ready_buckets(force=True)
         sparse = [(n, p) for n, p in self._named
                   if id(p) in self._planned_sparse or id(p) in self._found_sparse]
@@ -321,9 +323,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _forget_gradients_nobody_had(self) -> None:
         """A parameter no rank had a gradient for keeps `.grad` None, as in one process (zeros
         stand in only for ranks that lack a gradient another rank has)."""
+        present = self._present.tolist()
         for bucket in self._buckets:
             for p in bucket.params:
-                if not self._present[self._position[id(p)]]:
+                if not present[self._position[id(p)]]:
                     p.grad = None
 
     # ------------------------------------------------------------ public methods
@@ -465,10 +468,7 @@ class _AdasumOptimizer:
             raise UsageError(f"{self._broken} This step's gradients are incomplete: call "
                              "optimizer.zero_grad() and run the step again.")
         loss = closure() if closure is not None else None
-        if self._fresh:
-            self._fresh = False
-            self._replan_if_changed()
-            self._fresh = False
+        self._begin_step()
         for bucket in self._buckets[self._next_bucket:]:
             for p in bucket.params:
                 if id(p) not in self._stepped:

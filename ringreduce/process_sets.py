@@ -374,10 +374,6 @@ def register_at_init(process_sets: Union[None, str, Iterable[ProcessSet]]) -> No
         _register(_state("init()"), wanted, "init")
 
 
-def job_rank() -> int:
-    return _state("rank()").rank
-
-
 def global_set(what: str) -> ActiveSet:
     """The global set (every rank), or NotInitializedError naming `what`."""
     return _state(what).active[0]

@@ -192,9 +192,7 @@ class Transport:
         return host
 
     def _alone(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
-        if dst.data_ptr() != src.data_ptr():
-            dst.copy_(src)
-        _scale(dst, spec, 1.0, spec.prescale)
+        self._prescaled(src, dst, spec, always_copy=True)
         _scale(dst, spec, 1.0, spec.postscale)
 
     def _mpi_gather(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:

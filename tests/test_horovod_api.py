@@ -3,12 +3,10 @@ parameters in Horovod's order (ours may add more after them), so scripts calling
 or by keyword run unchanged; the exception types and env aliases behave as Horovod's users
 expect; and the multi-rank parity workers run at 1-4 ranks."""
 import inspect
-import warnings
 
 import pytest
-import torch
 
-from conftest import RANK_COUNTS, run_mpi, run_ok
+from conftest import RANK_COUNTS, run_ok
 import ringreduce as hvd
 from ringreduce import config
 

@@ -106,5 +106,5 @@ def test_stall_shutdown_fires_at_its_own_deadline(check_time):
     assert result.returncode != 0
     assert "Shutting the job down after 2 s" in result.output, result.output[-3000:]
     waited = re.search(r"rank 0 has waited (\d+) s", result.output)
-    assert waited and int(waited.group(1)) < 4, result.output[-3000:]
+    assert waited and int(waited.group(1)) < 5, result.output[-3000:]
     assert result.seconds < 30, f"took {result.seconds:.1f}s"

@@ -5,7 +5,7 @@ import torch
 
 import ringreduce as hvd
 from ringreduce import _native, config, kernels, ring, signature
-from ringreduce.buffers import as_array, as_tensor
+from ringreduce.buffers import as_array
 
 
 @pytest.mark.parametrize("length,parts", [(0, 3), (1, 4), (3, 4), (10, 3), (1_000_003, 4)])

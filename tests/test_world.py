@@ -1,7 +1,5 @@
 """Topology, fail-fast, and the Open MPI wheel."""
 import re
-import subprocess
-import sys
 import time
 
 import pytest

@@ -20,7 +20,6 @@ import time
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import ringreduce as hvd
 
@@ -82,6 +81,7 @@ def threads():
         w.join()
     print(f"THREADS rank {r} {counts}", flush=True)
     assert counts["wrong"] == 0, counts
+    assert sum(counts.values()) == 2 * 60, f"a thread died: {counts}"
     everyone = hvd.allgather_object(counts)
     assert all(c == counts for c in everyone), f"ranks disagree on the outcomes: {everyone}"
     # a name reused by another thread while pending is refused there, the job goes on
