@@ -84,6 +84,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._prefix = ps.optimizer_prefix()
         self._views = gradient_as_bucket_view
         self._skip_sync = False
+        self._released = False                 # release() removed the hooks
         self._broken: Optional[str] = None     # why this step cannot be completed
         self._sparse: set[int] = set()         # parameters whose gradients come sparse
         self._hooked: set[int] = set()
@@ -219,7 +220,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             view.copy_(p.grad)   # the gradient was re-created (set_to_none): view it again
             p.grad = view
         self._gradient_ready(p)
-        self._present[self._position[key]] = 1
         self._waiting[bucket.index] -= 1
         if self._waiting[bucket.index] == 0:
             timeline.record(bucket.name, "gradients ready")
@@ -233,6 +233,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 force or self._waiting[self._next_bucket] == 0):
             bucket = self._buckets[self._next_bucket]
             self._trace_waiting(bucket)
+            self._mark_present(bucket)
             ready = None   # GPU: an event on torch's stream, after which the bucket is packed
             gradient = None
             with timeline.span(bucket.name, "pack"):
@@ -320,6 +321,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._handles = []
 
+    def _mark_present(self, bucket: fusion.Bucket) -> None:
+        """As a bucket is packed (before its unpack fills in missing gradients): this rank has
+        a gradient for each parameter whose `.grad` is set, from this step's backward passes (all
+        of them, or fewer when a step comes early, as at the end of an epoch with gradient
+        accumulation), or zeros kept by zero_grad(set_to_none=False)."""
+        for p in bucket.params:
+            if p.grad is not None:
+                self._present[self._position[id(p)]] = 1
+
     def _forget_gradients_nobody_had(self) -> None:
         """A parameter no rank had a gradient for keeps `.grad` None, as in one process (zeros
         stand in only for ranks that lack a gradient another rank has)."""
@@ -333,9 +343,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Finish reducing every gradient of this step (zeros for gradients a rank lacks)."""
-        if self._broken is not None:
-            raise UsageError(f"{self._broken} This step's gradients are incomplete: call "
-                             "optimizer.zero_grad() and run the step again.")
+        self._check_usable()
         if self._synchronized:
             return
         try:
@@ -354,17 +362,47 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._skip_sync = False
 
     def step(self, closure=None):
+        """`closure` (re-evaluates the loss, with backward) runs first, so that its gradients
+        are the ones reduced; the wrapped optimizer then steps without it."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         if not self._skip_sync:
-            if self._synchronized:
+            if self._synchronized and closure is None:
                 warnings.warn(_STEP_AFTER_SYNCHRONIZE)
             self.synchronize()
         elif not self._synchronized:
             raise UsageError(
                 f"ringreduce: step() inside skip_synchronize() on rank {self._rank} before "
                 "synchronize(); call optimizer.synchronize() first")
-        result = super(self.__class__, self).step(closure)
+        self._step_wrapped()
         self._finish_step()
-        return result
+        return loss
+
+    def _step_wrapped(self) -> None:
+        """The wrapped optimizer's step: through the step() an LR scheduler made before
+        wrapping put on the plain optimizer (so it sees the step), else the class's own."""
+        if self._plain_step is not None:
+            self._plain_step()
+        else:
+            self._plain_class.step(self)
+
+    def release(self) -> None:
+        """Remove the gradient hooks: backward passes after this start no collectives (a
+        training framework's teardown; the model may go on training with another optimizer).
+        This optimizer cannot step again."""
+        _remove_hooks(self._hooks)
+        self._hooks.clear()
+        self._released = True
+
+    def _check_usable(self) -> None:
+        if self._released:
+            raise UsageError(f"ringreduce: this DistributedOptimizer on rank {self._rank} was "
+                             "released (its gradient hooks are removed); wrap a new one")
+        if self._broken is not None:
+            raise UsageError(f"{self._broken} This step's gradients are incomplete: call "
+                             "optimizer.zero_grad() and run the step again.")
 
     def _finish_step(self) -> None:
         self._reset_step()
@@ -395,7 +433,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = None
             self._point_grads_at_buckets()
         else:
-            super(self.__class__, self).zero_grad(set_to_none)
+            self._plain_class.zero_grad(self, set_to_none)
         self._reset_step()
 
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -437,7 +475,7 @@ class _AdasumOptimizer:
         for group in self.param_groups:
             group["params"] = [q for q in group["params"] if q is p]
         try:
-            super(self.__class__, self).step()
+            self._step_wrapped()
         finally:
             for group, saved in zip(self.param_groups, params):
                 group["params"] = saved
@@ -464,9 +502,7 @@ class _AdasumOptimizer:
         yield  # pragma: no cover
 
     def step(self, closure=None):
-        if self._broken is not None:
-            raise UsageError(f"{self._broken} This step's gradients are incomplete: call "
-                             "optimizer.zero_grad() and run the step again.")
+        self._check_usable()
         loss = closure() if closure is not None else None
         self._begin_step()
         for bucket in self._buckets[self._next_bucket:]:
@@ -524,9 +560,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     for mixin in reversed(mixins):
         methods.update({k: v for k, v in mixin.__dict__.items()
                         if k not in ("__dict__", "__weakref__", "__doc__")})
+    # The wrapped class by name, not super(self.__class__): a framework may subclass this
+    # object's class again (Lightning's LightningOptimizer does), which would loop.
+    methods["_plain_class"] = optimizer.__class__
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)   # share param_groups, state, defaults, hooks
+    # An LR scheduler made before wrapping replaced the plain optimizer's step() with its own
+    # (an instance attribute): copied, it would step the plain optimizer, unreduced.
+    # That step() (torch's, which tells the scheduler a step happened) is kept, to step with:
+    # both objects share param_groups and state, so it steps this one's parameters alike.
+    shadowing = {name: wrapped.__dict__.pop(name) for name in methods if name in wrapped.__dict__}
+    wrapped._plain_step = shadowing.get("step")
+    wrapped._plain = optimizer if wrapped._plain_step is not None else None  # the step's target
     wrapped._setup(named_parameters, compression, backward_passes_per_step, op,
                    gradient_predivide_factor, groups if groups is not None or not num_groups
                    else num_groups, sparse_as_dense, gradient_as_bucket_view, fusion_threshold,

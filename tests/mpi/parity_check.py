@@ -284,9 +284,67 @@ def check_optimizer_behaviours():
     expect(ValueError, "DistributedOptimizer already", hvd.DistributedOptimizer, opt)
 
 
+def check_schedulers_closures_early_steps_and_release():
+    x = torch.full((1, 3), float(r + 1))
+    mean = (n + 1) / 2                     # the averaged gradient of sum(W x): exact
+    model = nn.Linear(3, 1, bias=False)
+    plain = torch.optim.SGD(model.parameters(), lr=1.0)
+    # A scheduler made before wrapping patched plain.step(); the wrapper must not copy that
+    # (it would step unreduced), and the scheduler must see the wrapper's steps.
+    scheduler = torch.optim.lr_scheduler.StepLR(plain, 1, gamma=0.5)
+    opt = hvd.DistributedOptimizer(plain, named_parameters=model.named_parameters())
+    start = model.weight.detach().clone()
+    model(x).sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+        scheduler.step()
+    texts = [str(w.message) for w in caught]
+    assert not any("lr_scheduler" in t for t in texts), texts
+    check_equal(model.weight.detach(), start - mean, "stepped with the averaged gradient")
+    assert opt.param_groups[0]["lr"] == 0.5
+    # step(closure): the closure's backward is what gets reduced
+    opt.zero_grad()
+    before = model.weight.detach().clone()
+
+    def closure():
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    with torch.no_grad():
+        want = model(x).sum()
+    loss = opt.step(closure)
+    assert torch.equal(loss.detach(), want), (loss, want)
+    check_equal(model.weight.detach(), before - 0.5 * mean, "step(closure)")
+    # An early step (fewer backward passes than backward_passes_per_step, as at the end of an
+    # epoch with accumulation) reduces the gradients there are.
+    early = nn.Linear(3, 1, bias=False)
+    early_opt = hvd.DistributedOptimizer(torch.optim.SGD(early.parameters(), lr=0.0),
+                                         named_parameters=early.named_parameters(),
+                                         backward_passes_per_step=2)
+    early(x).sum().backward()
+    early_opt.step()
+    check_equal(early.weight.grad, torch.full((1, 3), mean), "early step's gradient")
+    # release(): no more hooks, so later backward passes stay local; stepping is refused
+    early_opt.release()
+    early_opt.zero_grad()
+    early(x).sum().backward()
+    check_equal(early.weight.grad, x, "gradient after release()")
+    expect(hvd.UsageError, "released", early_opt.step)
+    # SyncBatchNorm.convert_sync_batchnorm shares the tensors and reverts to the same class
+    net = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))
+    weight = net[1].weight
+    synced = hvd.SyncBatchNorm.convert_sync_batchnorm(net)
+    assert type(synced[1]) is hvd.SyncBatchNorm and synced[1].weight is weight
+    reverted = hvd.SyncBatchNorm.revert_sync_batchnorm(synced)
+    assert type(reverted[1]) is nn.BatchNorm1d and reverted[1].weight is weight
+
+
 for check in (check_grouped_allgather_and_reducescatter, check_sparse_allreduce,
               check_sparse_gradients_in_the_optimizer, check_adasum, check_build_queries,
-              check_broadcast_optimizer_state, check_optimizer_behaviours):
+              check_broadcast_optimizer_state, check_optimizer_behaviours,
+              check_schedulers_closures_early_steps_and_release):
     check()
     hvd.barrier()
 hvd.shutdown()
