@@ -30,4 +30,16 @@
 #define RR_PAGE 4096
 #define RR_HEADER_WORDS 4   /* digest, byte count, per-rank value, spare */
 
+/* The phases of a large node allreduce, as rr_large_profile reports their times. */
+#define RR_PHASE_COPY_IN 0      /* our input's peer-owned chunks into our area */
+#define RR_PHASE_WAIT_IN 1      /* until every peer's area is filled */
+#define RR_PHASE_REDUCE 2       /* our chunk: our input and the peers' areas into the output */
+#define RR_PHASE_PUBLISH 3      /* our reduced chunk into our area */
+#define RR_PHASE_WAIT_OUT 4     /* until every peer's chunk is reduced */
+#define RR_PHASE_COPY_OUT 5     /* the peers' chunks from their areas into the output */
+#define RR_PHASES 6
+
+/* rr_copy_stream uses non-temporal stores from this many bytes on. */
+#define RR_STREAM_MIN 65536
+
 #endif

@@ -316,6 +316,54 @@ size_t rr_dtype_size(int dtype) {
     }
 }
 
+/* ------------------------------------------------------------------ streaming copy */
+
+#ifdef RR_X86
+/* 32-byte non-temporal stores from an aligned destination on: the data goes to memory
+ * without first reading the destination's lines into the cache (a plain store reads each
+ * line before writing it) and without evicting what the cache holds. Returns bytes done. */
+__attribute__((target("avx")))
+static size_t copy_stream_avx(char *dst, const char *src, size_t bytes) {
+    size_t i = 0;
+    for (; i + 128 <= bytes; i += 128) {
+        __m256 w = _mm256_loadu_ps((const float *)(src + i));
+        __m256 x = _mm256_loadu_ps((const float *)(src + i + 32));
+        __m256 y = _mm256_loadu_ps((const float *)(src + i + 64));
+        __m256 z = _mm256_loadu_ps((const float *)(src + i + 96));
+        _mm256_stream_ps((float *)(dst + i), w);
+        _mm256_stream_ps((float *)(dst + i + 32), x);
+        _mm256_stream_ps((float *)(dst + i + 64), y);
+        _mm256_stream_ps((float *)(dst + i + 96), z);
+    }
+    _mm_sfence();   /* the stores are weakly ordered: complete them before any flag */
+    return i;
+}
+
+static int has_avx(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx");
+    }
+    return known;
+}
+#endif
+
+void rr_copy_stream(void *dst, const void *src, size_t bytes) {
+    char *d = dst;
+    const char *s = src;
+#ifdef RR_X86
+    if (bytes >= RR_STREAM_MIN && has_avx()) {
+        size_t head = (32 - (uintptr_t)d % 32) % 32;
+        memcpy(d, s, head);
+        size_t done = head + copy_stream_avx(d + head, s + head, bytes - head);
+        memcpy(d + done, s + done, bytes - done);
+        return;
+    }
+#endif
+    memcpy(d, s, bytes);
+}
+
 /* ------------------------------------------------------------------ casts */
 
 void rr_f32_to_bf16(const float *in, uint16_t *out, size_t n) {

@@ -19,6 +19,12 @@ int rr_finish(int dtype, void *x, size_t n, double divisor, double scale);
 
 size_t rr_dtype_size(int dtype);
 
+/* memcpy with non-temporal stores from RR_STREAM_MIN bytes on (where the CPU has AVX): the
+ * fastest single-thread copy of a large buffer to memory, which bench_allreduce.py uses as its
+ * yardstick. (The node allreduce's copies keep plain stores: its output's lines are in the
+ * cache already, and streaming them measured slower.) Complete when it returns. */
+void rr_copy_stream(void *dst, const void *src, size_t bytes);
+
 /* The compression casts. */
 void rr_f32_to_bf16(const float *in, uint16_t *out, size_t n);
 void rr_bf16_to_f32(const uint16_t *in, float *out, size_t n);

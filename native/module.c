@@ -176,6 +176,41 @@ static PyObject *large_chunk(PyObject *self, PyObject *capsule) {
     return Py_BuildValue("nn", (Py_ssize_t)first, (Py_ssize_t)count);
 }
 
+/* large_profile(node, reset) -> seconds in each phase (RR_PHASE_* order) of the large
+ * allreduces so far; `reset` starts the sums again. */
+static PyObject *large_profile(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 2, "large_profile")) return NULL;
+    rr_node *node = node_of(args[0]);
+    int reset = PyObject_IsTrue(args[1]);
+    if (node == NULL || reset < 0) return NULL;
+    double seconds[RR_PHASES];
+    rr_large_profile(node, seconds, reset);
+    PyObject *result = PyTuple_New(RR_PHASES);
+    if (result == NULL) return NULL;
+    for (int p = 0; p < RR_PHASES; p++) {
+        PyObject *value = PyFloat_FromDouble(seconds[p]);
+        if (value == NULL) {
+            Py_DECREF(result);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(result, p, value);
+    }
+    return result;
+}
+
+/* copy_stream(dst, src, nbytes): memcpy with non-temporal stores for large copies. */
+static PyObject *copy_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 3, "copy_stream")) return NULL;
+    void *dst = PyLong_AsVoidPtr(args[0]);
+    const void *src = PyLong_AsVoidPtr(args[1]);
+    size_t nbytes = PyLong_AsSize_t(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rr_copy_stream(dst, src, nbytes);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* combine(dtype, op, a, b, out, count, last, divisor, scale): out = a op b (addresses). */
 static PyObject *combine(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (check_args(nargs, 9, "combine")) return NULL;
@@ -272,6 +307,8 @@ static PyMethodDef methods[] = {
     FAST(large_begin, "Set up a block-by-block allreduce of a large buffer."),
     FAST(large_run, "Run it until done, a mismatch, or a long wait."),
     {"large_chunk", large_chunk, METH_O, "Where our chunk of the current block lies."},
+    FAST(large_profile, "Seconds in each phase of the large allreduces so far."),
+    FAST(copy_stream, "memcpy with non-temporal stores for large copies."),
     FAST(combine, "out = a op b over count elements."),
     FAST(finish, "x = x / divisor * scale, in place."),
     FAST(cast, "Convert between float32 and a 16-bit float type."),
@@ -291,7 +328,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         {"OP_MIN", RR_OP_MIN}, {"OP_MAX", RR_OP_MAX}, {"OP_PRODUCT", RR_OP_PRODUCT},
         {"U8", RR_U8}, {"I8", RR_I8}, {"I16", RR_I16}, {"I32", RR_I32}, {"I64", RR_I64},
         {"F16", RR_F16}, {"BF16", RR_BF16}, {"F32", RR_F32}, {"F64", RR_F64},
-        {"LINE", RR_LINE}, {"PAGE", RR_PAGE}, {"HEADER_WORDS", RR_HEADER_WORDS}};
+        {"LINE", RR_LINE}, {"PAGE", RR_PAGE}, {"HEADER_WORDS", RR_HEADER_WORDS},
+        {"STREAM_MIN", RR_STREAM_MIN}, {"PHASES", RR_PHASES}};
     for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++)
         if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0) {
             Py_DECREF(m);

@@ -50,6 +50,7 @@ struct rr_node {
         int phase;
         int between_nodes;              /* stop after reducing our chunk: Python runs the ring */
     } job;
+    double seconds[RR_PHASES];          /* time in each phase of large allreduces, summed */
 };
 
 static size_t round_up(size_t value, size_t multiple) {
@@ -261,10 +262,23 @@ void rr_large_chunk(rr_node *node, size_t *first, size_t *count) {
     *count = chunk_lo(node, m, node->me + 1) - chunk_lo(node, m, node->me);
 }
 
+/* Adds the time since *t to phase p's total and restarts *t. */
+static void lap(rr_node *node, int p, double *t) {
+    double t1 = now();
+    node->seconds[p] += t1 - *t;
+    *t = t1;
+}
+
+void rr_large_profile(rr_node *node, double *seconds, int reset) {
+    for (int p = 0; p < RR_PHASES; p++) seconds[p] = node->seconds[p];
+    if (reset) memset(node->seconds, 0, sizeof node->seconds);
+}
+
 int rr_large_run(rr_node *node, double spin_seconds) {
     const int me = node->me, n = node->n;
     __atomic_thread_fence(__ATOMIC_SEQ_CST);   /* resumed after a wait in Python */
     const size_t size = node->job.size;
+    double t = now();
     while (node->job.start < node->job.count) {   /* 0 elements: nothing, no flags */
         size_t m = block_length(node);
         size_t lo = chunk_lo(node, m, me), hi = chunk_lo(node, m, me + 1);
@@ -285,8 +299,11 @@ int rr_large_run(rr_node *node, double spin_seconds) {
                 if (c != me) memcpy(mine + clo * size, src + clo * size, (chi - clo) * size);
             }
             raise_flag(node, flag);
+            lap(node, RR_PHASE_COPY_IN, &t);
             node->job.phase = REDUCE;
-            if (!spin_until_ready(node, spin_seconds)) return 0;
+            int ready = spin_until_ready(node, spin_seconds);
+            lap(node, RR_PHASE_WAIT_IN, &t);
+            if (!ready) return 0;
         }   /* fall through */
         case REDUCE: {
             int64_t flag = node->job.flag;
@@ -307,16 +324,20 @@ int rr_large_run(rr_node *node, double spin_seconds) {
                            node->job.scale);
                 a = dst + lo * size;
             }
+            lap(node, RR_PHASE_REDUCE, &t);
             node->job.phase = PUBLISH;
             if (node->job.between_nodes) return 2;
         }   /* fall through */
-        case PUBLISH:
+        case PUBLISH: {
             memcpy(area_of(node, me, node->job.flag) + node->shift[me] + lo * size,
                    dst + lo * size, (hi - lo) * size);
             raise_flag(node, node->job.flag + 1);
+            lap(node, RR_PHASE_PUBLISH, &t);
             node->job.phase = COPY_OUT;
-            if (!spin_until_ready(node, spin_seconds)) return 0;
-            /* fall through */
+            int ready = spin_until_ready(node, spin_seconds);
+            lap(node, RR_PHASE_WAIT_OUT, &t);
+            if (!ready) return 0;
+        }   /* fall through */
         case COPY_OUT:
             for (int c = 0; c < n; c++) {
                 size_t clo = chunk_lo(node, m, c), chi = chunk_lo(node, m, c + 1);
@@ -325,6 +346,7 @@ int rr_large_run(rr_node *node, double spin_seconds) {
                            area_of(node, c, node->job.flag) + node->shift[c] + clo * size,
                            (chi - clo) * size);
             }
+            lap(node, RR_PHASE_COPY_OUT, &t);
             node->job.phase = COPY_IN;
             node->job.start += m;
         }

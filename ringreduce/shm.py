@@ -18,6 +18,9 @@ from .mpi import mpi
 from .stall import StallWatch
 
 SPIN_SECONDS = 0.00005  # C polls flat out this long before the stall watch takes over
+# The large allreduce's phases, in native/constants.h's RR_PHASE_* order.
+PHASES = ("copy_in", "wait_in", "reduce", "publish", "wait_out", "copy_out")
+assert len(PHASES) == _native.PHASES
 
 
 class NodeWindow:
@@ -69,6 +72,11 @@ class NodeWindow:
         if not _native.small_begin(self.node, src, nbytes, digest, SPIN_SECONDS):
             self._wait()
         return _native.small_end(self.node, dst, count, dtype, op, divisor, scale) == 0
+
+    def profile(self, reset: bool = False) -> dict[str, float]:
+        """Seconds spent in each phase of this window's large allreduces (since the last
+        reset), for benchmarks: where the time goes, against the bytes each phase moves."""
+        return dict(zip(PHASES, _native.large_profile(self.node, reset)))
 
     def large(self, src: int, dst: int, count: int, dtype: int, op: int, divisor: float,
               scale: float, digest: int,

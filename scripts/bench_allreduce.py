@@ -1,4 +1,4 @@
-"""Allreduce benchmark: ringreduce against MPI's own Allreduce, torch.distributed (gloo) and memcpy.
+"""Allreduce benchmark: ringreduce against MPI's own Allreduce, torch.distributed (gloo) and copies.
 
 Run it under MPI, one process per rank, e.g.
 
@@ -8,7 +8,8 @@ Run it under MPI, one process per rank, e.g.
 
 Options: --sizes (bytes per rank, K/M/G = powers of 1024; default 4K,64K,1M,16M,64M,256M),
 --dtypes (float32,bfloat16), --iters (default: adapts to the size, many for small messages and
-about 5 for 256M), --json FILE, --plot FILE.png, --no-gloo (skip torch.distributed).
+about 5 for 256M), --json FILE, --plot FILE.png, --no-gloo (skip torch.distributed),
+--profile (the in-place allreduce's time per phase, see bench_profile).
 
 Methods, each reducing (Sum) a buffer of SIZE bytes on every rank:
     ours      ringreduce.allreduce(t, op=Sum)   (out of place, synchronous)
@@ -20,8 +21,13 @@ Methods, each reducing (Sum) a buffer of SIZE bytes on every rank:
     mpi       comm.Allreduce(send, recv, op=MPI.SUM) on NumPy arrays ("n/a" for bfloat16,
               which MPI cannot sum)
     gloo      torch.distributed.all_reduce with the gloo backend, over loopback TCP
-    memcpy    dst.copy_(src) of SIZE bytes on rank 0 alone (the other ranks idle at a barrier):
-              the machine's copy bandwidth, for reference
+    memcpy    glibc's memcpy (np.copyto) of SIZE bytes, on rank 0 alone (the other ranks idle at
+              a sleeping barrier) and on every rank at once
+    stream    the same with our non-temporal-store copy (native/kernels.c rr_copy_stream)
+    copy_     torch's dst.copy_(src) on rank 0 alone, for reference only
+    The yardstick is the fastest of the memcpy and stream rows of that size run on every rank
+    at once: a rank's node allreduce must read its input and write its result, the traffic of
+    one copy, while every other rank does the same.
 
 Timing: a few warm-up calls, then per iteration: barrier, time one call. A rank's time is the
 median over iterations; the reported time is the largest of the ranks' medians.
@@ -31,7 +37,8 @@ Columns (nccl-tests definitions, GB/s = 1e9 bytes/s):
     algbw       SIZE / time
     busbw       algbw * 2(n-1)/n, n = ranks: the traffic per rank of an ideal ring, so it is
                 comparable across rank counts and to hardware bandwidth
-    bus/memcpy  busbw / memcpy bandwidth of the same size
+    bus/copy    busbw / the yardstick copy bandwidth of the same size (every rank at once)
+    bus/alone   busbw / the fastest copy on rank 0 alone (the memory bandwidth one core gets)
     xMPI, xgloo speedup of ours over that method = their time / our time (>1: ours is faster)
 
 The environment is left alone (e.g. OMP_NUM_THREADS); torch.get_num_threads() is reported.
@@ -46,6 +53,8 @@ import numpy as np
 import torch
 
 import ringreduce as hvd  # before mpi4py.MPI, so MPI starts with the thread level ringreduce needs
+from ringreduce import _native
+from ringreduce.process_sets import active, global_process_set
 
 hvd.init()
 from mpi4py import MPI  # noqa: E402
@@ -149,14 +158,75 @@ def bench_gloo(nbytes: int, dtype: torch.dtype, iters: int) -> float:
     return slowest(time_it(lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM), iters))
 
 
-def bench_memcpy(nbytes: int, iters: int) -> float:
-    """Rank 0 copies alone; the others wait in a barrier that sleeps instead of spinning."""
-    seconds = 0.0
-    if RANK == 0:
-        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-        seconds = time_it(lambda: dst.copy_(src), iters, barrier=lambda: None)
-    sleeping_barrier()
-    return COMM.bcast(seconds, root=0)
+def bench_copies(nbytes: int, iters: int) -> list[dict]:
+    """The copy yardsticks: one thread copying SIZE bytes between two buffers, on rank 0 alone
+    (the others wait in a sleeping barrier) and on every rank at once (the slowest rank's
+    median, as the allreduce is timed). `memcpy` is glibc's (NumPy's copyto), `stream` ours
+    with non-temporal stores (ringreduce._native.copy_stream), `copy_` torch's Tensor.copy_."""
+    src, dst = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
+    tsrc, tdst = torch.from_numpy(src), torch.from_numpy(dst)
+    copies = {"memcpy": lambda: np.copyto(dst, src),
+              "stream": lambda: _native.copy_stream(dst.ctypes.data, src.ctypes.data, nbytes),
+              "copy_": lambda: tdst.copy_(tsrc)}
+    rows = []
+    for name, copy in copies.items():
+        for where in ("rank 0", "every rank"):
+            if where == "every rank" and (name == "copy_" or NRANKS == 1):
+                continue
+            if where == "rank 0":
+                seconds = time_it(copy, iters, barrier=lambda: None) if RANK == 0 else 0.0
+                sleeping_barrier()
+                seconds = COMM.bcast(seconds, root=0)
+            else:
+                seconds = slowest(time_it(copy, iters))
+            rows.append({"size_bytes": nbytes, "size": size_label(nbytes), "copy": name,
+                         "where": where, "iters": iters, "time_s": seconds,
+                         "bw_GBps": nbytes / seconds / 1e9})
+    return rows
+
+
+def yardstick(rows: list[dict], where: str = "every rank") -> dict:
+    """The fastest single-thread copy (glibc's or ours; torch's copy_ is for reference only)
+    run `where`: on every rank at once, the condition the allreduce runs in, where the ranks
+    share the machine's memory bandwidth; or on "rank 0" alone."""
+    here = [r for r in rows if r["copy"] != "copy_" and r["where"] == where]
+    return max(here or [r for r in rows if r["copy"] != "copy_"], key=lambda r: r["bw_GBps"])
+
+
+def bench_profile(nbytes: int, dtype: torch.dtype, iters: int) -> dict | None:
+    """Where an in-place allreduce of SIZE bytes spends its time on this node, phase by phase
+    (native/node.c), with the bytes each phase reads and writes per rank (B = SIZE, n ranks):
+    copy_in B(n-1)/n each way, reduce B/n from each of n places + B/n written, publish B/n
+    each way, copy_out B(n-1)/n each way."""
+    node = active(global_process_set, "bench").transport.node
+    if node is None or nbytes <= node.small_bytes:     # the block path only
+        return None
+    t = torch.zeros(nbytes // dtype.itemsize, dtype=dtype)
+    hvd.allreduce_(t, op=hvd.Sum)
+    node.profile(reset=True)
+    COMM.Barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        hvd.allreduce_(t, op=hvd.Sum)
+    total = (time.perf_counter() - start) / iters
+    phases = {k: v / iters for k, v in node.profile(reset=True).items()}
+    n = NRANKS
+    touched = {"copy_in": 2 * nbytes * (n - 1) / n, "reduce": nbytes * (n + 1) / n,
+               "publish": 2 * nbytes / n, "copy_out": 2 * nbytes * (n - 1) / n}
+    return {"size_bytes": nbytes, "dtype": str(dtype).removeprefix("torch."), "time_s": total,
+            "phases": {k: {"time_s": v, "bytes_touched": touched.get(k)}
+                       for k, v in phases.items()}}
+
+
+def print_profile(p: dict) -> None:
+    print(f"  profile {size_label(p['size_bytes'])} {p['dtype']} in place, rank 0: "
+          f"{p['time_s'] * 1e6:.0f} us per call", flush=True)
+    for phase, v in p["phases"].items():
+        rate = (f"{v['bytes_touched'] / v['time_s'] / 1e9:7.1f} GB/s over "
+                f"{v['bytes_touched'] / 2**20:.0f} MiB read+written" if v["bytes_touched"]
+                and v["time_s"] else "")
+        print(f"    {phase:9s} {v['time_s'] * 1e6:9.0f} us {v['time_s'] / p['time_s']:6.1%}  {rate}",
+              flush=True)
 
 
 def metadata(args) -> dict:
@@ -168,17 +238,19 @@ def fmt(value, spec: str, width: int) -> str:
 
 
 HEADER = (f"{'size':>6} {'dtype':>9} {'method':>7} {'iters':>5} {'time(us)':>11} "
-          f"{'algbw':>8} {'busbw':>8} {'bus/memcpy':>10} {'xMPI':>6} {'xgloo':>6}")
+          f"{'algbw':>8} {'busbw':>8} {'bus/copy':>9} {'bus/alone':>9} {'xMPI':>6} "
+          f"{'xgloo':>6}")
 
 
 def row(r: dict) -> str:
     return (f"{r['size']:>6} {r['dtype']:>9} {r['method']:>7} {r['iters']:>5} "
             f"{fmt(r['latency_us'], '.1f', 11)} {fmt(r['algbw_GBps'], '.3f', 8)} "
-            f"{fmt(r['busbw_GBps'], '.3f', 8)} {fmt(r['busbw_over_memcpy'], '.3f', 10)} "
+            f"{fmt(r['busbw_GBps'], '.3f', 8)} {fmt(r['busbw_over_copy'], '.3f', 9)} "
+            f"{fmt(r['busbw_over_alone'], '.3f', 9)} "
             f"{fmt(r.get('speedup_vs_mpi'), '.2f', 6)} {fmt(r.get('speedup_vs_gloo'), '.2f', 6)}")
 
 
-def plot(path: str, results: list[dict], memcpy: list[dict], meta: dict) -> None:
+def plot(path: str, results: list[dict], copies: list[dict], meta: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -192,10 +264,10 @@ def plot(path: str, results: list[dict], memcpy: list[dict], meta: dict) -> None
             if points:
                 ax.plot(*zip(*points), marker="o",
                         linestyle="-" if dtype == "float32" else ":", label=f"{method} {dtype}")
-    biggest = max(memcpy, key=lambda m: m["size_bytes"])
-    ax.axhline(biggest["bw_GBps"], color="black", linestyle="--",
-               label=f"memcpy, rank 0, {size_label(biggest['size_bytes'])}")
-    sizes = [m["size_bytes"] for m in memcpy]
+    sizes = sorted({c["size_bytes"] for c in copies})
+    best = [yardstick([c for c in copies if c["size_bytes"] == size]) for size in sizes]
+    ax.plot(sizes, [b["bw_GBps"] for b in best], color="black", linestyle="--",
+            label="fastest copy, every rank at once (glibc memcpy or ours, streaming)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")  # busbw spans orders of magnitude from 4K to 256M
     ax.set_xticks(sizes, [size_label(s) for s in sizes])
@@ -216,6 +288,9 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     parser.add_argument("--no-gloo", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="after each size and dtype: the in-place allreduce's time per "
+                             "phase on this node (sizes above the small-message switch, 512K)")
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     dtypes = args.dtypes.split(",")
@@ -242,15 +317,18 @@ def main() -> None:
     bench = {"ours": bench_ours, "ours_": bench_ours_inplace, "bucket": bench_bucket,
              "set_": bench_set if PAIR is not None else None, "mpi": bench_mpi,
              "gloo": None if args.no_gloo else bench_gloo}
-    results, memcpy = [], []
+    results, every_copy, profiles = [], [], []
     for nbytes in sizes:
         iters = args.iters or default_iters(nbytes)
-        copy_s = bench_memcpy(nbytes, iters)
-        memcpy.append({"size_bytes": nbytes, "size": size_label(nbytes), "iters": iters,
-                       "time_s": copy_s, "bw_GBps": nbytes / copy_s / 1e9})
+        copies = bench_copies(nbytes, iters)
+        every_copy += copies
+        best, alone = yardstick(copies), yardstick(copies, "rank 0")
         if RANK == 0:
-            print(f"{size_label(nbytes):>6} {'-':>9} {'memcpy':>7} {iters:>5} "
-                  f"{copy_s * 1e6:>11.1f} {memcpy[-1]['bw_GBps']:>8.3f}", flush=True)
+            for c in copies:
+                mark = "  <- yardstick" if c is best else "  <- alone" if c is alone else ""
+                print(f"{size_label(nbytes):>6} {'-':>9} {c['copy']:>7} {iters:>5} "
+                      f"{c['time_s'] * 1e6:>11.1f} {c['bw_GBps']:>8.3f}  ({c['where']}){mark}",
+                      flush=True)
         for dtype in dtypes:
             times = {m: fn(nbytes, DTYPES[dtype], iters) if fn else None
                      for m, fn in bench.items()}
@@ -264,7 +342,8 @@ def main() -> None:
                      "method": method, "iters": iters, "time_s": seconds,
                      "latency_us": seconds * 1e6 if seconds else None,
                      "algbw_GBps": algbw, "busbw_GBps": busbw,
-                     "busbw_over_memcpy": busbw / memcpy[-1]["bw_GBps"] if busbw else None}
+                     "busbw_over_copy": busbw / best["bw_GBps"] if busbw else None,
+                     "busbw_over_alone": busbw / alone["bw_GBps"] if busbw else None}
                 if method.startswith("ours"):
                     for other in ("mpi", "gloo"):
                         theirs = times[other]
@@ -272,10 +351,16 @@ def main() -> None:
                 results.append(r)
                 if RANK == 0:
                     print(row(r), flush=True)
+            if args.profile:
+                profile = bench_profile(nbytes, DTYPES[dtype], iters)
+                if profile is not None and RANK == 0:
+                    profiles.append(profile)
+                    print_profile(profile)
 
     if RANK == 0:
-        write_results({"meta": meta, "memcpy": memcpy, "results": results}, args.json, args.plot,
-                      lambda png: plot(png, results, memcpy, meta))
+        write_results({"meta": meta, "copies": every_copy, "results": results,
+                       "profiles": profiles}, args.json, args.plot,
+                      lambda png: plot(png, results, every_copy, meta))
     if not args.no_gloo:
         import torch.distributed as dist
 

@@ -1,4 +1,5 @@
 """The README's main job, shortened: it learns, and every rank ends with the same parameters."""
+import json
 import re
 from pathlib import Path
 
@@ -19,3 +20,31 @@ def test_digits_demo_trains_and_stays_identical(n, tmp_path):
     single = float(re.search(r"single process \(reference\): held-out accuracy ([\d.]+)",
                              result.output).group(1))
     assert dist > 0.85 and abs(dist - single) < 0.02, (dist, single)
+
+
+def test_allreduce_benchmark_reports_its_yardsticks_and_profile(tmp_path):
+    """A tiny bench_allreduce.py run: every method and copy row, ratios against the copy
+    yardstick consistent with the bandwidths, and the per-phase profile of the node path."""
+    out = tmp_path / "bench.json"
+    script = Path(__file__).parents[1] / "scripts" / "bench_allreduce.py"
+    result = run_mpi(2, str(script), "--sizes", "4K,1M", "--dtypes", "float32", "--iters",
+                     "3", "--no-gloo", "--profile", "--json", str(out), timeout=120)
+    assert result.returncode == 0, result.output[-4000:]
+    data = json.loads(out.read_text())
+    kinds = {(c["copy"], c["where"]) for c in data["copies"]}
+    assert kinds == {("memcpy", "rank 0"), ("memcpy", "every rank"), ("stream", "rank 0"),
+                     ("stream", "every rank"), ("copy_", "rank 0")}
+    for r in data["results"]:
+        if r["busbw_GBps"] is None:
+            continue
+        copies = [c for c in data["copies"] if c["size_bytes"] == r["size_bytes"]
+                  and c["copy"] != "copy_" and c["where"] == "every rank"]
+        best = max(c["bw_GBps"] for c in copies)
+        assert abs(r["busbw_over_copy"] - r["busbw_GBps"] / best) < 1e-9
+    (profile,) = data["profiles"]
+    assert profile["size_bytes"] == 1 << 20
+    assert set(profile["phases"]) == {"copy_in", "wait_in", "reduce", "publish", "wait_out",
+                                      "copy_out"}
+    spent = sum(p["time_s"] for p in profile["phases"].values())
+    assert 0 < spent <= profile["time_s"] * 1.01, (spent, profile["time_s"])
+    assert all(p["time_s"] > 0 for k, p in profile["phases"].items() if not k.startswith("wait"))

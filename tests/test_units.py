@@ -158,3 +158,16 @@ def test_native_casts_equal_torch(wire):
     x = torch.cat([torch.randn(10_007) * 1000, edges, -edges])
     assert torch.equal(kernels.cast(x, wire), x.to(wire))
     assert torch.equal(kernels.cast(x.to(wire), torch.float32), x.to(wire).float())
+
+
+@pytest.mark.parametrize("nbytes", [0, 31, _native.STREAM_MIN - 1, _native.STREAM_MIN,
+                                    _native.STREAM_MIN + 129, 3 << 20])
+@pytest.mark.parametrize("offset", [0, 1, 17, 32])
+def test_streaming_copy_equals_memcpy(nbytes, offset):
+    """Below, at and above the streaming threshold, from every destination alignment: the
+    bytes land exactly, and nothing outside the range is touched."""
+    source = np.random.default_rng(nbytes + offset).integers(0, 256, nbytes + 64, np.uint8)
+    target = np.full(nbytes + 128, 7, np.uint8)
+    _native.copy_stream(target.ctypes.data + offset, source.ctypes.data + 3, nbytes)
+    assert np.array_equal(target[offset:offset + nbytes], source[3:3 + nbytes])
+    assert (target[:offset] == 7).all() and (target[offset + nbytes:] == 7).all()
