@@ -117,17 +117,18 @@ def _allreduce_spec(t: torch.Tensor, op: ReduceOp, pre: float, post: float,
 def _small_allreduce(tensor: Any, name: Optional[str], op: Any, postscale: float,
                      in_place: bool, process_set: ProcessSet) -> Optional[torch.Tensor]:
     """The most frequent latency-bound call, a small synchronous allreduce of a plain CPU
-    tensor with the set's members on one node, with a minimum of checks and straight to the
-    transport; None when the call is not that case (or the set's engine is busy), and the
-    general path takes it. Same name counter, signature digest and bits as the general path,
-    which a peer may take for the same collective."""
+    tensor with the set's members on one node (or on several, by the small way between
+    nodes), with a minimum of checks and straight to the transport; None when the call is not
+    that case (or the set's engine is busy), and the general path takes it. Same name counter,
+    signature digest and bits as the general path, which a peer may take for the same
+    collective."""
     ps = active(process_set, "allreduce_()" if in_place else "allreduce()")
     transport = ps.transport
     op_name = _OP_NAMES.get(Average if op is None else op)
-    if (op_name is None or not transport.one_node or tensor.__class__ is not torch.Tensor
+    if (op_name is None or tensor.__class__ is not torch.Tensor
             or not tensor.is_cpu or tensor.layout is not torch.strided
             or tensor.dtype not in CODES or not tensor.is_contiguous()
-            or tensor.nbytes > transport.node.small_bytes
+            or tensor.nbytes > transport.fast_small_bytes
             or not ps.engine.claim_idle()):
         return None
     try:

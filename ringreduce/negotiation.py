@@ -3,17 +3,20 @@
 Each collective starts with one fixed-size `Iallgather` of a 64-bit digest of its signature plus
 one per-rank integer the collective needs anyway (allgather's first dimension, say), so the check
 costs no extra round trip there. With every member on one node the headers travel through the
-node's shared memory instead, meeting allreduces at the same flag. When digests differ, a second
+node's shared memory instead, meeting allreduces at the same flag; across a power-of-two number
+of nodes, through the node's memory and then by recursive doubling between the nodes
+(crossnode.py), meeting small allreduces in the same messages. When digests differ, a second
 round gathers the full signatures so that every rank raises the same `MismatchError`, naming the
 tensor, the field, and each rank's value; unless some digests are `JOINED`, the mark a rank
 that has joined (`join()`) sends in every exchange, which raises `PeersJoined` instead.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
+from .crossnode import BetweenNodes
 from .errors import MismatchError
 from .shm import NodeWindow
 from .signature import Signature, describe_mismatch, digest
@@ -33,9 +36,11 @@ class PeersJoined(Exception):
 
 class Negotiator:
     def __init__(self, comm: Any, watch: StallWatch, ranks: Sequence[int],
-                 node: Optional[NodeWindow]) -> None:
-        """`node`: the set's window when all its members share one node, else None."""
+                 node: Optional[NodeWindow], between: Optional[BetweenNodes] = None) -> None:
+        """`node`: the set's window when all its members share one node, else None;
+        `between`: the exchanges between nodes, where the set spans several that way."""
         self.comm, self.watch, self.ranks, self.node = comm, watch, list(ranks), node
+        self.between = between
         self._header = np.zeros(2, dtype=np.int64)
         self._headers = np.zeros((comm.size, 2), dtype=np.int64)
 
@@ -49,6 +54,8 @@ class Negotiator:
             return np.array([value], dtype=np.int64), np.array([per_rank], dtype=np.int64)
         if self.node is not None:
             return self.node.exchange_headers(value, per_rank)
+        if self.between is not None:
+            return self.between.headers(value, per_rank)
         self._header[:] = (value, per_rank)
         self.watch.wait(self.comm.Iallgather(self._header, self._headers).Test)
         return self._headers[:, 0].copy(), self._headers[:, 1].copy()
@@ -64,11 +71,13 @@ class Negotiator:
         self.judge(digests, signature)
         return values
 
-    def judge(self, digests: np.ndarray, signature: Signature) -> None:
-        """Nothing when every digest agrees; else PeersJoined or MismatchError."""
+    def judge(self, digests: np.ndarray,
+              signature: Union[Signature, Callable[[], Signature]]) -> None:
+        """Nothing when every digest agrees; else PeersJoined or MismatchError. `signature`
+        may be a function making it, called only for the message."""
         if (digests == digests[0]).all():
             return
         joined = [int(r) for r in np.flatnonzero(digests == JOINED)]
         if joined:
             raise PeersJoined(joined)
-        raise MismatchError(self.mismatch(signature))
+        raise MismatchError(self.mismatch(signature() if callable(signature) else signature))

@@ -9,6 +9,9 @@ set's members live:
     CUDA tensor              CUDA-aware MPI: our ring on device memory (cuda.py)
                              otherwise: pieces staged through pinned host memory, each piece
                              reduced by the host ways below
+    several nodes, small     the node's slots, then recursive doubling between the nodes,
+                             the signature in the same messages (crossnode.py; a power-of-two
+                             number of nodes with as many members each)
     members share nodes      the node's shared-memory window, in C (shm.py, native/node.c):
                              one slot per rank (small) or cache-sized blocks (large); across
                              several nodes our ring between nodes runs on each reduced chunk
@@ -34,9 +37,10 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from . import _native, adasum, cuda, kernels, ring
+from . import _native, adasum, crossnode, cuda, kernels, ring
 from .buffers import CODES, NAMES, as_array, as_tensor, fresh
 from .config import Settings
+from .crossnode import BetweenNodes
 from .errors import JoinedError, MismatchError
 from .kernels import ReduceOp
 from .negotiation import JOINED, Negotiator, PeersJoined
@@ -117,8 +121,20 @@ class Transport:
         self.node = (NodeWindow(local, settings.shared_small_bytes, settings.block_bytes, watch)
                      if settings.shared_memory and local.size > 1 and homogeneous else None)
         self.one_node = self.node is not None and cross.size == 1
-        self.negotiator = Negotiator(comm, watch, ranks, self.node if self.one_node else None)
         self.scratch = ScratchPool()
+        self.between = (BetweenNodes(comm, local, cross, self.node, watch,
+                                     settings.small_message_bytes)
+                        if crossnode.applies(cross, homogeneous) else None)
+        self.negotiator = Negotiator(comm, watch, ranks, self.node if self.one_node else None,
+                                     self.between)
+        # Up to this size an allreduce goes the small way between nodes (the node's slots must
+        # hold it too); -1: no such way.
+        self.between_small_bytes = -1 if self.between is None else min(
+            settings.small_message_bytes, self.node.small_bytes if self.node else 1 << 62)
+        # Up to this size a small allreduce may skip the engine's queue (collectives.py): the
+        # ways whose exchange carries the signature with the data.
+        self.fast_small_bytes = (self.node.small_bytes if self.one_node
+                                 else self.between_small_bytes)
 
     def free(self) -> None:
         if self.node is not None:
@@ -163,6 +179,8 @@ class Transport:
         views (which cost a microsecond each, as much as a small exchange on a node)."""
         if self.size == 1:
             self._alone(src, dst, spec)
+        elif src.nbytes <= self.between_small_bytes:
+            self._between_nodes_small(src, dst, spec)
         elif self.node is None:
             small = src.nbytes <= self.settings.small_message_bytes
             (self._mpi_gather if small else self._mpi_ring)(src, dst, spec)
@@ -216,6 +234,24 @@ class Transport:
             self._disagreement(spec)
         if not self.one_node:
             self._ring(self.cross, "cross", as_array(dst), spec)
+
+    def _between_nodes_small(self, src: torch.Tensor, dst: torch.Tensor,
+                             spec: ReduceSpec) -> None:
+        """Several nodes, a small buffer: a copy reduced on the node (its slots), then between
+        nodes in the messages that carry the signature (crossnode.py); `dst` is written once
+        every digest agrees. Addresses only: a NumPy view costs a microsecond."""
+        between, code, count, nbytes = self.between, spec.code, src.numel(), src.nbytes
+        data = between.data_address
+        _native.copy_stream(data, src.data_ptr(), nbytes)
+        if spec.prescale != 1.0:
+            _native.finish(code, data, count, 1.0, spec.prescale)
+        disagreeing = between.allreduce(nbytes, count, code, int(spec.op), spec.digest or 0)
+        if disagreeing is not None:
+            self.negotiator.judge(disagreeing, spec.describe)
+        divisor = self._divisor(spec)
+        if divisor != 1.0 or spec.postscale != 1.0:
+            _native.finish(code, data, count, divisor, spec.postscale)
+        _native.copy_stream(dst.data_ptr(), data, nbytes)
 
     def _node_blocks(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
         digest = self._digest_for_node(spec)
