@@ -20,6 +20,9 @@ Methods, each reducing (Sum) a buffer of SIZE bytes on every rank:
               3 ranks or more); its busbw counts the set's 2 ranks
     mpi       comm.Allreduce(send, recv, op=MPI.SUM) on NumPy arrays ("n/a" for bfloat16,
               which MPI cannot sum)
+    mpi_x     the same on the cross communicator (one rank per node, all such communicators
+              at once), when the job spans nodes (RINGREDUCE_SIMULATED_NODES counts): MPI's
+              own allreduce between nodes, of the whole SIZE
     gloo      torch.distributed.all_reduce with the gloo backend, over loopback TCP
     memcpy    glibc's memcpy (np.copyto) of SIZE bytes, on rank 0 alone (the other ranks idle at
               a sleeping barrier) and on every rank at once
@@ -39,7 +42,8 @@ Columns (nccl-tests definitions, GB/s = 1e9 bytes/s):
                 comparable across rank counts and to hardware bandwidth
     bus/copy    busbw / the yardstick copy bandwidth of the same size (every rank at once)
     bus/alone   busbw / the fastest copy on rank 0 alone (the memory bandwidth one core gets)
-    xMPI, xgloo speedup of ours over that method = their time / our time (>1: ours is faster)
+    xMPI, xMPIx, xgloo  speedup of ours over mpi, mpi_x, gloo = their time / our time (>1: ours
+                is faster)
 
 The environment is left alone (e.g. OMP_NUM_THREADS); torch.get_num_threads() is reported.
 """
@@ -64,7 +68,10 @@ from bench_common import init_gloo, metadata as common_metadata, write_results  
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-METHODS = ["ours", "ours_", "bucket", "set_", "mpi", "gloo"]
+METHODS = ["ours", "ours_", "bucket", "set_", "mpi", "mpi_x", "gloo"]
+# Ranks with the same local rank, one per node (as ringreduce sees nodes, simulated or not):
+# MPI's Allreduce between nodes, the part of a hierarchical allreduce that crosses them.
+CROSS = COMM.Split(hvd.local_rank(), RANK) if hvd.cross_size() > 1 else None
 PAIR = hvd.add_process_set([0, 1]) if NRANKS >= 3 else None    # a 2-rank set inside the job
 PAIR_COMM = COMM.Split(0 if RANK < 2 else MPI.UNDEFINED, RANK)  # its members, for barriers
 
@@ -149,6 +156,15 @@ def bench_mpi(nbytes: int, dtype: torch.dtype, iters: int) -> float | None:
     send = np.ones(nbytes // 4, dtype=np.float32)
     recv = np.empty_like(send)
     return slowest(time_it(lambda: COMM.Allreduce(send, recv, op=MPI.SUM), iters))
+
+
+def bench_mpi_cross(nbytes: int, dtype: torch.dtype, iters: int) -> float | None:
+    """MPI's Allreduce of SIZE bytes on the cross communicator (every one at once)."""
+    if dtype == torch.bfloat16 or CROSS is None:
+        return None
+    send = np.ones(nbytes // 4, dtype=np.float32)
+    recv = np.empty_like(send)
+    return slowest(time_it(lambda: CROSS.Allreduce(send, recv, op=MPI.SUM), iters))
 
 
 def bench_gloo(nbytes: int, dtype: torch.dtype, iters: int) -> float:
@@ -238,7 +254,7 @@ def fmt(value, spec: str, width: int) -> str:
 
 
 HEADER = (f"{'size':>6} {'dtype':>9} {'method':>7} {'iters':>5} {'time(us)':>11} "
-          f"{'algbw':>8} {'busbw':>8} {'bus/copy':>9} {'bus/alone':>9} {'xMPI':>6} "
+          f"{'algbw':>8} {'busbw':>8} {'bus/copy':>9} {'bus/alone':>9} {'xMPI':>6} {'xMPIx':>6} "
           f"{'xgloo':>6}")
 
 
@@ -247,7 +263,8 @@ def row(r: dict) -> str:
             f"{fmt(r['latency_us'], '.1f', 11)} {fmt(r['algbw_GBps'], '.3f', 8)} "
             f"{fmt(r['busbw_GBps'], '.3f', 8)} {fmt(r['busbw_over_copy'], '.3f', 9)} "
             f"{fmt(r['busbw_over_alone'], '.3f', 9)} "
-            f"{fmt(r.get('speedup_vs_mpi'), '.2f', 6)} {fmt(r.get('speedup_vs_gloo'), '.2f', 6)}")
+            f"{fmt(r.get('speedup_vs_mpi'), '.2f', 6)} {fmt(r.get('speedup_vs_mpi_x'), '.2f', 6)} "
+            f"{fmt(r.get('speedup_vs_gloo'), '.2f', 6)}")
 
 
 def plot(path: str, results: list[dict], copies: list[dict], meta: dict) -> None:
@@ -316,6 +333,7 @@ def main() -> None:
 
     bench = {"ours": bench_ours, "ours_": bench_ours_inplace, "bucket": bench_bucket,
              "set_": bench_set if PAIR is not None else None, "mpi": bench_mpi,
+             "mpi_x": bench_mpi_cross if CROSS is not None else None,
              "gloo": None if args.no_gloo else bench_gloo}
     results, every_copy, profiles = [], [], []
     for nbytes in sizes:
@@ -335,7 +353,8 @@ def main() -> None:
             for method, seconds in times.items():
                 if bench[method] is None:
                     continue
-                ranks = len(PAIR.ranks) if method == "set_" else NRANKS
+                ranks = (len(PAIR.ranks) if method == "set_" else CROSS.size
+                         if method == "mpi_x" else NRANKS)
                 algbw = nbytes / seconds / 1e9 if seconds else None
                 busbw = algbw * 2 * (ranks - 1) / ranks if algbw is not None else None
                 r = {"size_bytes": nbytes, "size": size_label(nbytes), "dtype": dtype,
@@ -345,7 +364,7 @@ def main() -> None:
                      "busbw_over_copy": busbw / best["bw_GBps"] if busbw else None,
                      "busbw_over_alone": busbw / alone["bw_GBps"] if busbw else None}
                 if method.startswith("ours"):
-                    for other in ("mpi", "gloo"):
+                    for other in ("mpi", "mpi_x", "gloo"):
                         theirs = times[other]
                         r[f"speedup_vs_{other}"] = theirs / seconds if theirs else None
                 results.append(r)
