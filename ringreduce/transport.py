@@ -40,7 +40,6 @@ import torch
 from . import _native, adasum, crossnode, cuda, kernels, ring
 from .buffers import CODES, NAMES, as_array, as_tensor, fresh
 from .config import Settings
-from .crossnode import BetweenNodes
 from .errors import JoinedError, MismatchError
 from .kernels import ReduceOp
 from .negotiation import JOINED, Negotiator, PeersJoined
@@ -122,8 +121,8 @@ class Transport:
                      if settings.shared_memory and local.size > 1 and homogeneous else None)
         self.one_node = self.node is not None and cross.size == 1
         self.scratch = ScratchPool()
-        self.between = (BetweenNodes(comm, local, cross, self.node, watch,
-                                     settings.small_message_bytes)
+        self.between = (crossnode.BetweenNodes(comm, local, cross, self.node, watch,
+                                               settings.small_message_bytes)
                         if crossnode.applies(cross, homogeneous) else None)
         self.negotiator = Negotiator(comm, watch, ranks, self.node if self.one_node else None,
                                      self.between)
