@@ -9,9 +9,10 @@ half's value first, so both compute the same bits. After log2(nodes) rounds ever
 every header and the whole result: the signature travels with the data, one message per round,
 where a separate signature exchange and data exchange took two collectives.
 
-Messages differ in length (a rank that has joined sends headers only, see transport.py), so
-every receive has room for the largest, and the status tells what came. Within a node, the node's shared memory
-gathers the headers (and reduces small data) first.
+Messages differ in length (a rank that has joined, or one in another collective, sends headers
+only; see transport.py), so every receive has room for the largest, and the status tells what
+came. Within a node, the node's shared memory gathers the headers (and reduces small data)
+first.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from .stall import StallWatch
 
 TAG = 11                # the ring uses its own tag on the same communicator
 HEADER = np.dtype((np.int64, 2))    # digest, per-rank word
-
+SEND_SPECS = 64         # message specs kept, by round and data size
 
 
 def applies(cross: Any, homogeneous: bool) -> bool:
@@ -137,6 +138,8 @@ class BetweenNodes:
             headers[:] = ours
             send = self.send_specs.get((k, nbytes))
             if send is None:
+                if len(self.send_specs) >= SEND_SPECS:
+                    self.send_specs.clear()
                 send = self.send_specs[k, nbytes] = [
                     self.outgoing[self.room - size:self.room + nbytes], MPI.BYTE]
             requests = [cross.Irecv(self.receive_spec, partner, TAG),

@@ -80,7 +80,8 @@ class RingReduceSyncBatchNorm(LayerSync):
 class RingReduceStrategy(ParallelStrategy):
     """Data-parallel training with ringreduce's DistributedOptimizer, one process per device.
 
-    The keyword arguments are DistributedOptimizer's, applied to every optimizer.
+    The keyword arguments are DistributedOptimizer's, applied to every optimizer (all ranks
+    train: the samplers shard the data over the whole job).
     `backward_passes_per_step` defaults to the Trainer's `accumulate_grad_batches`; set it for
     manual optimization that accumulates over several `manual_backward` calls.
     """
@@ -91,16 +92,14 @@ class RingReduceStrategy(ParallelStrategy):
                  precision_plugin=None, compression: type[Compressor] = Compression.none,
                  op: Any = Average, gradient_predivide_factor: float = 1.0,
                  backward_passes_per_step: Optional[int] = None,
-                 sparse_as_dense: bool = False, gradient_as_bucket_view: bool = False,
-                 process_set: ProcessSet = global_process_set) -> None:
+                 sparse_as_dense: bool = False, gradient_as_bucket_view: bool = False) -> None:
         world.init()
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=RingReduceEnvironment(),
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self._optimizer_options = dict(
             compression=compression, op=op, gradient_predivide_factor=gradient_predivide_factor,
-            sparse_as_dense=sparse_as_dense, gradient_as_bucket_view=gradient_as_bucket_view,
-            process_set=process_set)
+            sparse_as_dense=sparse_as_dense, gradient_as_bucket_view=gradient_as_bucket_view)
         self._backward_passes = backward_passes_per_step
         self._stepping: Optional[torch.optim.Optimizer] = None   # inside optimizer_step
 
