@@ -80,11 +80,16 @@ class ProcessSet:
     __repr__ = __str__
 
 
+_MAIN_THREAD = threading.main_thread().ident
+
+
 def thread_key() -> str:
     """What tells this thread's automatic names from other threads': nothing for the main
-    thread, else its name and a dot."""
-    thread = threading.current_thread()
-    return "" if thread is threading.main_thread() else f"{thread.name}."
+    thread, else its name and a dot. (Asked on every small allreduce: the identity check
+    first, which costs a tenth of current_thread().)"""
+    if threading.get_ident() == _MAIN_THREAD:
+        return ""
+    return f"{threading.current_thread().name}."
 
 
 global_process_set = ProcessSet([])
