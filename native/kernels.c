@@ -72,28 +72,21 @@ static inline uint16_t f32_to_f16(float f) {
     return sign | (uint16_t)(a >> 13);
 }
 
-static int has_f16c(void) {
-#ifdef RR_X86
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
-    }
-    return known;
-#else
-    return 0;
-#endif
-}
+/* What the CPU can run, checked once at run time (the build needs no special flags). */
+enum { CPU_AVX = 1, CPU_AVX2 = 2, CPU_F16C = 4 };
 
-static int has_avx2(void) {
+static int cpu_has(int features) {
 #ifdef RR_X86
     static int known = -1;
     if (known < 0) {
         __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx2");
+        known = (__builtin_cpu_supports("avx") ? CPU_AVX : 0) |
+                (__builtin_cpu_supports("avx2") ? CPU_AVX2 : 0) |
+                (__builtin_cpu_supports("f16c") ? CPU_F16C : 0);
     }
-    return known;
+    return (known & features) == features;
 #else
+    (void)features;
     return 0;
 #endif
 }
@@ -168,7 +161,7 @@ static void sum_bf16(const uint16_t *a, const uint16_t *b, uint16_t *out, size_t
                      float divisor, float scale) {
     size_t i = 0;
 #ifdef RR_X86
-    if (has_avx2()) i = sum_bf16_avx2(a, b, out, n, divisor, scale);
+    if (cpu_has(CPU_AVX2)) i = sum_bf16_avx2(a, b, out, n, divisor, scale);
 #endif
     for (; i < n; i++)
         out[i] = f32_to_bf16(finish_f32(bf16_to_f32(a[i]) + bf16_to_f32(b[i]), divisor, scale));
@@ -179,7 +172,7 @@ static void sum_f16(const uint16_t *a, const uint16_t *b, uint16_t *out, size_t 
                     float divisor, float scale) {
     size_t i = 0;
 #ifdef RR_X86
-    if (has_f16c()) i = sum_f16_f16c(a, b, out, n, divisor, scale);
+    if (cpu_has(CPU_F16C | CPU_AVX)) i = sum_f16_f16c(a, b, out, n, divisor, scale);
 #endif
     for (; i < n; i++)
         out[i] = f32_to_f16(finish_f32(f16_to_f32(a[i]) + f16_to_f32(b[i]), divisor, scale));
@@ -339,21 +332,13 @@ static size_t copy_stream_avx(char *dst, const char *src, size_t bytes) {
     return i;
 }
 
-static int has_avx(void) {
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx");
-    }
-    return known;
-}
 #endif
 
 void rr_copy_stream(void *dst, const void *src, size_t bytes) {
     char *d = dst;
     const char *s = src;
 #ifdef RR_X86
-    if (bytes >= RR_STREAM_MIN && has_avx()) {
+    if (bytes >= RR_STREAM_MIN && cpu_has(CPU_AVX)) {
         size_t head = (32 - (uintptr_t)d % 32) % 32;
         memcpy(d, s, head);
         size_t done = head + copy_stream_avx(d + head, s + head, bytes - head);
@@ -396,7 +381,7 @@ static size_t f16_to_f32_f16c(const uint16_t *in, float *out, size_t n) {
 void rr_f32_to_f16(const float *in, uint16_t *out, size_t n) {
     size_t i = 0;
 #ifdef RR_X86
-    if (has_f16c()) i = f32_to_f16_f16c(in, out, n);
+    if (cpu_has(CPU_F16C | CPU_AVX)) i = f32_to_f16_f16c(in, out, n);
 #endif
     for (; i < n; i++) out[i] = f32_to_f16(in[i]);
 }
@@ -404,7 +389,7 @@ void rr_f32_to_f16(const float *in, uint16_t *out, size_t n) {
 void rr_f16_to_f32(const uint16_t *in, float *out, size_t n) {
     size_t i = 0;
 #ifdef RR_X86
-    if (has_f16c()) i = f16_to_f32_f16c(in, out, n);
+    if (cpu_has(CPU_F16C | CPU_AVX)) i = f16_to_f32_f16c(in, out, n);
 #endif
     for (; i < n; i++) out[i] = f16_to_f32(in[i]);
 }

@@ -45,8 +45,8 @@ DOT, LOWER_SQ, UPPER_SQ = 0, 1, 2    # columns of the per-tensor sums
 
 
 def why_unsupported(size: int, dtype: torch.dtype) -> Optional[str]:
-    """Why Adasum cannot run over `size` ranks on `dtype`, or None when it can. Callers ask
-    before any traffic, so that every rank refuses alike."""
+    """Why Adasum cannot run over `size` ranks on `dtype`, or None when it can: the reason
+    `check_supported` raises with, without raising."""
     problem = _problem(size, dtype)
     return None if problem is None else problem[1]
 

@@ -28,7 +28,7 @@ def _parse_bool_or_auto(text: str) -> Union[bool, str]:
     return "auto" if text.strip().lower() == "auto" else _parse_bool(text)
 
 
-def _parse_bytes(text: str) -> int:
+def parse_bytes(text: str) -> int:
     """Integer byte counts, with optional K/M/G suffix (powers of 1024)."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
@@ -45,15 +45,16 @@ def _setting(default: Any, parse: Callable[[str], Any], doc: str, horovod: str =
 @dataclass(frozen=True)
 class Settings:
     small_message_bytes: int = _setting(
-        64 << 10, _parse_bytes,
-        "allreduce payloads up to this size use the latency-optimal gather-and-reduce path "
-        "instead of the bandwidth-optimal ring (over MPI)")
+        64 << 10, parse_bytes,
+        "allreduce payloads up to this size use the latency-optimal ways instead of the "
+        "bandwidth-optimal ring: the gather-and-reduce path over MPI, or between nodes the "
+        "recursive doubling that carries the signature with the data")
     shared_small_bytes: int = _setting(
-        512 << 10, _parse_bytes,
+        512 << 10, parse_bytes,
         "shared-memory allreduce: payloads up to this size go through one slot per rank that "
         "every rank reduces, instead of block by block")
     segment_bytes: int = _setting(
-        1 << 20, _parse_bytes,
+        1 << 20, parse_bytes,
         "the ring sends each chunk in segments of this size so that receiving the next segment "
         "overlaps reducing the current one")
     shared_memory: bool = _setting(
@@ -61,14 +62,14 @@ class Settings:
         "ranks on one node allreduce through an MPI-3 shared-memory window (the ring over MPI "
         "then only runs between nodes); 0 = always the ring over MPI")
     block_bytes: int = _setting(
-        1 << 20, _parse_bytes,
+        1 << 20, parse_bytes,
         "shared-memory allreduce of a large buffer: bytes per block, small enough for the "
         "staging areas to stay in cache")
     fusion_threshold: int = _setting(
-        16 << 20, _parse_bytes, "DistributedOptimizer: the byte cap of one gradient bucket",
+        16 << 20, parse_bytes, "DistributedOptimizer: the byte cap of one gradient bucket",
         horovod="HOROVOD_FUSION_THRESHOLD")
     first_bucket_bytes: int = _setting(
-        1 << 20, _parse_bytes,
+        1 << 20, parse_bytes,
         "DistributedOptimizer: the cap of the first bucket, small so communication starts early "
         "in backward")
     simulated_nodes: int = _setting(

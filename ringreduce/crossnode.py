@@ -45,7 +45,6 @@ class BetweenNodes:
         has room for it: a member that sends headers only cannot know what others send)."""
         MPI = self.MPI = mpi()
         self.cross, self.node, self.watch = cross, node, watch
-        self.local_size = local.size
         # Which set rank each (cross rank, local rank) is, as this rank's cross communicator
         # orders the nodes: every member tells its node (its node's first set rank), its local
         # rank and its cross rank.
@@ -60,7 +59,6 @@ class BetweenNodes:
         # round's headers are written just before it, so a message is one contiguous piece
         # and the data is reduced where it is sent from.
         self.gathered = np.zeros((cross.size, local.size, 2), dtype=np.int64)
-        self.own = np.zeros((1, 2), dtype=np.int64)
         room = self.room = cross.size // 2 * local.size * HEADER.itemsize
         self.outgoing = np.zeros(room + max(most_data, 64), dtype=np.uint8)
         self.incoming = np.zeros(room + max(most_data, 64), dtype=np.uint8)
@@ -85,8 +83,11 @@ class BetweenNodes:
 
     def headers(self, digest: int, per_rank: int) -> tuple[np.ndarray, np.ndarray]:
         """Every member's digest and per-rank word, indexed by set rank."""
-        gathered, _ = self.run(self._node_headers(digest, per_rank), None)
-        return self._by_set_rank(gathered)
+        if self.node is None:
+            self._node_block(digest, per_rank)
+        else:
+            self._node_block(*self.node.exchange_headers(digest, per_rank))
+        return self._by_set_rank(self.run(None))
 
     def allreduce(self, nbytes: int, count: int, dtype: int, op: int,
                   digest: int) -> Optional[np.ndarray]:
@@ -94,26 +95,24 @@ class BetweenNodes:
         yet divided or scaled) across the set in place: on the node through its slots, then
         between nodes. None when every member's digest agrees (so every member sent its data
         and `data` holds the whole result); else every member's digest, by set rank."""
-        if self.node is not None:
+        reduced = True
+        if self.node is None:
+            self._node_block(digest, 0)
+        else:
             reduced = self.node.small(self.data_address, self.data_address, nbytes, count,
                                       dtype, op, 1.0, 1.0, digest)
-            digests, per_rank = self.node.last_headers()
-            block = np.stack([digests, per_rank], axis=1)
-        else:
-            reduced, block = True, self.own
-            block[0, 0], block[0, 1] = digest, 0
-        gathered, _ = self.run(block, (nbytes, count, dtype, op) if reduced else None)
+            self._node_block(*self.node.last_headers())
+        gathered = self.run((nbytes, count, dtype, op) if reduced else None)
         every = gathered.ravel()[::2].tolist()     # the digests (each header's first word)
         if every.count(every[0]) == len(every):
             return None
         return self._by_set_rank(gathered)[0]
 
-    def _node_headers(self, digest: int, per_rank: int) -> np.ndarray:
-        if self.node is None:
-            self.own[0, 0], self.own[0, 1] = digest, per_rank
-            return self.own
-        digests, values = self.node.exchange_headers(digest, per_rank)
-        return np.stack([digests, values], axis=1)
+    def _node_block(self, digests: Any, per_rank: Any) -> None:
+        """This node's headers (its local ranks' digests and per-rank words), where the
+        exchange between nodes starts from."""
+        mine = self.gathered[self.cross.rank]
+        mine[:, 0], mine[:, 1] = digests, per_rank
 
     def _by_set_rank(self, gathered: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         flat = gathered.reshape(-1, 2)
@@ -123,14 +122,12 @@ class BetweenNodes:
         digests[self.order], values[self.order] = flat[:, 0], flat[:, 1]
         return digests, values
 
-    def run(self, block: np.ndarray,
-            reduction: Optional[tuple[int, int, int, int]]) -> tuple[np.ndarray, bool]:
-        """Recursive doubling: `block` (local size x 2) is this node's headers; `reduction`,
-        if given, is (bytes, count, dtype code, op) of `data` to reduce in place. Returns the
-        headers of every node (nodes x local size x 2, by cross rank) and whether every
-        message carried data."""
+    def run(self, reduction: Optional[tuple[int, int, int, int]]) -> np.ndarray:
+        """Recursive doubling from this node's headers (`_node_block`); `reduction`, if given,
+        is (bytes, count, dtype code, op) of `data` to reduce in place (until a message comes
+        without data: its sender's digest tells why). Returns the headers of every node
+        (nodes x local size x 2, by cross rank)."""
         MPI, cross = self.MPI, self.cross
-        self.gathered[cross.rank] = block
         complete = reduction is not None
         nbytes = reduction[0] if reduction is not None else 0
         for k, (partner, lower, size, ours, headers, arriving, theirs) in \
@@ -148,7 +145,7 @@ class BetweenNodes:
             theirs[...] = arriving
             if reduction is not None:
                 if self.statuses[0].Get_count(MPI.BYTE) - size != nbytes:
-                    complete = False          # a member without data: its digest says why
+                    complete = False
                 elif complete:
                     _, count, dtype, op = reduction
                     other = self.incoming_address + size
@@ -156,4 +153,4 @@ class BetweenNodes:
                                      else (other, self.data_address))
                     _native.combine(dtype, op, first, second, self.data_address, count, False,
                                     1.0, 1.0)
-        return self.gathered, complete
+        return self.gathered

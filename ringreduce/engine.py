@@ -78,11 +78,15 @@ class Engine:
 
     def submit(self, name: str, work: Callable[[], Any]) -> Handle:
         """Queue `work` to run after everything submitted before it; returns its handle."""
-        handle = Handle(name, work)
         with self._cv:
-            self._claim_name(name)
-            self._queue.append(handle)
-            self._cv.notify_all()
+            return self._enqueue(name, work)
+
+    def _enqueue(self, name: str, work: Callable[[], Any]) -> Handle:
+        """Under the lock: queue `work` and wake the engine thread."""
+        handle = Handle(name, work)
+        self._claim_name(name)
+        self._queue.append(handle)
+        self._cv.notify_all()
         return handle
 
     def run(self, name: str, work: Callable[[], Any]) -> Any:
@@ -93,10 +97,7 @@ class Engine:
                 self._busy = True
                 handle = None
             else:
-                handle = Handle(name, work)
-                self._claim_name(name)
-                self._queue.append(handle)
-                self._cv.notify_all()
+                handle = self._enqueue(name, work)
         if handle is not None:
             return handle.wait()
         try:

@@ -22,11 +22,12 @@ class Bucket:
     views: list[torch.Tensor]            # buffer slices shaped like each parameter
     signature: dict = field(default_factory=dict)   # how ranks recognise its allreduce
     direct: bool = False                 # see `gradient`: no buffer, no pack and unpack
-    prefix: str = ""                     # tells one optimizer's buckets from another's
 
     @property
     def name(self) -> str:
-        return f"{self.prefix}bucket.{self.index}"
+        """'<prefix>bucket.<index>', the prefix telling one optimizer's buckets from
+        another's: the name in the signature."""
+        return self.signature["name"]
 
     @property
     def nbytes(self) -> int:
@@ -114,10 +115,10 @@ def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire, pref
     params = [p for _, p in members]
     if direct and len(members) == 1 and device.type == "cpu" and dtype == params[0].dtype:
         return Bucket(index, names, params, torch.empty(0, dtype=dtype), [], signature,
-                      direct=True, prefix=prefix)
+                      direct=True)
     buffer = torch.zeros(total, dtype=dtype, device=device)
     views, offset = [], 0
     for p in params:
         views.append(buffer[offset:offset + p.numel()].view(p.shape))
         offset += p.numel()
-    return Bucket(index, names, params, buffer, views, signature, prefix=prefix)
+    return Bucket(index, names, params, buffer, views, signature)

@@ -1,4 +1,4 @@
-"""`RingReduceStrategy`: ringreduce under PyTorch Lightning 2.x, as `Trainer(strategy="ringreduce")`.
+"""`RingReduceStrategy`: ringreduce under PyTorch Lightning 2.x, `Trainer(strategy="ringreduce")`.
 
 Lightning 2 dropped its Horovod strategy; this is its successor on our collectives. Launch with
 `mpiexec -n N python train.py`, one process per device. Importing this module registers the

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from . import adasum, cuda, fusion, timeline
-from .collectives import Adasum, Average, Max, Sum, _op, sparse_allreduce_async
+from .collectives import Adasum, Average, Max, Sum, _op, _submit, sparse_allreduce_async
 from .compression import Compression, Compressor
 from .engine import Handle
 from .errors import UnsupportedError, UsageError
@@ -122,6 +122,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._planned_sparse = frozenset(self._sparse)
         self._position = {id(p): i for i, (_, p) in enumerate(dense)}
         self._present = torch.zeros(len(dense), dtype=torch.uint8)
+        self._present_marks = self._present.numpy()     # element writes: NumPy's are cheap
+        self._counts_presence = not self._views and not self._adasum and len(dense) > 0
         presence = {"collective": "allreduce", "name": f"{self._prefix}presence",
                     "parameters": tuple(n for n, _ in dense)}
         self._presence_spec = ReduceSpec(torch.uint8, Max, digest=digest(presence),
@@ -233,7 +235,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 force or self._waiting[self._next_bucket] == 0):
             bucket = self._buckets[self._next_bucket]
             self._trace_waiting(bucket)
-            self._mark_present(bucket)
+            if self._counts_presence:
+                self._mark_present(bucket)
             ready = None   # GPU: an event on torch's stream, after which the bucket is packed
             gradient = None
             with timeline.span(bucket.name, "pack"):
@@ -241,9 +244,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     gradient = self._direct_gradient(bucket)
                 else:
                     ready = self._pack(bucket)
-            self._handles.append(self._set.engine.submit(
-                bucket.name, self._reduce_work(bucket, ready, gradient)))
-            timeline.record(bucket.name, "submitted")
+            self._handles.append(_submit(
+                (self._set, bucket.name, self._reduce_work(bucket, ready, gradient))))
             self._next_bucket += 1
 
     def _pack(self, bucket: fusion.Bucket) -> Any:
@@ -306,7 +308,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                               self._reduction[0], self._process_set))
                    for n, p in sparse]
         presence = None
-        if not self._views and not self._adasum and len(self._present):
+        if self._counts_presence:
             presence = self._set.engine.submit(f"{self._prefix}presence", lambda: (
                 self._set.transport.allreduce(self._present, self._present,
                                               self._presence_spec)))
@@ -328,7 +330,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         accumulation), or zeros kept by zero_grad(set_to_none=False)."""
         for p in bucket.params:
             if p.grad is not None:
-                self._present[self._position[id(p)]] = 1
+                self._present_marks[self._position[id(p)]] = 1
 
     def _forget_gradients_nobody_had(self) -> None:
         """A parameter no rank had a gradient for keeps `.grad` None, as in one process (zeros
@@ -472,8 +474,9 @@ class _AdasumOptimizer:
         start = self._start[id(p)]
         start.copy_(p.detach())
         params = [group["params"] for group in self.param_groups]
-        for group in self.param_groups:
-            group["params"] = [q for q in group["params"] if q is p]
+        mine = self._group_of[id(p)]
+        for k, group in enumerate(self.param_groups):
+            group["params"] = [p] if k == mine else []
         try:
             self._step_wrapped()
         finally:
@@ -487,6 +490,8 @@ class _AdasumOptimizer:
     def _plan(self) -> None:
         _DistributedOptimizer._plan(self)
         self._start = {id(p): torch.empty_like(p) for b in self._buckets for p in b.params}
+        self._group_of = {id(p): k for k, group in enumerate(self.param_groups)
+                          for p in group["params"]}
 
     def _reset_step(self) -> None:
         _DistributedOptimizer._reset_step(self)
@@ -513,7 +518,7 @@ class _AdasumOptimizer:
         with torch.no_grad():
             for bucket in self._buckets:
                 for p, delta in zip(bucket.params, bucket.views):
-                    p.copy_(self._start[id(p)] + delta)
+                    p.copy_(self._start[id(p)]).add_(delta)
         self._finish_step()
         return loss
 
@@ -572,7 +577,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     # both objects share param_groups and state, so it steps this one's parameters alike.
     shadowing = {name: wrapped.__dict__.pop(name) for name in methods if name in wrapped.__dict__}
     wrapped._plain_step = shadowing.get("step")
-    wrapped._plain = optimizer if wrapped._plain_step is not None else None  # the step's target
+    # torch's patched step holds its optimizer weakly: keep the plain one alive for it.
+    wrapped._plain = optimizer if wrapped._plain_step is not None else None
     wrapped._setup(named_parameters, compression, backward_passes_per_step, op,
                    gradient_predivide_factor, groups if groups is not None or not num_groups
                    else num_groups, sparse_as_dense, gradient_as_bucket_view, fusion_threshold,

@@ -335,10 +335,10 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
     if ps.process_set_id is not None:
         raise ValueError(f"ringreduce: add_process_set(): {ps} is registered already")
     if ps.ranks is not None:
-        ranks = _checked_ranks(ps.ranks, job, "add_process_set()")
-        if _existing(job, ranks) is not None:
+        existing = _existing(job, _checked_ranks(ps.ranks, job, "add_process_set()"))
+        if existing is not None:
             raise ValueError(f"ringreduce: attempted to add a duplicate process set: {ps} has "
-                             f"the ranks of process set {_existing(job, ranks)}")
+                             f"the ranks of process set {existing}")
     _register(job, [ps], "add_process_set")
     return ps
 

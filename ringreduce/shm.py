@@ -28,7 +28,7 @@ class NodeWindow:
                  watch: StallWatch) -> None:
         MPI = mpi()
         slot_bytes, block_bytes, segment_bytes = _native.node_layout(small_bytes, block_bytes)
-        self.local, self.watch, self.small_bytes = local, watch, small_bytes
+        self.watch, self.small_bytes = watch, small_bytes
         self.win = MPI.Win.Allocate_shared(segment_bytes, disp_unit=1, comm=local)
         self.win.Lock_all(MPI.MODE_NOCHECK)   # one long epoch: C orders its accesses itself
         bases = [np.frombuffer(self.win.Shared_query(r)[0], dtype=np.uint8).ctypes.data

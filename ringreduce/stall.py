@@ -136,7 +136,7 @@ class StallWatch:
         if self.board is not None:
             self.board.publish(_JOINED_COUNT if joined else self.begun)
 
-    def begin(self, description: Any) -> int:
+    def begin(self, description: Any) -> None:
         """Count one more collective begun on this rank, and remember what it was (a callable
         making its name, or an object whose str() is: formatted only if a stall is reported).
         ShutDownError when a member has left: the collective could never complete."""
@@ -146,7 +146,6 @@ class StallWatch:
             self.board.publish(self.begun)
         if self.departures.gone:
             raise ShutDownError(self._departed(self.departures.gone))
-        return self.begun
 
     def wait(self, done: Callable[[], bool]) -> None:
         """Wait until `done()` without hogging the core; report stalls every interval while

@@ -30,7 +30,7 @@ import re
 import contextlib
 import threading
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, ContextManager, Iterator, Optional
 
 FLUSH_EVENTS = 1000
 FLUSH_SECONDS = 1.0
@@ -150,13 +150,18 @@ def record(name: str, phase: str) -> None:
         timeline.instant(name, phase)
 
 
-@contextlib.contextmanager
-def span(name: str, phase: str) -> Iterator[None]:
-    """Time a phase of a collective (pack, allreduce, unpack ...) while a timeline runs."""
+_NOTHING = contextlib.nullcontext()
+
+
+def span(name: str, phase: str) -> ContextManager[None]:
+    """Time a phase of a collective (pack, allreduce, unpack ...) while a timeline runs; with
+    none running, a shared do-nothing context (this is on every bucket's path)."""
     timeline = _current
-    if timeline is None:
-        yield
-        return
+    return _NOTHING if timeline is None else _timed(timeline, name, phase)
+
+
+@contextlib.contextmanager
+def _timed(timeline: Any, name: str, phase: str) -> Iterator[None]:
     start = time.perf_counter()
     try:
         yield

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Sequence, Union
 
 import torch
 
-from . import timeline
+from . import ring, timeline
 from .config import Settings, ignored_horovod_variables
 from .cuda import resolve_cuda_aware
 from .errors import RingReduceError
@@ -175,9 +175,7 @@ def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
 def split_list(items: Sequence[Any], parts: int) -> list:
     """Horovod's helper: `items` cut into `parts` consecutive pieces whose lengths differ by at
     most one, longer ones first."""
-    base, extra = divmod(len(items), parts)
-    bounds = [i * base + min(i, extra) for i in range(parts + 1)]
-    return [items[bounds[i]:bounds[i + 1]] for i in range(parts)]
+    return [items[lo:hi] for lo, hi in ring.chunk_bounds(ring.balanced_counts(len(items), parts))]
 
 
 def check_extension(ext_name: str, ext_env_var: str, pkg_path: str, *args: Any) -> None:

@@ -50,7 +50,6 @@ The environment is left alone (e.g. OMP_NUM_THREADS); torch.get_num_threads() is
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import numpy as np
@@ -58,12 +57,14 @@ import torch
 
 import ringreduce as hvd  # before mpi4py.MPI, so MPI starts with the thread level ringreduce needs
 from ringreduce import _native
+from ringreduce.config import parse_bytes
 from ringreduce.process_sets import active, global_process_set
 
 hvd.init()
 from mpi4py import MPI  # noqa: E402
 
-from bench_common import init_gloo, metadata as common_metadata, write_results  # noqa: E402
+from bench_common import (init_gloo, metadata as common_metadata, slowest,  # noqa: E402
+                          time_it, write_results)
 
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
@@ -76,12 +77,6 @@ PAIR = hvd.add_process_set([0, 1]) if NRANKS >= 3 else None    # a 2-rank set in
 PAIR_COMM = COMM.Split(0 if RANK < 2 else MPI.UNDEFINED, RANK)  # its members, for barriers
 
 
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("B")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
-
-
 def size_label(nbytes: int) -> str:
     for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if nbytes >= scale and nbytes % scale == 0:
@@ -92,23 +87,6 @@ def size_label(nbytes: int) -> str:
 def default_iters(nbytes: int) -> int:
     """About 1 GiB of payload per measurement: 100 calls for small sizes, 5 for 256M."""
     return max(5, min(100, (1 << 30) // nbytes))
-
-
-def time_it(fn, iters: int, barrier=COMM.Barrier) -> float:
-    """Warm up, then the median over `iters` of one call's time, each call after a barrier."""
-    for _ in range(max(1, min(5, iters // 5))):
-        fn()
-    times = []
-    for _ in range(iters):
-        barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def slowest(seconds: float) -> float:
-    return COMM.allreduce(seconds, op=MPI.MAX)
 
 
 # In-place methods reduce zeros, so repeated sums neither overflow nor change the data.
@@ -131,10 +109,8 @@ def bench_bucket(nbytes: int, dtype: torch.dtype, iters: int) -> float:
         hvd.allreduce_async_(t, op=hvd.Sum, name="bench.bucket")), iters))
 
 
-def bench_set(nbytes: int, dtype: torch.dtype, iters: int) -> float | None:
+def bench_set(nbytes: int, dtype: torch.dtype, iters: int) -> float:
     """In place on the set {0, 1}; the other ranks wait in a barrier that sleeps."""
-    if PAIR is None:
-        return None
     seconds = 0.0
     if RANK in PAIR.ranks:
         t = torch.zeros(nbytes // dtype.itemsize, dtype=dtype)
@@ -160,8 +136,8 @@ def bench_mpi(nbytes: int, dtype: torch.dtype, iters: int) -> float | None:
 
 def bench_mpi_cross(nbytes: int, dtype: torch.dtype, iters: int) -> float | None:
     """MPI's Allreduce of SIZE bytes on the cross communicator (every one at once)."""
-    if dtype == torch.bfloat16 or CROSS is None:
-        return None
+    if dtype == torch.bfloat16:
+        return None  # MPI has no bfloat16 type to sum
     send = np.ones(nbytes // 4, dtype=np.float32)
     recv = np.empty_like(send)
     return slowest(time_it(lambda: CROSS.Allreduce(send, recv, op=MPI.SUM), iters))
@@ -309,7 +285,7 @@ def main() -> None:
                         help="after each size and dtype: the in-place allreduce's time per "
                              "phase on this node (sizes above the small-message switch, 512K)")
     args = parser.parse_args()
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    sizes = [parse_bytes(s) for s in args.sizes.split(",")]
     dtypes = args.dtypes.split(",")
     if unknown := set(dtypes) - set(DTYPES):
         parser.error(f"unknown dtype(s) {sorted(unknown)}; choose from {sorted(DTYPES)}")

@@ -12,22 +12,23 @@ Both are hierarchical allreduces of SIZE bytes per rank, built from ringreduce's
               a broadcast on the node
     mpi       MPI's Allreduce on the whole job;  mpi_x  MPI's Allreduce between nodes only (the
               ranks with the same local rank), of the whole SIZE
-Timing as bench_allreduce.py: a barrier before each call, the slowest rank's median; algbw =
-SIZE / time.
+Timing as bench_allreduce.py (bench_common.py): a barrier before each call, the slowest rank's
+median; algbw = SIZE / time.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 import torch
 
 import ringreduce as hvd  # before mpi4py.MPI, for the thread level
+from ringreduce.config import parse_bytes
 
 hvd.init()
 from mpi4py import MPI  # noqa: E402
+
+from bench_common import slowest, time_it  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 NODES = hvd.cross_size()
@@ -37,23 +38,6 @@ NODE_SETS = [hvd.add_process_set([r for r, (node, _) in enumerate(WHERE) if node
 LEADERS = hvd.add_process_set([r for r, (_, local) in enumerate(WHERE) if local == 0])
 MY_NODE = NODE_SETS[hvd.cross_rank()]
 CROSS = COMM.Split(hvd.local_rank(), hvd.rank())
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
-
-
-def timed(fn, iters: int) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        COMM.Barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return COMM.allreduce(statistics.median(times), op=MPI.MAX)
 
 
 def leaders(t: torch.Tensor) -> None:
@@ -76,14 +60,14 @@ def main() -> None:
               "(SIZE / time), time = slowest rank's median")
         print(f"{'size':>6} {'every':>8} {'leaders':>8} {'mpi':>8} {'mpi_x':>8}")
     for text in args.sizes.split(","):
-        nbytes = parse_size(text)
+        nbytes = parse_bytes(text)
         iters = args.iters or max(3, min(50, (256 << 20) // nbytes))
         t = torch.zeros(nbytes // 4)
         send, recv = np.zeros(nbytes // 4, np.float32), np.zeros(nbytes // 4, np.float32)
-        times = {"every": timed(lambda: hvd.allreduce_(t, op=hvd.Sum), iters),
-                 "leaders": timed(lambda: leaders(t), iters),
-                 "mpi": timed(lambda: COMM.Allreduce(send, recv, op=MPI.SUM), iters),
-                 "mpi_x": timed(lambda: CROSS.Allreduce(send, recv, op=MPI.SUM), iters)}
+        calls = {"every": lambda: hvd.allreduce_(t, op=hvd.Sum), "leaders": lambda: leaders(t),
+                 "mpi": lambda: COMM.Allreduce(send, recv, op=MPI.SUM),
+                 "mpi_x": lambda: CROSS.Allreduce(send, recv, op=MPI.SUM)}
+        times = {name: slowest(time_it(call, iters)) for name, call in calls.items()}
         if hvd.rank() == 0:
             print(f"{text:>6} " + " ".join(f"{nbytes / s / 1e9:8.3f}" for s in times.values()),
                   flush=True)

@@ -4,9 +4,29 @@ import datetime
 import json
 import os
 import socket
+import statistics
 import sys
+import time
 
 from mpi4py import MPI
+
+
+def time_it(fn, iters: int, barrier=MPI.COMM_WORLD.Barrier) -> float:
+    """Warm up, then the median over `iters` of one call's time, each call after a barrier."""
+    for _ in range(max(1, min(5, iters // 5))):
+        fn()
+    times = []
+    for _ in range(iters):
+        barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def slowest(seconds: float, comm=MPI.COMM_WORLD) -> float:
+    """The slowest rank's time: what a collective costs the job."""
+    return comm.allreduce(seconds, op=MPI.MAX)
 
 
 def init_gloo(comm=MPI.COMM_WORLD) -> None:

@@ -36,6 +36,8 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
+from ringreduce.config import parse_bytes
+
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 
 
@@ -109,13 +111,6 @@ ALGORITHMS = {"hierarchical": hierarchical, "pipelined": hierarchical_pipelined,
               "flat ring": flat_ring, "tree": tree}
 NODES = [2 ** k for k in range(1, 11)]                    # 2 .. 1024
 SIZES = [4 * KIB * 4 ** k for k in range(10)]             # 4 KiB .. 1 GiB
-
-
-def parse_bytes(text: str) -> int:
-    """'64K', '1M', '2G' or a number of bytes."""
-    text = text.strip().upper().removesuffix("B")
-    scale = {"K": KIB, "M": MIB, "G": GIB}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
 def label(size: int) -> str:

@@ -52,7 +52,7 @@ def test_open_mpi_np_and_hosts(openmpi_python, hosts):
 
 def test_exit_status_passes_through():
     result = launch(sys.executable, "-np", "2", sys.executable, CHECK, env={"EXIT_WITH": "3"})
-    assert result.returncode != 0
+    assert result.returncode == 3, (result.returncode, result.stderr[-2000:])
 
 
 def test_check_build():
@@ -114,11 +114,13 @@ def test_sigterm_to_the_launcher_stops_the_job():
                              str(WORKERS / "reliability_check.py"), "stoppable"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
+    started = False
     try:
         watchdog = threading.Timer(60, lambda: os.killpg(proc.pid, signal.SIGKILL))
         watchdog.start()            # the readline loop below ends by then whatever happens
         for line in proc.stdout:
             if line.startswith("PID rank 1"):
+                started = True
                 break
         watchdog.cancel()
         proc.terminate()
@@ -127,5 +129,6 @@ def test_sigterm_to_the_launcher_stops_the_job():
         with contextlib.suppress(ProcessLookupError):   # the group: mpiexec and ranks too
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+    assert started, "the job never started its ranks"
     assert proc.returncode not in (0, -signal.SIGKILL), proc.returncode
     assert "OK rank" not in proc.stdout.read()

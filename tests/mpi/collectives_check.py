@@ -9,6 +9,7 @@ import torch
 from mpi4py import MPI
 
 import ringreduce as hvd
+from checks import check_equal
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -49,12 +50,6 @@ def same_on_every_rank(t, what):
     raw = t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
     everyone = world.allgather(raw)
     assert all(b == everyone[0] for b in everyone), f"{what}: results differ across ranks"
-
-
-def check_equal(got, want, what):
-    assert got.dtype == want.dtype and got.shape == want.shape, \
-        f"{what}: got {got.dtype}{tuple(got.shape)}, want {want.dtype}{tuple(want.shape)}"
-    assert torch.equal(got, want), f"{what}: got {got[:8]} want {want[:8]}"
 
 
 def check_allreduce():

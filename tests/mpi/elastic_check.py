@@ -20,10 +20,7 @@ from mpi4py import MPI
 from torch.utils.data import DataLoader, TensorDataset
 
 import ringreduce as hvd
-
-elastic = getattr(hvd, "elastic", None)
-if elastic is None:                      # until ringreduce/__init__.py exports it
-    from ringreduce import elastic
+from ringreduce import elastic
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()

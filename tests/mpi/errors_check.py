@@ -3,6 +3,7 @@ hangs, inputs are untouched, and the job is still usable afterwards."""
 import torch
 
 import ringreduce as hvd
+from checks import expect
 
 try:
     hvd.allreduce(torch.ones(3))
@@ -18,17 +19,6 @@ except hvd.NotInitializedError:
 hvd.init()
 hvd.init()  # idempotent
 r, n = hvd.rank(), hvd.size()
-
-
-def expect(error_type, fragments, fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except error_type as e:
-        text = str(e)
-        for fragment in fragments:
-            assert fragment in text, f"{fragment!r} not in error: {text}"
-        return text
-    raise AssertionError(f"{fn.__name__} did not raise {error_type.__name__}")
 
 
 here = f"rank {r}"

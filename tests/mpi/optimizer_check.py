@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import ringreduce as hvd
+from checks import expect
 from models import Net
 from ringreduce import timeline
 
@@ -158,15 +159,6 @@ def check_unused_and_frozen():
     assert torch.equal(model["sometimes"].weight, torch.full((1, 4), want_sometimes))
     assert torch.equal(model["frozen"].weight, torch.zeros(1, 4))
     params_equal_across_ranks(model, "unused/frozen")
-
-
-def expect(error, fragment, fn):
-    try:
-        fn()
-    except error as e:
-        assert fragment in str(e), f"{fragment!r} not in {e}"
-        return
-    raise AssertionError(f"no {error.__name__} ({fragment})")
 
 
 def check_errors():

@@ -12,25 +12,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ringreduce as hvd
+from checks import check_equal, expect
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
 power_of_two = n & (n - 1) == 0
-
-
-def check_equal(got, want, what):
-    assert got.dtype == want.dtype and got.shape == want.shape, \
-        f"{what}: got {got.dtype}{tuple(got.shape)}, want {want.dtype}{tuple(want.shape)}"
-    assert torch.equal(got, want), f"{what}: got {got.reshape(-1)[:6]} want {want.reshape(-1)[:6]}"
-
-
-def expect(error, fragment, fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except error as e:
-        assert fragment in str(e), f"{fragment!r} not in {e}"
-        return
-    raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise {error.__name__}")
 
 
 def check_grouped_allgather_and_reducescatter():

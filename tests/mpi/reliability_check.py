@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 import ringreduce as hvd
+from checks import expect
 
 mode = sys.argv[1]
 hvd.init()
@@ -163,15 +164,6 @@ def optimizer():
         raise AssertionError("wrapping twice did not raise")
     except ValueError as e:
         assert "DistributedOptimizer already" in str(e), e
-
-
-def expect(error, fragment, fn):
-    try:
-        fn()
-    except error as e:
-        assert fragment in str(e), f"{fragment!r} not in {e}"
-        return str(e)
-    raise AssertionError(f"no {error.__name__} ({fragment})")
 
 
 def checkpoint():
