@@ -126,21 +126,17 @@ def sleeping_barrier() -> None:
         time.sleep(0.001)
 
 
-def bench_mpi(nbytes: int, dtype: torch.dtype, iters: int) -> float | None:
-    if dtype == torch.bfloat16:
-        return None  # MPI has no bfloat16 type to sum
-    send = np.ones(nbytes // 4, dtype=np.float32)
-    recv = np.empty_like(send)
-    return slowest(time_it(lambda: COMM.Allreduce(send, recv, op=MPI.SUM), iters))
+def mpi_allreduce(comm):
+    """MPI's own Allreduce of SIZE bytes on `comm` (every rank's at once)."""
 
+    def bench(nbytes: int, dtype: torch.dtype, iters: int) -> float | None:
+        if dtype == torch.bfloat16:
+            return None  # MPI has no bfloat16 type to sum
+        send = np.ones(nbytes // 4, dtype=np.float32)
+        recv = np.empty_like(send)
+        return slowest(time_it(lambda: comm.Allreduce(send, recv, op=MPI.SUM), iters))
 
-def bench_mpi_cross(nbytes: int, dtype: torch.dtype, iters: int) -> float | None:
-    """MPI's Allreduce of SIZE bytes on the cross communicator (every one at once)."""
-    if dtype == torch.bfloat16:
-        return None  # MPI has no bfloat16 type to sum
-    send = np.ones(nbytes // 4, dtype=np.float32)
-    recv = np.empty_like(send)
-    return slowest(time_it(lambda: CROSS.Allreduce(send, recv, op=MPI.SUM), iters))
+    return bench
 
 
 def bench_gloo(nbytes: int, dtype: torch.dtype, iters: int) -> float:
@@ -308,8 +304,8 @@ def main() -> None:
         print(HEADER, flush=True)
 
     bench = {"ours": bench_ours, "ours_": bench_ours_inplace, "bucket": bench_bucket,
-             "set_": bench_set if PAIR is not None else None, "mpi": bench_mpi,
-             "mpi_x": bench_mpi_cross if CROSS is not None else None,
+             "set_": bench_set if PAIR is not None else None, "mpi": mpi_allreduce(COMM),
+             "mpi_x": mpi_allreduce(CROSS) if CROSS is not None else None,
              "gloo": None if args.no_gloo else bench_gloo}
     results, every_copy, profiles = [], [], []
     for nbytes in sizes:
