@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,15 @@ def find_mpiexec(python: str = sys.executable) -> str:
     return found
 
 
+def worker_env(extra: dict | None = None) -> dict:
+    """The environment of a worker job. Block-buffered output (no PYTHONUNBUFFERED): a print
+    with flush=True is then one write of the whole line, where unbuffered output writes the
+    text and its newline apart and two ranks' lines interleave ("PID rank 0 1PID rank 1 2")."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(extra or {})}
+    env.pop("PYTHONUNBUFFERED", None)
+    return env
+
+
 @dataclass
 class Run:
     returncode: int
@@ -46,11 +56,8 @@ def run_mpi(n: int, script: str, *args: str, timeout: float = 120, env: dict | N
             python: str = sys.executable, mpiexec: str | None = None,
             launcher_flags: tuple[str, ...] = ()) -> Run:
     """Run tests/mpi/<script> on n ranks; a run past `timeout` is killed and fails the test."""
-    import time
-
     mpiexec = mpiexec or find_mpiexec(python)
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "PYTHONFAULTHANDLER": "1", **(env or {})}
+    full_env = worker_env(env)
     cmd = [mpiexec, *launcher_flags, "-n", str(n), python, str(WORKERS / script), *args]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

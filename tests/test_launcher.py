@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from conftest import WORKERS
+from conftest import WORKERS, worker_env
 from ringreduce import run as launcher
 
 CHECK = str(WORKERS / "launcher_check.py")
@@ -17,7 +17,7 @@ OPEN_MPI_ROOT = ["--mpi-args", "--oversubscribe --allow-run-as-root"]
 
 
 def launch(python, *flags, env=None, timeout=120):
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = worker_env(env)
     return subprocess.run([python, "-m", "ringreduce.run", *flags], capture_output=True,
                           text=True, env=full_env, timeout=timeout)
 
@@ -109,16 +109,17 @@ def test_translation_for_each_launcher(tmp_path):
 
 
 def test_sigterm_to_the_launcher_stops_the_job():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "ROUNDS": "400"}
+    env = worker_env({"ROUNDS": "400"})
     proc = subprocess.Popen([sys.executable, "-m", "ringreduce.run", "-np", "2", sys.executable,
                              str(WORKERS / "reliability_check.py"), "stoppable"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
-    started = False
+    started, seen = False, []
     try:
         watchdog = threading.Timer(60, lambda: os.killpg(proc.pid, signal.SIGKILL))
         watchdog.start()            # the readline loop below ends by then whatever happens
         for line in proc.stdout:
+            seen.append(line)
             if line.startswith("PID rank 1"):
                 started = True
                 break
@@ -129,6 +130,6 @@ def test_sigterm_to_the_launcher_stops_the_job():
         with contextlib.suppress(ProcessLookupError):   # the group: mpiexec and ranks too
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-    assert started, "the job never started its ranks"
+    assert started, f"the job never started its ranks: {''.join(seen)[-3000:]}"
     assert proc.returncode not in (0, -signal.SIGKILL), proc.returncode
     assert "OK rank" not in proc.stdout.read()

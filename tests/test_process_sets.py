@@ -1,24 +1,22 @@
 """Process sets under a real mpiexec, and the node protocol in C against its Python oracle."""
+import json
+
 import pytest
 
 from conftest import PATHS, run_ok
 
 
+NODES = {"RINGREDUCE_SIMULATED_NODES": "2"}
+# At 4 ranks, one launch also covers the other data paths and two simulated nodes, where the
+# sets {0, 2}, {0, 1, 2} and {1, 2, 3} cross the nodes {0, 1} and {2, 3}.
+SETTINGS = {2: {"default": {}}, 3: {"default": {}},
+            4: {"default": {}, "shm-blocks": PATHS["shm-blocks"], "mpi-ring": PATHS["mpi-ring"],
+                "2 nodes of 2": NODES, "2 nodes of 2, shm-blocks": {**PATHS["shm-blocks"], **NODES}}}
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_process_sets(n):
-    run_ok(n, "process_sets_check.py", timeout=240)
-
-
-@pytest.mark.parametrize("path", ["shm-blocks", "mpi-ring"])
-def test_process_sets_on_every_data_path(path):
-    run_ok(4, "process_sets_check.py", env=PATHS[path], timeout=240)
-
-
-@pytest.mark.parametrize("path", ["default", "shm-blocks"])
-def test_process_sets_across_two_simulated_nodes(path):
-    """Sets {0, 2}, {0, 1, 2} and {1, 2, 3} cross the nodes {0, 1} and {2, 3}."""
-    run_ok(4, "process_sets_check.py", env={**PATHS[path], "RINGREDUCE_SIMULATED_NODES": "2"},
-           timeout=240)
+    run_ok(n, "process_sets_check.py", json.dumps(SETTINGS[n]), timeout=120 * len(SETTINGS[n]))
 
 
 def test_a_stall_report_names_the_set_and_its_missing_rank():

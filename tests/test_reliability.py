@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import WORKERS, find_mpiexec, run_mpi, run_ok
+from conftest import WORKERS, find_mpiexec, run_mpi, run_ok, worker_env
 
 
 def stamps(output, what):
@@ -58,8 +58,7 @@ def test_stopped_rank_is_reported_every_interval_and_the_job_recovers():
     (a stall reader that timed out must not still hold the window's lock), then the job ends
     normally."""
     stopped_for = 10.0
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "RINGREDUCE_STALL_CHECK_TIME": "3", "ROUNDS": "24"}
+    env = worker_env({"RINGREDUCE_STALL_CHECK_TIME": "3", "ROUNDS": "24"})
     cmd = [find_mpiexec(), "-n", "2", sys.executable, str(WORKERS / "reliability_check.py"),
            "stoppable"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -2,8 +2,13 @@
 
 Inputs are small integers (or halves of them), so every reduction is exact in every dtype and
 results are compared for exact equality; results of each allreduce are also compared bitwise
-across ranks. Run under mpiexec at any rank count.
+across ranks. Run under mpiexec at any rank count. The optional argument, a JSON object of
+{label: {RINGREDUCE_* variable: value}}, runs every check once per setting (init, checks,
+shutdown), so one launch covers every data path; a failure names its label.
 """
+import json
+import os
+import sys
 
 import torch
 from mpi4py import MPI
@@ -11,9 +16,8 @@ from mpi4py import MPI
 import ringreduce as hvd
 from checks import check_equal
 
-hvd.init()
-r, n = hvd.rank(), hvd.size()
 world = MPI.COMM_WORLD
+r, n = world.rank, world.size
 
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
           torch.bfloat16, torch.float32, torch.float64]
@@ -204,9 +208,18 @@ def check_reducescatter():
                             f"reducescatter rows={rows} {op.name} {dtype}")
 
 
-for check in (check_allreduce, check_inline_and_queued_small_allreduce_agree, check_grouped,
-              check_allgather, check_broadcast, check_alltoall, check_reducescatter):
-    check()
-    hvd.barrier()
+for label, variables in json.loads(sys.argv[1] if len(sys.argv) > 1 else '{"default": {}}').items():
+    os.environ.update(variables)
+    hvd.init()
+    try:
+        for check in (check_allreduce, check_inline_and_queued_small_allreduce_agree,
+                      check_grouped, check_allgather, check_broadcast, check_alltoall,
+                      check_reducescatter):
+            check()
+            hvd.barrier()
+    except AssertionError as e:
+        raise AssertionError(f"[{label}] {e}") from e
+    hvd.shutdown()
+    for name in variables:
+        del os.environ[name]
 print(f"OK rank {r}", flush=True)
-hvd.shutdown()

@@ -4,8 +4,12 @@ reference built from the members' inputs, identical on every member),
 sets running different collectives at the same time, nested and overlapping sets, one rank's
 sets progressing independently, adding and removing sets during the run, and the errors.
 
-Usage: process_sets_check.py [stall]   ("stall": a member of a set sleeps past the stall time)
+Usage: process_sets_check.py [stall | SETTINGS]   ("stall": a member of a set sleeps past the
+stall time; SETTINGS: a JSON object {label: {RINGREDUCE_* variable: value}}, every check once per
+setting, a failure named by its label)
 """
+import json
+import os
 import sys
 import time
 
@@ -21,9 +25,17 @@ world = MPI.COMM_WORLD
 r, n = world.rank, world.size
 assert n >= 2, "run with 2 or more ranks"
 
-split = hvd.ProcessSet(world.Split(color=r % 2, key=r))    # evens {0, 2, ..}, odds {1, 3, ..}
-low = hvd.ProcessSet(range(n - 1)) if n >= 3 else None    # all but the last rank
-hvd.init(process_sets=[split] + ([low] if low else []))
+split = low = None
+
+
+def start():
+    """init() with two sets registered: evens and odds (from a communicator split), and all
+    but the last rank (3 ranks or more)."""
+    global split, low
+    split = hvd.ProcessSet(world.Split(color=r % 2, key=r))
+    low = hvd.ProcessSet(range(n - 1)) if n >= 3 else None
+    hvd.init(process_sets=[split] + ([low] if low else []))
+
 
 DTYPES = [torch.int32, torch.float32, torch.bfloat16, torch.float64]
 OPS = [hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product]
@@ -302,9 +314,7 @@ def stall():
         hvd.allreduce(torch.ones(4), name="set_stall", process_set=low)
 
 
-if sys.argv[1:] == ["stall"]:
-    stall()
-else:
+def check_all():
     check_registration()
     check_collectives(hvd.global_process_set, "global")
     check_collectives(split, f"split {split.ranks}")
@@ -318,5 +328,22 @@ else:
     check_add_and_remove()
     check_independence()
     hvd.barrier()
-hvd.shutdown()
+
+
+if sys.argv[1:] == ["stall"]:
+    start()
+    stall()
+    hvd.shutdown()
+else:
+    for label, variables in json.loads(sys.argv[1] if len(sys.argv) > 1
+                                       else '{"default": {}}').items():
+        os.environ.update(variables)
+        start()
+        try:
+            check_all()
+        except AssertionError as e:
+            raise AssertionError(f"[{label}] {e}") from e
+        hvd.shutdown()
+        for name in variables:
+            del os.environ[name]
 print(f"OK rank {r}", flush=True)
