@@ -1,14 +1,16 @@
-/* The Python extension ringreduce._native: the node's allreduce (node.c) and the reduction
- * kernels (kernels.c) as Python functions that take addresses and release the GIL, and the
- * shared constants (constants.h). A small synchronous allreduce calls into it a few times,
+/* The Python extension ringreduce._native: the node's allreduce (node.c), the reduction
+ * kernels (kernels.c) and MPI exchanges between nodes (p2p.c) as Python functions that take
+ * addresses and release the GIL, and the shared constants (constants.h). A small synchronous allreduce calls into it a few times,
  * where ctypes would cost a microsecond a call. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <dlfcn.h>
 #include <string.h>
 
 #include "constants.h"
 #include "kernels.h"
 #include "node.h"
+#include "p2p.h"
 
 #define MAX_DIMS 64
 #define NODE "ringreduce.node"
@@ -90,13 +92,15 @@ static PyObject *headers_begin(PyObject *self, PyObject *const *args, Py_ssize_t
     return PyBool_FromLong(ready);
 }
 
-/* headers_read(node, digests_address, per_rank_address) -> whether the digests agree. */
+/* headers_read(node, digests_address, per_rank_address, stride) -> whether the digests
+ * agree; rank r's words go `stride` int64s apart. */
 static PyObject *headers_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (check_args(nargs, 3, "headers_read")) return NULL;
+    if (check_args(nargs, 4, "headers_read")) return NULL;
     rr_node *node = node_of(args[0]);
     int64_t *digests = PyLong_AsVoidPtr(args[1]), *per_rank = PyLong_AsVoidPtr(args[2]);
+    size_t stride = PyLong_AsSize_t(args[3]);
     if (node == NULL || PyErr_Occurred()) return NULL;
-    return PyBool_FromLong(rr_headers_read(node, digests, per_rank));
+    return PyBool_FromLong(rr_headers_read(node, digests, per_rank, stride));
 }
 
 /* small_begin(node, src_address, nbytes, digest, spin_seconds) -> True when every flag is up */
@@ -211,6 +215,90 @@ static PyObject *copy_stream(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
+/* mpi_bind(path, request_size, status_size, byte): find the MPI functions through mpi4py's
+ * extension at `path` (loaded already), with the sizes of MPI_Request and MPI_Status and the
+ * handle of MPI_BYTE as mpi4py reports them. */
+static PyObject *mpi_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 4, "mpi_bind")) return NULL;
+    const char *path = PyUnicode_AsUTF8(args[0]);
+    size_t request_size = PyLong_AsSize_t(args[1]), status_size = PyLong_AsSize_t(args[2]);
+    intptr_t byte = (intptr_t)PyLong_AsUnsignedLongLongMask(args[3]);
+    if (path == NULL || PyErr_Occurred()) return NULL;
+    void *library = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    if (library == NULL)
+        return PyErr_Format(PyExc_RuntimeError, "ringreduce: cannot open %s: %s", path,
+                            dlerror());
+    if (rr_mpi_bind(library, request_size, status_size, byte) != 0)
+        return PyErr_Format(PyExc_RuntimeError, "ringreduce: %s", rr_mpi_error());
+    Py_RETURN_NONE;     /* the handle stays open: mpi4py keeps the library loaded anyway */
+}
+
+static PyObject *mpi_result(long result) {
+    if (result == RR_MPI_FAILED)
+        return PyErr_Format(PyExc_RuntimeError, "ringreduce: %s", rr_mpi_error());
+    return PyLong_FromLong(result);
+}
+
+/* mpi_exchange(state, comm, partner, tag, send, send_bytes, recv, recv_bytes, spin_seconds)
+ * -> bytes received, or -1 while pending (state: EXCHANGE_BYTES at an address). */
+static PyObject *mpi_exchange(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 9, "mpi_exchange")) return NULL;
+    rr_exchange *x = PyLong_AsVoidPtr(args[0]);
+    intptr_t comm = (intptr_t)PyLong_AsUnsignedLongLongMask(args[1]);   /* any sign, any width */
+    int partner = PyLong_AsLong(args[2]), tag = PyLong_AsLong(args[3]);
+    const void *send = PyLong_AsVoidPtr(args[4]);
+    int send_bytes = PyLong_AsLong(args[5]);
+    void *recv = PyLong_AsVoidPtr(args[6]);
+    int recv_bytes = PyLong_AsLong(args[7]);
+    double spin_seconds = PyFloat_AsDouble(args[8]);
+    if (PyErr_Occurred()) return NULL;
+    long result;
+    Py_BEGIN_ALLOW_THREADS
+    result = rr_mpi_exchange(x, comm, partner, tag, send, send_bytes, recv, recv_bytes,
+                             spin_seconds);
+    Py_END_ALLOW_THREADS
+    return mpi_result(result);
+}
+
+/* mpi_test(state) -> bytes received, or -1 while pending. */
+static PyObject *mpi_test(PyObject *self, PyObject *state) {
+    rr_exchange *x = PyLong_AsVoidPtr(state);
+    if (PyErr_Occurred()) return NULL;
+    return mpi_result(rr_mpi_test(x));
+}
+
+/* doubling(state, comm, tag, rounds, nrounds, resume, nbytes, count, dtype, op, src, dst,
+ *          divisor, scale, data, incoming, capacity, gathered, members, spin_seconds)
+ * -> 1 (complete, digests agree, dst written), 0, or -1 while pending; nbytes < 0: headers
+ * only. */
+static PyObject *doubling(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 20, "doubling")) return NULL;
+    rr_exchange *x = PyLong_AsVoidPtr(args[0]);
+    intptr_t comm = (intptr_t)PyLong_AsUnsignedLongLongMask(args[1]);
+    int tag = PyLong_AsLong(args[2]);
+    const rr_round *rounds = PyLong_AsVoidPtr(args[3]);
+    int nrounds = PyLong_AsLong(args[4]);
+    int resume = PyObject_IsTrue(args[5]);
+    rr_reduction reduction = {
+        PyLong_AsLongLong(args[6]), PyLong_AsLongLong(args[7]), PyLong_AsLongLong(args[8]),
+        PyLong_AsLongLong(args[9]), (int64_t)(intptr_t)PyLong_AsVoidPtr(args[10]),
+        (int64_t)(intptr_t)PyLong_AsVoidPtr(args[11]), PyFloat_AsDouble(args[12]),
+        PyFloat_AsDouble(args[13]), (int64_t)(intptr_t)PyLong_AsVoidPtr(args[14])};
+    void *incoming = PyLong_AsVoidPtr(args[15]);
+    int capacity = PyLong_AsLong(args[16]);
+    const int64_t *gathered = PyLong_AsVoidPtr(args[17]);
+    int members = PyLong_AsLong(args[18]);
+    double spin_seconds = PyFloat_AsDouble(args[19]);
+    if (PyErr_Occurred()) return NULL;
+    long result;
+    Py_BEGIN_ALLOW_THREADS
+    result = rr_doubling(x, resume, comm, tag, rounds, nrounds,
+                         reduction.nbytes >= 0 ? &reduction : NULL, incoming, capacity,
+                         gathered, members, spin_seconds);
+    Py_END_ALLOW_THREADS
+    return mpi_result(result);
+}
+
 /* combine(dtype, op, a, b, out, count, last, divisor, scale): out = a op b (addresses). */
 static PyObject *combine(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (check_args(nargs, 9, "combine")) return NULL;
@@ -309,6 +397,10 @@ static PyMethodDef methods[] = {
     {"large_chunk", large_chunk, METH_O, "Where our chunk of the current block lies."},
     FAST(large_profile, "Seconds in each phase of the large allreduces so far."),
     FAST(copy_stream, "memcpy with non-temporal stores for large copies."),
+    FAST(mpi_bind, "Find the MPI functions of the library mpi4py loaded."),
+    FAST(mpi_exchange, "Receive from and send to a partner, polling a while."),
+    FAST(doubling, "Recursive doubling between nodes: headers, and data reduced in place."),
+    {"mpi_test", mpi_test, METH_O, "Poll a pending exchange once."},
     FAST(combine, "out = a op b over count elements."),
     FAST(finish, "x = x / divisor * scale, in place."),
     FAST(cast, "Convert between float32 and a 16-bit float type."),
@@ -316,7 +408,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
-                                    "ringreduce native code: the node's allreduce, kernels, "
+                                    "ringreduce native code: the node's allreduce, kernels, MPI exchanges, "
                                     "and the constants shared with CUDA and Python", -1,
                                     methods};
 
@@ -329,7 +421,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         {"U8", RR_U8}, {"I8", RR_I8}, {"I16", RR_I16}, {"I32", RR_I32}, {"I64", RR_I64},
         {"F16", RR_F16}, {"BF16", RR_BF16}, {"F32", RR_F32}, {"F64", RR_F64},
         {"LINE", RR_LINE}, {"PAGE", RR_PAGE}, {"HEADER_WORDS", RR_HEADER_WORDS},
-        {"STREAM_MIN", RR_STREAM_MIN}, {"PHASES", RR_PHASES}};
+        {"STREAM_MIN", RR_STREAM_MIN}, {"PHASES", RR_PHASES},
+        {"EXCHANGE_BYTES", sizeof(rr_exchange)}, {"PENDING", RR_PENDING}};
     for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++)
         if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0) {
             Py_DECREF(m);

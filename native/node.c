@@ -184,12 +184,12 @@ int rr_headers_begin(rr_node *node, int64_t digest, int64_t per_rank, double spi
     return spin_until_ready(node, spin_seconds);
 }
 
-int rr_headers_read(rr_node *node, int64_t *digests, int64_t *per_rank) {
+int rr_headers_read(rr_node *node, int64_t *digests, int64_t *per_rank, size_t stride) {
     int64_t flag = raised(node);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     for (int r = 0; r < node->n; r++) {
-        digests[r] = header_of(node, r, flag)[0];
-        per_rank[r] = header_of(node, r, flag)[2];
+        digests[(size_t)r * stride] = header_of(node, r, flag)[0];
+        per_rank[(size_t)r * stride] = header_of(node, r, flag)[2];
     }
     return digests_agree(node, flag);
 }

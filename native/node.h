@@ -21,7 +21,7 @@ int rr_node_ready(rr_node *node);
  * (this one, or a small or large allreduce whose digests differed) and returns whether the
  * digests agree. */
 int rr_headers_begin(rr_node *node, int64_t digest, int64_t per_rank, double spin_seconds);
-int rr_headers_read(rr_node *node, int64_t *digests, int64_t *per_rank);
+int rr_headers_read(rr_node *node, int64_t *digests, int64_t *per_rank, size_t stride);
 
 int rr_small_begin(rr_node *node, const void *src, size_t nbytes, int64_t digest,
                    double spin_seconds);

@@ -29,6 +29,7 @@ Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, Reduc
                                            ReduceOp.Min, ReduceOp.Max, ReduceOp.Product)
 Work = tuple[ActiveSet, str, Callable[[], Any]]   # the set, the collective's name, what runs
 _OP_NAMES = {op: op.name for op in ReduceOp if op != Adasum}   # (enum .name is slow)
+_OPS_BY_NAME = {name: op for op, name in _OP_NAMES.items()}     # (and so is ReduceOp[name])
 
 
 # ---------------------------------------------------------------- argument checks
@@ -134,7 +135,7 @@ def _small_allreduce(tensor: Any, name: Optional[str], op: Any, postscale: float
     try:
         if name is None:
             name = ps.auto_name("allreduce_" if in_place else "allreduce")
-        op = ReduceOp[op_name]
+        op = _OPS_BY_NAME[op_name]
         dtype, shape = NAMES[tensor.dtype], tensor.shape
         out = tensor if in_place else torch.empty_like(tensor)
 
@@ -145,7 +146,7 @@ def _small_allreduce(tensor: Any, name: Optional[str], op: Any, postscale: float
         transport.allreduce(tensor, out, ReduceSpec(
             tensor.dtype, op, 1.0, postscale,
             _native.allreduce_digest(name, op_name, dtype, shape, 1.0, float(postscale)),
-            signature))
+            signature), transport.small_way)
     finally:
         ps.engine.release_idle()
     return out

@@ -12,7 +12,8 @@ where a separate signature exchange and data exchange took two collectives.
 Messages differ in length (a rank that has joined, or one in another collective, sends headers
 only; see transport.py), so every receive has room for the largest, and the status tells what
 came. Within a node, the node's shared memory gathers the headers (and reduces small data)
-first.
+first. Each round's receive and send are posted and polled in C (native/p2p.c, calling the MPI
+that mpi4py loaded) for a short spin; a longer wait goes to the stall watch.
 """
 from __future__ import annotations
 
@@ -22,12 +23,21 @@ import numpy as np
 
 from . import _native
 from .mpi import mpi
-from .shm import NodeWindow
+from .shm import SPIN_SECONDS, NodeWindow
 from .stall import StallWatch
 
 TAG = 11                # the ring uses its own tag on the same communicator
 HEADER = np.dtype((np.int64, 2))    # digest, per-rank word
-SEND_SPECS = 64         # message specs kept, by round and data size
+_bound = False          # whether native/p2p.c knows the MPI functions yet
+_HEADERS_ONLY = (-1, 0, 0, 0, 0, 0, 1.0, 1.0)     # doubling()'s reduction arguments: none
+
+
+def _bind_native_mpi(MPI: Any) -> None:
+    global _bound
+    if not _bound:
+        _native.mpi_bind(MPI.__file__, MPI._sizeof(MPI.Request), MPI._sizeof(MPI.Status),
+                         MPI._handleof(MPI.BYTE))
+        _bound = True
 
 
 def applies(cross: Any, homogeneous: bool) -> bool:
@@ -43,7 +53,8 @@ class BetweenNodes:
                  watch: StallWatch, most_data: int) -> None:
         """`most_data`: the largest buffer `allreduce` is given, in bytes (every receive
         has room for it: a member that sends headers only cannot know what others send)."""
-        MPI = self.MPI = mpi()
+        MPI = mpi()
+        _bind_native_mpi(MPI)
         self.cross, self.node, self.watch = cross, node, watch
         # Which set rank each (cross rank, local rank) is, as this rank's cross communicator
         # orders the nodes: every member tells its node (its node's first set rank), its local
@@ -65,21 +76,31 @@ class BetweenNodes:
         self.incoming_address = self.incoming.ctypes.data
         self.data = self.outgoing[room:]                 # what allreduce reduces
         self.data_address = self.data.ctypes.data
-        self.receive_spec = [self.incoming, MPI.BYTE]
-        self.statuses = [MPI.Status(), MPI.Status()]
-        self.send_specs: dict[tuple[int, int], list] = {}    # (round, data bytes) -> spec
-        self.rounds = []
+        self.exchange = np.zeros(_native.EXCHANGE_BYTES, dtype=np.uint8)   # C's request state
+        exchange = self.exchange.ctypes.data
+        self.exchanged = lambda: _native.mpi_test(exchange) != _native.PENDING
+        # The rounds, as native/p2p.h's rr_round: partner, whether our half is the lower,
+        # header bytes, and the addresses of our half's headers, where they are sent from,
+        # where theirs arrive and where they are kept.
+        rounds = []
         me, distance = cross.rank, 1
         while distance < cross.size:
             partner = me ^ distance
             ours, theirs = me & ~(distance - 1), partner & ~(distance - 1)
             size = distance * local.size * HEADER.itemsize
-            arriving = self.incoming[:size].view(np.int64).reshape(distance, local.size, 2)
-            self.rounds.append((partner, ours < theirs, size,
-                                self.gathered[ours:ours + distance].view(np.uint8).reshape(-1),
-                                self.outgoing[room - size:room], arriving,
-                                self.gathered[theirs:theirs + distance]))
+            rounds.append([partner, ours < theirs, size, self.gathered[ours].ctypes.data,
+                           self.outgoing.ctypes.data + room - size, self.incoming_address,
+                           self.gathered[theirs].ctypes.data])
             distance *= 2
+        self.rounds = np.array(rounds, dtype=np.int64).reshape(-1, 7)
+        # doubling()'s arguments before the reduction's (and the resume flag), and after
+        self._head = (exchange, MPI._handleof(cross), TAG, self.rounds.ctypes.data,
+                      len(self.rounds))
+        self._tail = (self.data_address, self.incoming_address, self.incoming.nbytes,
+                      self.gathered.ctypes.data, self.gathered.size // 2, SPIN_SECONDS)
+        self._mine = self.gathered[cross.rank]
+        self._mine_address = self._mine.ctypes.data
+        self._own = self._mine.reshape(-1) if local.size == 1 else None    # digest, word
 
     def headers(self, digest: int, per_rank: int) -> tuple[np.ndarray, np.ndarray]:
         """Every member's digest and per-rank word, indexed by set rank."""
@@ -87,31 +108,32 @@ class BetweenNodes:
             self._node_block(digest, per_rank)
         else:
             self._node_block(*self.node.exchange_headers(digest, per_rank))
-        return self._by_set_rank(self.run(None))
+        self.run(None)
+        return self._by_set_rank(self.gathered)
 
-    def allreduce(self, nbytes: int, count: int, dtype: int, op: int,
-                  digest: int) -> Optional[np.ndarray]:
-        """Reduce the first `nbytes` of `data` (`count` elements of dtype code `dtype`, not
-        yet divided or scaled) across the set in place: on the node through its slots, then
-        between nodes. None when every member's digest agrees (so every member sent its data
-        and `data` holds the whole result); else every member's digest, by set rank."""
+    def allreduce(self, src: int, dst: int, nbytes: int, count: int, dtype: int, op: int,
+                  digest: int, divisor: float, scale: float) -> Optional[np.ndarray]:
+        """Reduce `nbytes` at address `src` (`count` elements of dtype code `dtype`; 0: they
+        are in `data` already) across the set: on the node through its slots, then between
+        nodes; the result divided by `divisor`, multiplied by `scale`, into `dst`. None when
+        every member's digest agrees (and `dst` holds the result); else every member's digest,
+        by set rank, and `dst` is untouched."""
         reduced = True
         if self.node is None:
-            self._node_block(digest, 0)
+            self._own[0], self._own[1] = digest, 0
         else:
-            reduced = self.node.small(self.data_address, self.data_address, nbytes, count,
+            reduced = self.node.small(src or self.data_address, self.data_address, nbytes, count,
                                       dtype, op, 1.0, 1.0, digest)
-            self._node_block(*self.node.last_headers())
-        gathered = self.run((nbytes, count, dtype, op) if reduced else None)
-        every = gathered.ravel()[::2].tolist()     # the digests (each header's first word)
-        if every.count(every[0]) == len(every):
+            self.node.headers_into(self._mine_address)
+            src = 0
+        if self.run((nbytes, count, dtype, op, src, dst, divisor, scale) if reduced else None):
             return None
-        return self._by_set_rank(gathered)[0]
+        return self._by_set_rank(self.gathered)[0]
 
     def _node_block(self, digests: Any, per_rank: Any) -> None:
         """This node's headers (its local ranks' digests and per-rank words), where the
         exchange between nodes starts from."""
-        mine = self.gathered[self.cross.rank]
+        mine = self._mine
         mine[:, 0], mine[:, 1] = digests, per_rank
 
     def _by_set_rank(self, gathered: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -122,35 +144,16 @@ class BetweenNodes:
         digests[self.order], values[self.order] = flat[:, 0], flat[:, 1]
         return digests, values
 
-    def run(self, reduction: Optional[tuple[int, int, int, int]]) -> np.ndarray:
-        """Recursive doubling from this node's headers (`_node_block`); `reduction`, if given,
-        is (bytes, count, dtype code, op) of `data` to reduce in place (until a message comes
-        without data: its sender's digest tells why). Returns the headers of every node
-        (nodes x local size x 2, by cross rank)."""
-        MPI, cross = self.MPI, self.cross
-        complete = reduction is not None
-        nbytes = reduction[0] if reduction is not None else 0
-        for k, (partner, lower, size, ours, headers, arriving, theirs) in \
-                enumerate(self.rounds):
-            headers[:] = ours
-            send = self.send_specs.get((k, nbytes))
-            if send is None:
-                if len(self.send_specs) >= SEND_SPECS:
-                    self.send_specs.clear()
-                send = self.send_specs[k, nbytes] = [
-                    self.outgoing[self.room - size:self.room + nbytes], MPI.BYTE]
-            requests = [cross.Irecv(self.receive_spec, partner, TAG),
-                        cross.Isend(send, partner, TAG)]
-            self.watch.wait(lambda: MPI.Request.Testall(requests, self.statuses))
-            theirs[...] = arriving
-            if reduction is not None:
-                if self.statuses[0].Get_count(MPI.BYTE) - size != nbytes:
-                    complete = False
-                elif complete:
-                    _, count, dtype, op = reduction
-                    other = self.incoming_address + size
-                    first, second = ((self.data_address, other) if lower
-                                     else (other, self.data_address))
-                    _native.combine(dtype, op, first, second, self.data_address, count, False,
-                                    1.0, 1.0)
-        return self.gathered
+    def run(self, reduction: Optional[tuple]) -> bool:
+        """Recursive doubling from this node's headers (`_node_block`) into `gathered` (nodes
+        x local size x 2, by cross rank); `reduction`, if given, is allreduce's (bytes, count,
+        dtype code, op, src, dst, divisor, scale) for `data`, reduced in place until a message
+        comes without data (its sender's digest tells why). True when every message carried
+        data and every digest agrees (then `dst` is written)."""
+        head, tail = self._head, self._tail
+        values = reduction if reduction is not None else _HEADERS_ONLY
+        status = _native.doubling(*head, False, *values, *tail)
+        while status == _native.PENDING:
+            self.watch.wait(self.exchanged)
+            status = _native.doubling(*head, True, *values, *tail)
+        return status == 1

@@ -68,7 +68,8 @@ class Engine:
     def __init__(self, thread_name: str, rank: int, poke: Callable[[], Any]) -> None:
         self.rank = rank
         self._poke = poke
-        self._cv = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()           # taken directly where no wait is involved
+        self._cv = threading.Condition(self._lock)
         self._queue: collections.deque[Handle] = collections.deque()
         self._in_flight: set[str] = set()
         self._busy = False
@@ -108,7 +109,7 @@ class Engine:
     def claim_idle(self) -> bool:
         """Take the engine for one synchronous call on this thread if nothing is queued or
         running (then no name is in flight either); `release_idle()` after it."""
-        with self._cv:
+        with self._lock:
             if self._queue or self._busy or self._stopping:
                 return False
             self._busy = True
@@ -134,7 +135,7 @@ class Engine:
         self._in_flight.add(name)
 
     def _finish(self, name: str) -> None:
-        with self._cv:
+        with self._lock:
             self._busy = False
             self._in_flight.discard(name)
             if self._queue:     # wake the engine thread only when there is work for it

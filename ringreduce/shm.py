@@ -61,8 +61,13 @@ class NodeWindow:
     def last_headers(self) -> tuple[np.ndarray, np.ndarray]:
         """Every local rank's digest and per-rank word of the last exchange (copies)."""
         digests, per_rank = self._headers
-        _native.headers_read(self.node, digests.ctypes.data, per_rank.ctypes.data)
+        _native.headers_read(self.node, digests.ctypes.data, per_rank.ctypes.data, 1)
         return digests.copy(), per_rank.copy()
+
+    def headers_into(self, address: int) -> None:
+        """Every local rank's (digest, per-rank word) of the last exchange, as int64 pairs at
+        `address`."""
+        _native.headers_read(self.node, address, address + 8, 2)
 
     def small(self, src: int, dst: int, nbytes: int, count: int, dtype: int, op: int,
               divisor: float, scale: float, digest: int) -> bool:

@@ -120,6 +120,7 @@ class StallWatch:
         self.ranks = list(ranks)
         self.where = where
         self.board = ProgressBoard(comm) if comm.size > 1 else None
+        self._published = self.board.mine if self.board is not None else None
         self.departures = Departures(comm)
         self.begun = 0
         self.quiet = False      # a joined rank waits for the others by design: no reports
@@ -140,10 +141,10 @@ class StallWatch:
         """Count one more collective begun on this rank, and remember what it was (a callable
         making its name, or an object whose str() is: formatted only if a stall is reported).
         ShutDownError when a member has left: the collective could never complete."""
-        self.begun += 1
-        self._recent[self.begun % _REMEMBERED] = (self.begun, description)
-        if self.board is not None:
-            self.board.publish(self.begun)
+        begun = self.begun = self.begun + 1
+        self._recent[begun % _REMEMBERED] = (begun, description)
+        if self._published is not None:
+            self._published[0] = begun      # the board's publish(), inline: the hot path
         if self.departures.gone:
             raise ShutDownError(self._departed(self.departures.gone))
 

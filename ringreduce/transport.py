@@ -40,7 +40,7 @@ import torch
 from . import _native, adasum, crossnode, cuda, kernels, ring
 from .buffers import CODES, NAMES, as_array, as_tensor, fresh
 from .config import Settings
-from .errors import JoinedError, MismatchError
+from .errors import JoinedError, MismatchError, RingReduceError
 from .kernels import ReduceOp
 from .negotiation import JOINED, Negotiator, PeersJoined
 from .shm import NodeWindow
@@ -121,9 +121,12 @@ class Transport:
                      if settings.shared_memory and local.size > 1 and homogeneous else None)
         self.one_node = self.node is not None and cross.size == 1
         self.scratch = ScratchPool()
+        # Recursive doubling between nodes starts from the node's headers and data: gathered
+        # in its shared memory, or this rank's alone when it is the only one on its node.
         self.between = (crossnode.BetweenNodes(comm, local, cross, self.node, watch,
                                                settings.small_message_bytes)
-                        if crossnode.applies(cross, homogeneous) else None)
+                        if crossnode.applies(cross, homogeneous)
+                        and (self.node is not None or local.size == 1) else None)
         self.negotiator = Negotiator(comm, watch, ranks, self.node if self.one_node else None,
                                      self.between)
         # Up to this size an allreduce goes the small way between nodes (the node's slots must
@@ -134,6 +137,7 @@ class Transport:
         # ways whose exchange carries the signature with the data.
         self.fast_small_bytes = (self.node.small_bytes if self.one_node
                                  else self.between_small_bytes)
+        self.small_way = self._node_slots if self.one_node else self._between_nodes_small
 
     def free(self) -> None:
         if self.node is not None:
@@ -142,12 +146,15 @@ class Transport:
 
     # ------------------------------------------------------------------ allreduce
 
-    def allreduce(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
+    def allreduce(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec,
+                  way: Optional[Callable[[torch.Tensor, torch.Tensor, ReduceSpec], None]] = None
+                  ) -> None:
         """Allreduce `src` into `dst` (the same tensor, or a contiguous one of its size and
-        dtype on its device); `dst` is written only once the signatures agree."""
+        dtype on its device); `dst` is written only once the signatures agree. `way`: the
+        method that reduces, where the caller knows it already (`small_way`)."""
         self.watch.begin(spec)
         try:
-            self._way(src, dst, spec)
+            (way or self._way)(src, dst, spec)
         except PeersJoined:
             reduction = (NAMES[spec.dtype], src.numel(), int(spec.op), spec.prescale,
                          spec.postscale, src.is_cuda)
@@ -236,21 +243,22 @@ class Transport:
 
     def _between_nodes_small(self, src: torch.Tensor, dst: torch.Tensor,
                              spec: ReduceSpec) -> None:
-        """Several nodes, a small buffer: a copy reduced on the node (its slots), then between
-        nodes in the messages that carry the signature (crossnode.py); `dst` is written once
-        every digest agrees. Addresses only: a NumPy view costs a microsecond."""
-        between, code, count, nbytes = self.between, spec.code, src.numel(), src.nbytes
-        data = between.data_address
-        _native.copy_stream(data, src.data_ptr(), nbytes)
+        """Several nodes, a small buffer: reduced on the node (its slots), then between nodes
+        in the messages that carry the signature (crossnode.py, in C from the copy in to the
+        copy out); `dst` is written once every digest agrees."""
+        between, code, count, nbytes, address = (self.between, spec.code, src.numel(),
+                                                 src.nbytes, src.data_ptr())
         if spec.prescale != 1.0:
-            _native.finish(code, data, count, 1.0, spec.prescale)
-        disagreeing = between.allreduce(nbytes, count, code, int(spec.op), spec.digest or 0)
+            _native.copy_stream(between.data_address, address, nbytes)
+            _native.finish(code, between.data_address, count, 1.0, spec.prescale)
+            address = 0         # in place already
+        disagreeing = between.allreduce(
+            address, dst.data_ptr(), nbytes, count, code, spec.op, spec.digest or 0,
+            float(self.size) if spec.op == ReduceOp.Average else 1.0, spec.postscale)
         if disagreeing is not None:
-            self.negotiator.judge(disagreeing, spec.describe)
-        divisor = self._divisor(spec)
-        if divisor != 1.0 or spec.postscale != 1.0:
-            _native.finish(code, data, count, divisor, spec.postscale)
-        _native.copy_stream(dst.data_ptr(), data, nbytes)
+            self.negotiator.judge(disagreeing, spec.describe)     # raises: they differ
+            raise RingReduceError(f"ringreduce: {spec.describe()}: a message between nodes "
+                                  "came without data while every digest agreed")
 
     def _node_blocks(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
         digest = self._digest_for_node(spec)

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import ringreduce as hvd
-from ringreduce import _native, config, kernels, ring, signature
+from ringreduce import _native, config, crossnode, kernels, ring, signature
 from ringreduce.buffers import as_array
+from ringreduce.mpi import mpi
 
 
 @pytest.mark.parametrize("length,parts", [(0, 3), (1, 4), (3, 4), (10, 3), (1_000_003, 4)])
@@ -178,3 +179,22 @@ def test_streaming_copy_equals_memcpy(nbytes, offset):
     _native.copy_stream(target.ctypes.data + offset, source.ctypes.data + 3, nbytes)
     assert np.array_equal(target[offset:offset + nbytes], source[3:3 + nbytes])
     assert (target[:offset] == 7).all() and (target[offset + nbytes:] == 7).all()
+
+
+def test_native_exchange_talks_to_mpi_and_reports_its_errors():
+    """native/p2p.c, bound to the MPI that mpi4py loaded: a message to ourselves arrives
+    whole, and an MPI failure (a rank the communicator lacks) is an error with MPI's text."""
+    MPI = mpi()
+    crossnode._bind_native_mpi(MPI)
+    comm = MPI.COMM_SELF.Dup()
+    state = np.zeros(_native.EXCHANGE_BYTES, dtype=np.uint8)
+    sent, received = np.arange(40, dtype=np.uint8), np.zeros(64, dtype=np.uint8)
+    try:
+        got = _native.mpi_exchange(state.ctypes.data, MPI._handleof(comm), 0, 3,
+                                   sent.ctypes.data, 40, received.ctypes.data, 64, 0.01)
+        assert got == 40 and (received[:40] == sent).all() and not received[40:].any()
+        with pytest.raises(RuntimeError, match="MPI_Irecv failed .*[Ii]nvalid rank"):
+            _native.mpi_exchange(state.ctypes.data, MPI._handleof(comm), 5, 3,
+                                 sent.ctypes.data, 40, received.ctypes.data, 64, 0.01)
+    finally:
+        comm.Free()
