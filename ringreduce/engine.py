@@ -116,7 +116,10 @@ class Engine:
             return True
 
     def release_idle(self) -> None:
-        self._finish("")
+        with self._lock:
+            self._busy = False
+            if self._queue:     # submitted meanwhile: the engine thread runs it now
+                self._cv.notify_all()
 
     def shutdown(self) -> None:
         """Run what is queued, then end the thread."""

@@ -133,7 +133,9 @@ class ActiveSet:
         in different orders their collectives fail the signature check on every member
         (MismatchError) instead of pairing one thread's tensor with another's."""
         key = thread_key()
-        counter = self._names.setdefault(key, itertools.count())
+        counter = self._names.get(key)
+        if counter is None:
+            counter = self._names.setdefault(key, itertools.count())
         return f"{kind}.noname.{key}{next(counter)}"
 
     def join(self, device: Optional[Any], key: str) -> int:
