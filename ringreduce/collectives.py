@@ -138,15 +138,14 @@ def _small_allreduce(tensor: Any, name: Optional[str], op: Any, postscale: float
         op = _OPS_BY_NAME[op_name]
         dtype, shape = NAMES[tensor.dtype], tensor.shape
         out = tensor if in_place else torch.empty_like(tensor)
+        digest = _native.allreduce_digest(name, op_name, dtype, shape, 1.0, float(postscale))
 
-        def signature() -> dict:    # the general path's, built only for a message
-            return {"collective": "allreduce", "name": name, "op": op_name, "prescale": 1.0,
-                    "postscale": postscale, "dtype": dtype, "shape": tuple(shape)}
+        def make_spec() -> ReduceSpec:     # the general path's, made only where needed
+            return ReduceSpec(tensor.dtype, op, 1.0, postscale, digest, {
+                "collective": "allreduce", "name": name, "op": op_name, "prescale": 1.0,
+                "postscale": postscale, "dtype": dtype, "shape": tuple(shape)})
 
-        transport.allreduce(tensor, out, ReduceSpec(
-            tensor.dtype, op, 1.0, postscale,
-            _native.allreduce_digest(name, op_name, dtype, shape, 1.0, float(postscale)),
-            signature), transport.small_way)
+        transport.small_allreduce(tensor, out, op, postscale, digest, make_spec)
     finally:
         ps.engine.release_idle()
     return out

@@ -185,7 +185,7 @@ class StallWatch:
         remembered, description = self._recent[count % _REMEMBERED]
         if remembered != count:
             return ""
-        return description() if callable(description) else str(description)
+        return str(description() if callable(description) else description)
 
     def _departed(self, gone: set[int]) -> str:
         names = sorted(self.ranks[r] for r in gone)

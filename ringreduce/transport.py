@@ -137,7 +137,7 @@ class Transport:
         # ways whose exchange carries the signature with the data.
         self.fast_small_bytes = (self.node.small_bytes if self.one_node
                                  else self.between_small_bytes)
-        self.small_way = self._node_slots if self.one_node else self._between_nodes_small
+        self.average_divisor = float(comm.size)
 
     def free(self) -> None:
         if self.node is not None:
@@ -146,20 +146,44 @@ class Transport:
 
     # ------------------------------------------------------------------ allreduce
 
-    def allreduce(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec,
-                  way: Optional[Callable[[torch.Tensor, torch.Tensor, ReduceSpec], None]] = None
-                  ) -> None:
+    def allreduce(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
         """Allreduce `src` into `dst` (the same tensor, or a contiguous one of its size and
-        dtype on its device); `dst` is written only once the signatures agree. `way`: the
-        method that reduces, where the caller knows it already (`small_way`)."""
+        dtype on its device); `dst` is written only once the signatures agree."""
         self.watch.begin(spec)
         try:
-            (way or self._way)(src, dst, spec)
+            self._way(src, dst, spec)
         except PeersJoined:
-            reduction = (NAMES[spec.dtype], src.numel(), int(spec.op), spec.prescale,
-                         spec.postscale, src.is_cuda)
-            self._join_round(("allreduce", spec.describe(), reduction))
-            self._way(src, dst, spec.unchecked())
+            self._after_joins(src, dst, spec)
+
+    def small_allreduce(self, src: torch.Tensor, dst: torch.Tensor, op: ReduceOp,
+                        postscale: float, digest: int, make_spec: Callable[[], ReduceSpec]
+                        ) -> None:
+        """collectives.py's fast path: a contiguous CPU tensor of at most `fast_small_bytes`,
+        no prescale, its signature digested. Between nodes it goes straight to crossnode's
+        C rounds, and the ReduceSpec is made only where one is needed (a mismatch, a join, a
+        stall report): at a few microseconds a call, every step of Python shows."""
+        if self.one_node:       # its slots
+            spec = make_spec()
+            self.watch.begin(spec)
+            try:
+                self._node_slots(src, dst, spec)
+            except PeersJoined:
+                self._after_joins(src, dst, spec)
+            return
+        self.watch.begin(make_spec)
+        try:
+            self._between(src, dst, CODES[src.dtype], op, 1.0, postscale, digest,
+                          lambda: make_spec().describe())
+        except PeersJoined:
+            self._after_joins(src, dst, make_spec())
+
+    def _after_joins(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
+        """Some members have joined: agree with the others on what runs, then run it without
+        the signature check (the joined ones contribute zeros)."""
+        reduction = (NAMES[spec.dtype], src.numel(), int(spec.op), spec.prescale,
+                     spec.postscale, src.is_cuda)
+        self._join_round(("allreduce", spec.describe(), reduction))
+        self._way(src, dst, spec.unchecked())
 
     def _way(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
         if spec.op == ReduceOp.Adasum:
@@ -243,22 +267,27 @@ class Transport:
 
     def _between_nodes_small(self, src: torch.Tensor, dst: torch.Tensor,
                              spec: ReduceSpec) -> None:
+        self._between(src, dst, spec.code, spec.op, spec.prescale, spec.postscale,
+                      spec.digest or 0, spec.describe)
+
+    def _between(self, src: torch.Tensor, dst: torch.Tensor, code: int, op: ReduceOp,
+                 prescale: float, postscale: float, digest: int,
+                 describe: Callable[[], Signature]) -> None:
         """Several nodes, a small buffer: reduced on the node (its slots), then between nodes
         in the messages that carry the signature (crossnode.py, in C from the copy in to the
         copy out); `dst` is written once every digest agrees."""
-        between, code, count, nbytes, address = (self.between, spec.code, src.numel(),
-                                                 src.nbytes, src.data_ptr())
-        if spec.prescale != 1.0:
+        between, count, nbytes, address = self.between, src.numel(), src.nbytes, src.data_ptr()
+        if prescale != 1.0:
             _native.copy_stream(between.data_address, address, nbytes)
-            _native.finish(code, between.data_address, count, 1.0, spec.prescale)
+            _native.finish(code, between.data_address, count, 1.0, prescale)
             address = 0         # in place already
-        disagreeing = between.allreduce(
-            address, dst.data_ptr(), nbytes, count, code, spec.op, spec.digest or 0,
-            float(self.size) if spec.op == ReduceOp.Average else 1.0, spec.postscale)
+        disagreeing = between.allreduce(address, dst.data_ptr(), nbytes, count, code, op, digest,
+                                        self.average_divisor if op == ReduceOp.Average else 1.0,
+                                        postscale)
         if disagreeing is not None:
-            self.negotiator.judge(disagreeing, spec.describe)     # raises: they differ
-            raise RingReduceError(f"ringreduce: {spec.describe()}: a message between nodes "
-                                  "came without data while every digest agreed")
+            self.negotiator.judge(disagreeing, describe)     # raises: they differ
+            raise RingReduceError(f"ringreduce: {describe()}: a message between nodes came "
+                                  "without data while every digest agreed")
 
     def _node_blocks(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
         digest = self._digest_for_node(spec)

@@ -36,9 +36,12 @@ def test_stall_is_reported_with_missing_ranks_and_parameter_names():
     assert all("rank 2 has waited" not in line for line in stall), stall
 
 
-def test_stall_in_a_small_allreduce_is_reported():
-    """The small synchronous allreduce waits in C first: the stall watch must still see it."""
-    env = {"RINGREDUCE_STALL_CHECK_TIME": "1", "FAULT_SLEEP": "2.5"}
+@pytest.mark.parametrize("nodes", ["1", "2"])
+def test_stall_in_a_small_allreduce_is_reported(nodes):
+    """The small synchronous allreduce waits in C first (the node's slots, or the exchange
+    between nodes): the stall watch must still see it, and name it."""
+    env = {"RINGREDUCE_STALL_CHECK_TIME": "1", "FAULT_SLEEP": "2.5",
+           "RINGREDUCE_SIMULATED_NODES": nodes}
     result = run_ok(2, "fault_check.py", "sleep_small", "1", env=env, timeout=90)
     stall = [line for line in result.output.splitlines() if "ringreduce: stall" in line]
     assert any("allreduce 'metric.3'" in line and "which ranks [1] have not submitted" in line
