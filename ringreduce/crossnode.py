@@ -108,7 +108,7 @@ class BetweenNodes:
             self._node_block(digest, per_rank)
         else:
             self._node_block(*self.node.exchange_headers(digest, per_rank))
-        self.run(None)
+        self.run(_HEADERS_ONLY)
         return self._by_set_rank(self.gathered)
 
     def allreduce(self, src: int, dst: int, nbytes: int, count: int, dtype: int, op: int,
@@ -126,7 +126,8 @@ class BetweenNodes:
                                       dtype, op, 1.0, 1.0, digest)
             self.node.headers_into(self._mine_address)
             src = 0
-        if self.run((nbytes, count, dtype, op, src, dst, divisor, scale) if reduced else None):
+        if self.run((nbytes, count, dtype, op, src, dst, divisor, scale) if reduced
+                    else _HEADERS_ONLY):
             return None
         return self._by_set_rank(self.gathered)[0]
 
@@ -144,16 +145,14 @@ class BetweenNodes:
         digests[self.order], values[self.order] = flat[:, 0], flat[:, 1]
         return digests, values
 
-    def run(self, reduction: Optional[tuple]) -> bool:
+    def run(self, reduction: tuple) -> bool:
         """Recursive doubling from this node's headers (`_node_block`) into `gathered` (nodes
-        x local size x 2, by cross rank); `reduction`, if given, is allreduce's (bytes, count,
-        dtype code, op, src, dst, divisor, scale) for `data`, reduced in place until a message
-        comes without data (its sender's digest tells why). True when every message carried
-        data and every digest agrees (then `dst` is written)."""
-        head, tail = self._head, self._tail
-        values = reduction if reduction is not None else _HEADERS_ONLY
-        status = _native.doubling(*head, False, *values, *tail)
+        x local size x 2, by cross rank). `reduction`: allreduce's (bytes, count, dtype code,
+        op, src, dst, divisor, scale) for `data`, reduced in place until a message comes
+        without data (its sender's digest tells why), or _HEADERS_ONLY. True when every
+        message carried data and every digest agrees (then `dst` is written)."""
+        status = _native.doubling(*self._head, False, *reduction, *self._tail)
         while status == _native.PENDING:
             self.watch.wait(self.exchanged)
-            status = _native.doubling(*head, True, *values, *tail)
+            status = _native.doubling(*self._head, True, *reduction, *self._tail)
         return status == 1
