@@ -18,9 +18,12 @@ def test_exception_on_one_rank_aborts_the_job(mode, message, n):
     assert "OK rank" not in result.output
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_sigkilled_rank_ends_the_job(n):
-    result = run_mpi(n, "fault_check.py", "sigkill", str(n - 1), timeout=60)
+@pytest.mark.parametrize("n,nodes", [(2, "0"), (4, "0"), (4, "2")])
+def test_sigkilled_rank_ends_the_job(n, nodes):
+    """Also across two simulated nodes, where the survivors wait in C for the dead rank's
+    message between nodes."""
+    result = run_mpi(n, "fault_check.py", "sigkill", str(n - 1), timeout=60,
+                     env={"RINGREDUCE_SIMULATED_NODES": nodes})
     assert result.returncode != 0
     assert result.seconds < 30, f"took {result.seconds:.1f}s to exit"
     assert "OK rank" not in result.output
