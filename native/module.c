@@ -1,7 +1,7 @@
 /* The Python extension ringreduce._native: the node's allreduce (node.c), the reduction
  * kernels (kernels.c) and MPI exchanges between nodes (p2p.c) as Python functions that take
- * addresses and release the GIL, and the shared constants (constants.h). A small synchronous allreduce calls into it a few times,
- * where ctypes would cost a microsecond a call. */
+ * addresses and release the GIL, and the shared constants (constants.h). A small synchronous
+ * allreduce calls into it a few times, where ctypes would cost a microsecond a call. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>

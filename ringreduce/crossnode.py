@@ -70,12 +70,11 @@ class BetweenNodes:
         # round's headers are written just before it, so a message is one contiguous piece
         # and the data is reduced where it is sent from.
         self.gathered = np.zeros((cross.size, local.size, 2), dtype=np.int64)
-        room = self.room = cross.size // 2 * local.size * HEADER.itemsize
+        room = cross.size // 2 * local.size * HEADER.itemsize
         self.outgoing = np.zeros(room + max(most_data, 64), dtype=np.uint8)
         self.incoming = np.zeros(room + max(most_data, 64), dtype=np.uint8)
         self.incoming_address = self.incoming.ctypes.data
-        self.data = self.outgoing[room:]                 # what allreduce reduces
-        self.data_address = self.data.ctypes.data
+        self.data_address = self.outgoing.ctypes.data + room     # what allreduce reduces
         self.exchange = np.zeros(_native.EXCHANGE_BYTES, dtype=np.uint8)   # C's request state
         exchange = self.exchange.ctypes.data
         self.exchanged = lambda: _native.mpi_test(exchange) != _native.PENDING

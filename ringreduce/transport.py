@@ -286,8 +286,8 @@ class Transport:
                                         postscale)
         if disagreeing is not None:
             self.negotiator.judge(disagreeing, describe)     # raises: they differ
-            raise RingReduceError(f"ringreduce: {describe()}: a message between nodes came "
-                                  "without data while every digest agreed")
+            raise RingReduceError(f"ringreduce: {label(describe())}: a message between nodes "
+                                  "came without data while every digest agreed")
 
     def _node_blocks(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
         digest = self._digest_for_node(spec)

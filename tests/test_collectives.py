@@ -12,7 +12,8 @@ SETTINGS = {
     1: {"default": {}},                 # one rank: every path is the same copy
     2: {**PATHS, "2 nodes of 1": NODES},
     3: PATHS,
-    4: {**PATHS, "2 nodes of 2": NODES, "2 nodes of 2, shm-blocks": {**PATHS["shm-blocks"], **NODES},
+    4: {**PATHS, "2 nodes of 2": NODES,
+        "2 nodes of 2, shm-blocks": {**PATHS["shm-blocks"], **NODES},
         "2 nodes of 2, no shared memory": {**PATHS["mpi-gather"], **NODES},
         "4 nodes of 1 (two rounds)": {"RINGREDUCE_SIMULATED_NODES": "4"}},
 }

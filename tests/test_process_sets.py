@@ -11,7 +11,8 @@ NODES = {"RINGREDUCE_SIMULATED_NODES": "2"}
 # sets {0, 2}, {0, 1, 2} and {1, 2, 3} cross the nodes {0, 1} and {2, 3}.
 SETTINGS = {2: {"default": {}}, 3: {"default": {}},
             4: {"default": {}, "shm-blocks": PATHS["shm-blocks"], "mpi-ring": PATHS["mpi-ring"],
-                "2 nodes of 2": NODES, "2 nodes of 2, shm-blocks": {**PATHS["shm-blocks"], **NODES}}}
+                "2 nodes of 2": NODES,
+                "2 nodes of 2, shm-blocks": {**PATHS["shm-blocks"], **NODES}}}
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
