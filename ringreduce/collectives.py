@@ -128,7 +128,8 @@ def _small_allreduce(tensor: Any, name: Optional[str], op: Any, postscale: float
     op_name = _OP_NAMES.get(Average if op is None else op)
     if (op_name is None or tensor.__class__ is not torch.Tensor
             or not tensor.is_cpu or tensor.layout is not torch.strided
-            or tensor.dtype not in CODES or not tensor.is_contiguous()
+            or (code := CODES.get(torch_dtype := tensor.dtype)) is None
+            or not tensor.is_contiguous()
             or tensor.nbytes > transport.fast_small_bytes
             or not ps.engine.claim_idle()):
         return None
@@ -136,16 +137,16 @@ def _small_allreduce(tensor: Any, name: Optional[str], op: Any, postscale: float
         if name is None:
             name = ps.auto_name("allreduce_" if in_place else "allreduce")
         op = _OPS_BY_NAME[op_name]
-        dtype, shape = NAMES[tensor.dtype], tensor.shape
+        dtype, shape = NAMES[torch_dtype], tensor.shape
         out = tensor if in_place else torch.empty_like(tensor)
         digest = _native.allreduce_digest(name, op_name, dtype, shape, 1.0, float(postscale))
 
-        def make_spec() -> ReduceSpec:     # the general path's, made only where needed
-            return ReduceSpec(tensor.dtype, op, 1.0, postscale, digest, {
+        def make_spec() -> ReduceSpec:     # the general path's, made only where needed (and
+            return ReduceSpec(torch_dtype, op, 1.0, postscale, digest, {    # no tensor kept)
                 "collective": "allreduce", "name": name, "op": op_name, "prescale": 1.0,
                 "postscale": postscale, "dtype": dtype, "shape": tuple(shape)})
 
-        transport.small_allreduce(tensor, out, op, postscale, digest, make_spec)
+        transport.small_allreduce(tensor, out, code, op, postscale, digest, make_spec)
     finally:
         ps.engine.release_idle()
     return out

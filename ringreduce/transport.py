@@ -47,6 +47,8 @@ from .shm import NodeWindow
 from .signature import Signature, describe_mismatch, label
 from .stall import StallWatch
 
+_AVERAGE = ReduceOp.Average     # (an enum's class attribute costs a lookup each time)
+
 DTYPES = {name: dtype for dtype, name in NAMES.items()}
 # What a member runs, as a join round shares it: (collective, signature, reduction or None),
 # the reduction being (dtype name, element count, op, prescale, postscale, on a GPU).
@@ -155,11 +157,11 @@ class Transport:
         except PeersJoined:
             self._after_joins(src, dst, spec)
 
-    def small_allreduce(self, src: torch.Tensor, dst: torch.Tensor, op: ReduceOp,
+    def small_allreduce(self, src: torch.Tensor, dst: torch.Tensor, code: int, op: ReduceOp,
                         postscale: float, digest: int, make_spec: Callable[[], ReduceSpec]
                         ) -> None:
-        """collectives.py's fast path: a contiguous CPU tensor of at most `fast_small_bytes`,
-        no prescale, its signature digested. Between nodes it goes straight to crossnode's
+        """collectives.py's fast path: a contiguous CPU tensor of at most `fast_small_bytes`
+        (dtype code `code`), no prescale, its signature digested. Between nodes it goes straight to crossnode's
         C rounds, and the ReduceSpec is made only where one is needed (a mismatch, a join, a
         stall report): at a few microseconds a call, every step of Python shows."""
         if self.one_node:       # its slots
@@ -172,7 +174,7 @@ class Transport:
             return
         self.watch.begin(make_spec)
         try:
-            self._between(src, dst, CODES[src.dtype], op, 1.0, postscale, digest,
+            self._between(src, dst, code, op, 1.0, postscale, digest,
                           lambda: make_spec().describe())
         except PeersJoined:
             self._after_joins(src, dst, make_spec())
@@ -280,10 +282,10 @@ class Transport:
         if prescale != 1.0:
             _native.copy_stream(between.data_address, address, nbytes)
             _native.finish(code, between.data_address, count, 1.0, prescale)
-            address = 0         # in place already
-        disagreeing = between.allreduce(address, dst.data_ptr(), nbytes, count, code, op, digest,
-                                        self.average_divisor if op == ReduceOp.Average else 1.0,
-                                        postscale)
+            src, address = None, 0         # in place already
+        disagreeing = between.allreduce(
+            address, address if dst is src else dst.data_ptr(), nbytes, count, code, op, digest,
+            self.average_divisor if op is _AVERAGE else 1.0, postscale)
         if disagreeing is not None:
             self.negotiator.judge(disagreeing, describe)     # raises: they differ
             raise RingReduceError(f"ringreduce: {label(describe())}: a message between nodes "
