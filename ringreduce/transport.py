@@ -161,21 +161,18 @@ class Transport:
                         postscale: float, digest: int, make_spec: Callable[[], ReduceSpec]
                         ) -> None:
         """collectives.py's fast path: a contiguous CPU tensor of at most `fast_small_bytes`
-        (dtype code `code`), no prescale, its signature digested. Between nodes it goes straight to crossnode's
-        C rounds, and the ReduceSpec is made only where one is needed (a mismatch, a join, a
-        stall report): at a few microseconds a call, every step of Python shows."""
-        if self.one_node:       # its slots
-            spec = make_spec()
-            self.watch.begin(spec)
-            try:
-                self._node_slots(src, dst, spec)
-            except PeersJoined:
-                self._after_joins(src, dst, spec)
-            return
+        (dtype code `code`), no prescale, its signature digested: straight into the node's
+        slots, or crossnode's C rounds between nodes. The ReduceSpec is made only where one is
+        needed (a mismatch, a join, a stall report): at a few microseconds a call, every step
+        of Python shows."""
         self.watch.begin(make_spec)
         try:
-            self._between(src, dst, code, op, 1.0, postscale, digest,
-                          lambda: make_spec().describe())
+            if self.one_node:
+                self._one_node_small(src, dst, code, op, postscale, digest,
+                                     lambda: make_spec().describe())
+            else:
+                self._between(src, dst, code, op, 1.0, postscale, digest,
+                              lambda: make_spec().describe())
         except PeersJoined:
             self._after_joins(src, dst, make_spec())
 
@@ -266,6 +263,18 @@ class Transport:
             self._disagreement(spec)
         if not self.one_node:
             self._ring(self.cross, "cross", as_array(dst), spec)
+
+    def _one_node_small(self, src: torch.Tensor, dst: torch.Tensor, code: int, op: ReduceOp,
+                        postscale: float, digest: int, describe: Callable[[], Signature]
+                        ) -> None:
+        """_node_slots for the fast path: one node, no prescale, the digest riding with the
+        data."""
+        address = src.data_ptr()
+        if not self.node.small(address, address if dst is src else dst.data_ptr(), src.nbytes,
+                               src.numel(), code, op,
+                               self.average_divisor if op is _AVERAGE else 1.0, postscale,
+                               digest):
+            self.negotiator.judge(self.node.last_headers()[0], describe)   # raises
 
     def _between_nodes_small(self, src: torch.Tensor, dst: torch.Tensor,
                              spec: ReduceSpec) -> None:
