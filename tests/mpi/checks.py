@@ -1,5 +1,8 @@
-"""What the worker scripts assert with: exact tensors, and errors that name what went wrong."""
-from typing import Callable, Sequence, Union
+"""What the worker scripts assert with: exact tensors, errors that name what went wrong, and
+one launch run under several settings."""
+import json
+import os
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -24,3 +27,20 @@ def expect(error: type, fragments: Union[str, Sequence[str]], fn: Callable, *arg
         return text
     raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise {error.__name__} "
                          f"({fragments})")
+
+
+def per_setting(argument: Optional[str], start: Callable[[], None], checks: Callable[[], None],
+                stop: Callable[[], None]) -> None:
+    """For each setting of `argument`, a JSON object {label: {RINGREDUCE_* variable: value}}
+    (None: the environment as it is): set its variables, start(), checks(), stop(). A failed
+    assertion names the setting's label."""
+    for label, variables in json.loads(argument or '{"as launched": {}}').items():
+        os.environ.update(variables)
+        start()
+        try:
+            checks()
+        except AssertionError as e:
+            raise AssertionError(f"[{label}] {e}") from e
+        stop()
+        for name in variables:
+            del os.environ[name]

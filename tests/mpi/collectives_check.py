@@ -6,15 +6,13 @@ across ranks. Run under mpiexec at any rank count. The optional argument, a JSON
 {label: {RINGREDUCE_* variable: value}}, runs every check once per setting (init, checks,
 shutdown), so one launch covers every data path; a failure names its label.
 """
-import json
-import os
 import sys
 
 import torch
 from mpi4py import MPI
 
 import ringreduce as hvd
-from checks import check_equal
+from checks import check_equal, per_setting
 
 world = MPI.COMM_WORLD
 r, n = world.rank, world.size
@@ -208,18 +206,12 @@ def check_reducescatter():
                             f"reducescatter rows={rows} {op.name} {dtype}")
 
 
-for label, variables in json.loads(sys.argv[1] if len(sys.argv) > 1 else '{"default": {}}').items():
-    os.environ.update(variables)
-    hvd.init()
-    try:
-        for check in (check_allreduce, check_inline_and_queued_small_allreduce_agree,
-                      check_grouped, check_allgather, check_broadcast, check_alltoall,
-                      check_reducescatter):
-            check()
-            hvd.barrier()
-    except AssertionError as e:
-        raise AssertionError(f"[{label}] {e}") from e
-    hvd.shutdown()
-    for name in variables:
-        del os.environ[name]
+def check_all():
+    for check in (check_allreduce, check_inline_and_queued_small_allreduce_agree, check_grouped,
+                  check_allgather, check_broadcast, check_alltoall, check_reducescatter):
+        check()
+        hvd.barrier()
+
+
+per_setting(sys.argv[1] if len(sys.argv) > 1 else None, hvd.init, check_all, hvd.shutdown)
 print(f"OK rank {r}", flush=True)

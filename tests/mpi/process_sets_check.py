@@ -8,8 +8,6 @@ Usage: process_sets_check.py [stall | SETTINGS]   ("stall": a member of a set sl
 stall time; SETTINGS: a JSON object {label: {RINGREDUCE_* variable: value}}, every check once per
 setting, a failure named by its label)
 """
-import json
-import os
 import sys
 import time
 
@@ -18,7 +16,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import ringreduce as hvd
-from checks import check_equal, expect
+from checks import check_equal, expect, per_setting
 from models import Net
 
 world = MPI.COMM_WORLD
@@ -335,15 +333,5 @@ if sys.argv[1:] == ["stall"]:
     stall()
     hvd.shutdown()
 else:
-    for label, variables in json.loads(sys.argv[1] if len(sys.argv) > 1
-                                       else '{"default": {}}').items():
-        os.environ.update(variables)
-        start()
-        try:
-            check_all()
-        except AssertionError as e:
-            raise AssertionError(f"[{label}] {e}") from e
-        hvd.shutdown()
-        for name in variables:
-            del os.environ[name]
+    per_setting(sys.argv[1] if len(sys.argv) > 1 else None, start, check_all, hvd.shutdown)
 print(f"OK rank {r}", flush=True)
