@@ -30,6 +30,7 @@ TAG = 11                # the ring uses its own tag on the same communicator
 HEADER = np.dtype((np.int64, 2))    # digest, per-rank word
 _bound = False          # whether native/p2p.c knows the MPI functions yet
 _HEADERS_ONLY = (-1, 0, 0, 0, 0, 0, 1.0, 1.0)     # doubling()'s reduction arguments: none
+_MOST_BYTES = (1 << 31) - 1                        # MPI counts are C ints
 
 
 def _bind_native_mpi(MPI: Any) -> None:
@@ -71,6 +72,10 @@ class BetweenNodes:
         # and the data is reduced where it is sent from.
         self.gathered = np.zeros((cross.size, local.size, 2), dtype=np.int64)
         room = cross.size // 2 * local.size * HEADER.itemsize
+        if room + most_data > _MOST_BYTES:
+            raise ValueError(f"ringreduce: RINGREDUCE_SMALL_MESSAGE_BYTES={most_data} is too "
+                             f"large for one MPI message between nodes (at most "
+                             f"{_MOST_BYTES - room} bytes with {comm.size} ranks)")
         self.outgoing = np.zeros(room + max(most_data, 64), dtype=np.uint8)
         self.incoming = np.zeros(room + max(most_data, 64), dtype=np.uint8)
         self.incoming_address = self.incoming.ctypes.data
