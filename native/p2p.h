@@ -60,7 +60,8 @@ long rr_mpi_test(rr_exchange *x);
  * half's headers (and, with a reduction, the data after them) go to the partner, theirs are
  * kept, and their data is combined with ours, the lower half first, so both sides compute
  * the same bits. Returns 1 when every message carried data and every digest of `gathered`
- * (`members` (digest, word) pairs) agrees, 0 when not, RR_PENDING, or RR_MPI_FAILED. */
+ * (`members` (digest, word) pairs) agrees (the result is then finished and copied to the
+ * reduction's dst), 0 when not (dst untouched), RR_PENDING, or RR_MPI_FAILED. */
 long rr_doubling(rr_exchange *x, int resume, intptr_t comm, int tag, const rr_round *rounds,
                  int nrounds, const rr_reduction *reduction, void *incoming, int capacity,
                  const int64_t *gathered, int members, double spin_seconds);
