@@ -102,16 +102,14 @@ class BetweenNodes:
                       len(self.rounds))
         self._tail = (self.data_address, self.incoming_address, self.incoming.nbytes,
                       self.gathered.ctypes.data, self.gathered.size // 2, SPIN_SECONDS)
-        self._mine = self.gathered[cross.rank]
-        self._mine_address = self._mine.ctypes.data
-        self._own = self._mine.reshape(-1) if local.size == 1 else None    # digest, word
+        self._mine_address = self.gathered[cross.rank].ctypes.data
+        self._own = self.gathered[cross.rank].reshape(-1) if node is None else None
 
     def headers(self, digest: int, per_rank: int) -> tuple[np.ndarray, np.ndarray]:
         """Every member's digest and per-rank word, indexed by set rank."""
-        if self.node is None:
-            self._node_block(digest, per_rank)
-        else:
-            self._node_block(*self.node.exchange_headers(digest, per_rank))
+        if self.node is not None:
+            self.node.exchange_headers(digest, per_rank)
+        self._node_headers(digest, per_rank)
         self.run(_HEADERS_ONLY)
         return self._by_set_rank(self.gathered)
 
@@ -123,23 +121,23 @@ class BetweenNodes:
         every member's digest agrees (and `dst` holds the result); else every member's digest,
         by set rank, and `dst` is untouched."""
         reduced = True
-        if self.node is None:
-            self._own[0], self._own[1] = digest, 0
-        else:
+        if self.node is not None:
             reduced = self.node.small(src or self.data_address, self.data_address, nbytes, count,
                                       dtype, op, 1.0, 1.0, digest)
-            self.node.headers_into(self._mine_address)
             src = 0
+        self._node_headers(digest, 0)
         if self.run((nbytes, count, dtype, op, src, dst, divisor, scale) if reduced
                     else _HEADERS_ONLY):
             return None
         return self._by_set_rank(self.gathered)[0]
 
-    def _node_block(self, digests: Any, per_rank: Any) -> None:
-        """This node's headers (its local ranks' digests and per-rank words), where the
-        exchange between nodes starts from."""
-        mine = self._mine
-        mine[:, 0], mine[:, 1] = digests, per_rank
+    def _node_headers(self, digest: int, per_rank: int) -> None:
+        """This node's headers, where the exchange between nodes starts from: the node's last
+        exchange in its shared memory, or this rank's own when it is alone on its node."""
+        if self.node is None:
+            self._own[0], self._own[1] = digest, per_rank
+        else:
+            self.node.headers_into(self._mine_address)
 
     def _by_set_rank(self, gathered: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         flat = gathered.reshape(-1, 2)
@@ -150,7 +148,7 @@ class BetweenNodes:
         return digests, values
 
     def run(self, reduction: tuple) -> bool:
-        """Recursive doubling from this node's headers (`_node_block`) into `gathered` (nodes
+        """Recursive doubling from this node's headers (`_node_headers`) into `gathered` (nodes
         x local size x 2, by cross rank). `reduction`: allreduce's (bytes, count, dtype code,
         op, src, dst, divisor, scale) for `data`, reduced in place until a message comes
         without data (its sender's digest tells why), or _HEADERS_ONLY. True when every

@@ -116,10 +116,7 @@ class Engine:
             return True
 
     def release_idle(self) -> None:
-        with self._lock:
-            self._busy = False
-            if self._queue:     # submitted meanwhile: the engine thread runs it now
-                self._cv.notify_all()
+        self._finish("")
 
     def shutdown(self) -> None:
         """Run what is queued, then end the thread."""

@@ -139,7 +139,7 @@ class Transport:
         # ways whose exchange carries the signature with the data.
         self.fast_small_bytes = (self.node.small_bytes if self.one_node
                                  else self.between_small_bytes)
-        self.average_divisor = float(comm.size)
+        self.average_divisor = float(comm.size)     # (the small paths' division, precomputed)
 
     def free(self) -> None:
         if self.node is not None:
@@ -166,13 +166,12 @@ class Transport:
         needed (a mismatch, a join, a stall report): at a few microseconds a call, every step
         of Python shows."""
         self.watch.begin(make_spec)
+        describe = lambda: make_spec().describe()   # noqa: E731
         try:
             if self.one_node:
-                self._one_node_small(src, dst, code, op, postscale, digest,
-                                     lambda: make_spec().describe())
+                self._one_node_small(src, dst, code, op, postscale, digest, describe)
             else:
-                self._between(src, dst, code, op, 1.0, postscale, digest,
-                              lambda: make_spec().describe())
+                self._between(src, dst, code, op, 1.0, postscale, digest, describe)
         except PeersJoined:
             self._after_joins(src, dst, make_spec())
 
@@ -260,7 +259,7 @@ class Transport:
         divisor, scale = self._node_finish(spec)
         if not self.node.small(src.data_ptr(), dst.data_ptr(), src.nbytes, src.numel(),
                                spec.code, spec.op, divisor, scale, digest):
-            self._disagreement(spec)
+            self._disagreement(spec.describe)
         if not self.one_node:
             self._ring(self.cross, "cross", as_array(dst), spec)
 
@@ -272,9 +271,8 @@ class Transport:
         address = src.data_ptr()
         if not self.node.small(address, address if dst is src else dst.data_ptr(), src.nbytes,
                                src.numel(), code, op,
-                               self.average_divisor if op is _AVERAGE else 1.0, postscale,
-                               digest):
-            self.negotiator.judge(self.node.last_headers()[0], describe)   # raises
+                               self._divisor(op), postscale, digest):
+            self._disagreement(describe)
 
     def _between_nodes_small(self, src: torch.Tensor, dst: torch.Tensor,
                              spec: ReduceSpec) -> None:
@@ -294,7 +292,7 @@ class Transport:
             src, address = None, 0         # in place already
         disagreeing = between.allreduce(
             address, address if dst is src else dst.data_ptr(), nbytes, count, code, op, digest,
-            self.average_divisor if op is _AVERAGE else 1.0, postscale)
+            self._divisor(op), postscale)
         if disagreeing is not None:
             self.negotiator.judge(disagreeing, describe)     # raises: they differ
             raise RingReduceError(f"ringreduce: {label(describe())}: a message between nodes "
@@ -311,7 +309,7 @@ class Transport:
 
         if not self.node.large(src.data_ptr(), dst.data_ptr(), src.numel(), spec.code, spec.op,
                                divisor, scale, digest, None if self.one_node else between_nodes):
-            self._disagreement(spec)
+            self._disagreement(spec.describe)
 
     # ------------------------------------------------------------------ pieces of the ways
 
@@ -321,9 +319,9 @@ class Transport:
         meet every exchange (on one node, the node's own exchange carries the digest)."""
         self.negotiator.check(spec.describe(), precomputed=spec.digest or 0)
 
-    def _disagreement(self, spec: ReduceSpec) -> None:
+    def _disagreement(self, describe: Callable[[], Signature]) -> None:
         """The node's exchange found different digests: PeersJoined or MismatchError."""
-        self.negotiator.judge(self.node.last_headers()[0], spec.describe())
+        self.negotiator.judge(self.node.last_headers()[0], describe)
 
     def _digest_for_node(self, spec: ReduceSpec) -> int:
         """The digest the node exchange compares (0: none). It rides with the data on one node;
@@ -345,17 +343,18 @@ class Transport:
         _scale(dst, spec, 1.0, spec.prescale)
         return dst
 
-    def _divisor(self, spec: ReduceSpec) -> float:
-        return float(self.size) if spec.op == ReduceOp.Average else 1.0
+    def _divisor(self, op: ReduceOp) -> float:
+        """What the sum is divided by: the set's size for Average."""
+        return self.average_divisor if op is _AVERAGE else 1.0
 
     def _node_finish(self, spec: ReduceSpec) -> tuple[float, float]:
         """What the node's last reduction step divides and scales by: everything on one node;
         nothing across nodes, where the ring between nodes finishes each chunk."""
-        return (self._divisor(spec), spec.postscale) if self.one_node else (1.0, 1.0)
+        return (self._divisor(spec.op), spec.postscale) if self.one_node else (1.0, 1.0)
 
     def _finisher(self, spec: ReduceSpec) -> Optional[Callable[[np.ndarray], None]]:
         """What happens to each finished chunk: Average's division, then the postscale."""
-        divisor = self._divisor(spec)
+        divisor = self._divisor(spec.op)
         if divisor == 1.0 and spec.postscale == 1.0:
             return None
         return lambda part: kernels.finish(part, spec.dtype, divisor, spec.postscale)
@@ -476,7 +475,7 @@ class Transport:
             ring.reduce_scatter(self.comm, array, bounds, kernels.reducer(spec.dtype, spec.op),
                                 scratch, segment)
         lo, hi = bounds[self.comm.rank]
-        kernels.finish(array[lo:hi], spec.dtype, self._divisor(spec), spec.postscale)
+        kernels.finish(array[lo:hi], spec.dtype, self._divisor(spec.op), spec.postscale)
 
     def barrier(self, signature: Signature) -> None:
         """Every member here; while some have joined, the join round itself is the barrier."""
