@@ -443,6 +443,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._passes = passes
         self._reset_step()
 
+    def __setstate__(self, state: dict) -> None:
+        """load_state_dict() replaces `state` and `param_groups` with new objects: the plain
+        optimizer an LR scheduler made before wrapping holds (and steps with, and sets the
+        learning rate of) must keep sharing them."""
+        self._plain_class.__setstate__(self, state)
+        plain = self.__dict__.get("_plain")
+        if plain is not None:
+            plain.__dict__.update(state)
+
     @property
     def _adasum(self) -> bool:
         return False

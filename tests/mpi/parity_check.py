@@ -289,6 +289,10 @@ def check_schedulers_closures_early_steps_and_release():
     assert not any("lr_scheduler" in t for t in texts), texts
     check_equal(model.weight.detach(), start - mean, "stepped with the averaged gradient")
     assert opt.param_groups[0]["lr"] == 0.5
+    # load_state_dict (broadcast_optimizer_state, a resume) gives the wrapper new groups and
+    # state: the plain optimizer the scheduler steps must keep stepping with them
+    opt.load_state_dict(opt.state_dict())
+    assert plain.param_groups is opt.param_groups and plain.state is opt.state
     # step(closure): the closure's backward is what gets reduced
     opt.zero_grad()
     before = model.weight.detach().clone()
