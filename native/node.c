@@ -26,8 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sched.h>
-#include <time.h>
 
+#include "clock.h"
 #include "constants.h"
 #include "kernels.h"
 #include "node.h"
@@ -118,12 +118,6 @@ int rr_node_ready(rr_node *node) {
     return 1;
 }
 
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* A polling loop's pause: leaves the core's resources to a sibling hyperthread (a peer rank
  * doing the copies we wait for may be running there) and saves power. */
 static inline void cpu_relax(void) {
@@ -153,7 +147,7 @@ static int spin_until_ready(rr_node *node, double spin_seconds) {
         if (spins % 64 == 63) {         /* reading the clock costs more than a poll */
             sched_yield();              /* free at once on an idle core; lets a peer that
                                            shares ours (more ranks than cores) run */
-            double t = now();
+            double t = rr_now();
             if (deadline < 0) deadline = t + spin_seconds;
             else if (t > deadline) return 0;
         }
@@ -264,7 +258,7 @@ void rr_large_chunk(rr_node *node, size_t *first, size_t *count) {
 
 /* Adds the time since *t to phase p's total and restarts *t. */
 static void lap(rr_node *node, int p, double *t) {
-    double t1 = now();
+    double t1 = rr_now();
     node->seconds[p] += t1 - *t;
     *t = t1;
 }
@@ -278,7 +272,7 @@ int rr_large_run(rr_node *node, double spin_seconds) {
     const int me = node->me, n = node->n;
     __atomic_thread_fence(__ATOMIC_SEQ_CST);   /* resumed after a wait in Python */
     const size_t size = node->job.size;
-    double t = now();
+    double t = rr_now();
     while (node->job.start < node->job.count) {   /* 0 elements: nothing, no flags */
         size_t m = block_length(node);
         size_t lo = chunk_lo(node, m, me), hi = chunk_lo(node, m, me + 1);

@@ -1,13 +1,13 @@
 /* MPI point-to-point from C (see p2p.h). */
 #include "p2p.h"
 
+#include "clock.h"
 #include "kernels.h"
 
 #include <dlfcn.h>
 #include <sched.h>
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
 
 typedef int (*isend_fn)(const void *, int, intptr_t, int, int, intptr_t, void *);
 typedef int (*irecv_fn)(void *, int, intptr_t, int, int, intptr_t, void *);
@@ -54,7 +54,7 @@ int rr_mpi_bind(void *library, size_t request_size, size_t status_size, intptr_t
 }
 
 static long failed(const char *call, int code) {
-    char text[256];
+    char text[1024];    /* MPI_MAX_ERROR_STRING: 512 in MPICH 5, 1024 in older MPICHs */
     int length = 0;
     if (mpi.error_string(code, text, &length) != 0) length = 0;
     text[length < (int)sizeof text ? length : (int)sizeof text - 1] = '\0';
@@ -78,15 +78,12 @@ long rr_mpi_test(rr_exchange *x) {
     return count;
 }
 
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 long rr_mpi_exchange(rr_exchange *x, intptr_t comm, int partner, int tag, const void *send,
                      int send_bytes, void *recv, int recv_bytes, double spin_seconds) {
-    memset(x->requests, 0, sizeof x->requests);
+    if (x->pending) {   /* a wait that ended in an exception left one in flight */
+        snprintf(error, sizeof error, "an earlier exchange between nodes never completed");
+        return RR_MPI_FAILED;
+    }
     int code = mpi.irecv(recv, recv_bytes, mpi.byte, partner, tag, comm, x->requests);
     if (code != 0) return failed("MPI_Irecv", code);
     code = mpi.isend(send, send_bytes, mpi.byte, partner, tag, comm,
@@ -99,11 +96,17 @@ long rr_mpi_exchange(rr_exchange *x, intptr_t comm, int partner, int tag, const 
         if (result != RR_PENDING) return result;
         if (polls % 16 == 15) {         /* reading the clock costs more than a poll */
             sched_yield();              /* a peer sharing our core (more ranks than cores) */
-            double t = now();
+            double t = rr_now();
             if (deadline < 0) deadline = t + spin_seconds;
             else if (t > deadline) return RR_PENDING;
         }
     }
+}
+
+static long unknown(const rr_reduction *reduction) {
+    snprintf(error, sizeof error, "no kernel for dtype code %lld, op %lld",
+             (long long)reduction->dtype, (long long)reduction->op);
+    return RR_MPI_FAILED;
 }
 
 static int digests_agree(const int64_t *gathered, int members) {
@@ -138,24 +141,25 @@ long rr_doubling(rr_exchange *x, int resume, intptr_t comm, int tag, const rr_ro
                                        spin_seconds);
         }
         if (received < 0) return received;      /* pending, or failed */
-        memcpy((void *)(intptr_t)r->theirs, (const void *)(intptr_t)r->arriving,
-               (size_t)r->size);
+        memcpy((void *)(intptr_t)r->theirs, incoming, (size_t)r->size);
         if (reduction == NULL) continue;
         if (received - r->size != nbytes) {
             x->complete = 0;    /* headers only: a joined rank, or one in another collective */
         } else if (x->complete) {
             void *data = (void *)(intptr_t)reduction->data;
             const void *other = (const char *)incoming + r->size;
-            rr_combine((int)reduction->dtype, (int)reduction->op, r->lower ? data : other,
-                       r->lower ? other : data, data, (size_t)reduction->count, 0, 1.0, 1.0);
+            if (rr_combine((int)reduction->dtype, (int)reduction->op, r->lower ? data : other,
+                           r->lower ? other : data, data, (size_t)reduction->count, 0, 1.0,
+                           1.0) != 0)
+                return unknown(reduction);
         }
     }
     if (!x->complete || !digests_agree(gathered, members)) return 0;
     if (reduction->dst != 0) {
         void *data = (void *)(intptr_t)reduction->data;
-        if (reduction->divisor != 1.0 || reduction->scale != 1.0)
-            rr_finish((int)reduction->dtype, data, (size_t)reduction->count, reduction->divisor,
-                      reduction->scale);
+        if (rr_finish((int)reduction->dtype, data, (size_t)reduction->count,
+                      reduction->divisor, reduction->scale) != 0)
+            return unknown(reduction);
         memcpy((void *)(intptr_t)reduction->dst, data, (size_t)nbytes);
     }
     return 1;

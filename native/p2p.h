@@ -13,7 +13,7 @@
 #define RR_MPI_HANDLE_MAX 16    /* room for one MPI_Request */
 #define RR_MPI_STATUS_MAX 64    /* room for one MPI_Status */
 #define RR_PENDING (-1)         /* an exchange still waiting: rr_mpi_test finishes it */
-#define RR_MPI_FAILED (-2)      /* an MPI call failed: rr_mpi_error says which and why */
+#define RR_MPI_FAILED (-2)      /* an MPI call (or a kernel) failed: rr_mpi_error says why */
 
 /* One exchange in flight: a receive and a send with one partner; and where a run of
  * recursive-doubling rounds (rr_doubling) stands. */
@@ -31,7 +31,7 @@ typedef struct rr_round {
     int64_t partner, lower;     /* the partner's cross rank; whether our half comes first */
     int64_t size;               /* header bytes each side sends */
     int64_t ours, headers;      /* our half's headers; where they go, just before the data */
-    int64_t arriving, theirs;   /* their headers as received; where they are kept */
+    int64_t theirs;             /* where their headers (arriving at `incoming`) are kept */
 } rr_round;
 
 /* What rr_doubling reduces: `nbytes` of `data` (count elements of dtype, op), in place,

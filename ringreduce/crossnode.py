@@ -85,7 +85,7 @@ class BetweenNodes:
         self.exchanged = lambda: _native.mpi_test(exchange) != _native.PENDING
         # The rounds, as native/p2p.h's rr_round: partner, whether our half is the lower,
         # header bytes, and the addresses of our half's headers, where they are sent from,
-        # where theirs arrive and where they are kept.
+        # and where theirs are kept (they arrive at the start of `incoming`).
         rounds = []
         me, distance = cross.rank, 1
         while distance < cross.size:
@@ -93,10 +93,10 @@ class BetweenNodes:
             ours, theirs = me & ~(distance - 1), partner & ~(distance - 1)
             size = distance * local.size * HEADER.itemsize
             rounds.append([partner, ours < theirs, size, self.gathered[ours].ctypes.data,
-                           self.outgoing.ctypes.data + room - size, self.incoming_address,
+                           self.outgoing.ctypes.data + room - size,
                            self.gathered[theirs].ctypes.data])
             distance *= 2
-        self.rounds = np.array(rounds, dtype=np.int64).reshape(-1, 7)
+        self.rounds = np.array(rounds, dtype=np.int64).reshape(-1, 6)
         # doubling()'s arguments before the reduction's (and the resume flag), and after
         self._head = (exchange, MPI._handleof(cross), TAG, self.rounds.ctypes.data,
                       len(self.rounds))
