@@ -58,13 +58,13 @@ import torch
 import ringreduce as hvd  # before mpi4py.MPI, so MPI starts with the thread level ringreduce needs
 from ringreduce import _native
 from ringreduce.config import parse_bytes
-from ringreduce.process_sets import active, global_process_set
+from ringreduce.process_sets import global_set
 
 hvd.init()
 from mpi4py import MPI  # noqa: E402
 
-from bench_common import (init_gloo, metadata as common_metadata, slowest,  # noqa: E402
-                          time_it, write_results)
+from bench_common import (cross_comm, init_gloo, metadata as common_metadata,  # noqa: E402
+                          slowest, time_it, write_results)
 
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
@@ -72,7 +72,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 METHODS = ["ours", "ours_", "bucket", "set_", "mpi", "mpi_x", "gloo"]
 # Ranks with the same local rank, one per node (as ringreduce sees nodes, simulated or not):
 # MPI's Allreduce between nodes, the part of a hierarchical allreduce that crosses them.
-CROSS = COMM.Split(hvd.local_rank(), RANK) if hvd.cross_size() > 1 else None
+CROSS = cross_comm(hvd.local_rank()) if hvd.cross_size() > 1 else None
 PAIR = hvd.add_process_set([0, 1]) if NRANKS >= 3 else None    # a 2-rank set inside the job
 PAIR_COMM = COMM.Split(0 if RANK < 2 else MPI.UNDEFINED, RANK)  # its members, for barriers
 
@@ -153,23 +153,23 @@ def bench_copies(nbytes: int, iters: int) -> list[dict]:
     with non-temporal stores (ringreduce._native.copy_stream), `copy_` torch's Tensor.copy_."""
     src, dst = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
     tsrc, tdst = torch.from_numpy(src), torch.from_numpy(dst)
+    dst_address, src_address = dst.ctypes.data, src.ctypes.data     # (a microsecond each)
     copies = {"memcpy": lambda: np.copyto(dst, src),
-              "stream": lambda: _native.copy_stream(dst.ctypes.data, src.ctypes.data, nbytes),
+              "stream": lambda: _native.copy_stream(dst_address, src_address, nbytes),
               "copy_": lambda: tdst.copy_(tsrc)}
     rows = []
+
+    def row(name: str, where: str, seconds: float) -> None:
+        rows.append({"size_bytes": nbytes, "size": size_label(nbytes), "copy": name,
+                     "where": where, "iters": iters, "time_s": seconds,
+                     "bw_GBps": nbytes / seconds / 1e9})
+
     for name, copy in copies.items():
-        for where in ("rank 0", "every rank"):
-            if where == "every rank" and (name == "copy_" or NRANKS == 1):
-                continue
-            if where == "rank 0":
-                seconds = time_it(copy, iters, barrier=lambda: None) if RANK == 0 else 0.0
-                sleeping_barrier()
-                seconds = COMM.bcast(seconds, root=0)
-            else:
-                seconds = slowest(time_it(copy, iters))
-            rows.append({"size_bytes": nbytes, "size": size_label(nbytes), "copy": name,
-                         "where": where, "iters": iters, "time_s": seconds,
-                         "bw_GBps": nbytes / seconds / 1e9})
+        alone = time_it(copy, iters, barrier=lambda: None) if RANK == 0 else 0.0
+        sleeping_barrier()
+        row(name, "rank 0", COMM.bcast(alone, root=0))
+        if name != "copy_" and NRANKS > 1:
+            row(name, "every rank", slowest(time_it(copy, iters)))
     return rows
 
 
@@ -186,8 +186,8 @@ def bench_profile(nbytes: int, dtype: torch.dtype, iters: int) -> dict | None:
     (native/node.c), with the bytes each phase reads and writes per rank (B = SIZE, n ranks):
     copy_in B(n-1)/n each way, reduce B/n from each of n places + B/n written, publish B/n
     each way, copy_out B(n-1)/n each way."""
-    node = active(global_process_set, "bench").transport.node
-    if node is None or nbytes <= node.small_bytes:     # the block path only
+    node = global_set("bench_profile").transport.node
+    if node is None or node.fits_small(nbytes):     # the block path only
         return None
     t = torch.zeros(nbytes // dtype.itemsize, dtype=dtype)
     hvd.allreduce_(t, op=hvd.Sum)
@@ -198,7 +198,7 @@ def bench_profile(nbytes: int, dtype: torch.dtype, iters: int) -> dict | None:
         hvd.allreduce_(t, op=hvd.Sum)
     total = (time.perf_counter() - start) / iters
     phases = {k: v / iters for k, v in node.profile(reset=True).items()}
-    n = NRANKS
+    n = hvd.local_size()        # the node's ranks share its allreduce
     touched = {"copy_in": 2 * nbytes * (n - 1) / n, "reduce": nbytes * (n + 1) / n,
                "publish": 2 * nbytes / n, "copy_out": 2 * nbytes * (n - 1) / n}
     return {"size_bytes": nbytes, "dtype": str(dtype).removeprefix("torch."), "time_s": total,

@@ -28,7 +28,7 @@ from ringreduce.config import parse_bytes
 hvd.init()
 from mpi4py import MPI  # noqa: E402
 
-from bench_common import slowest, time_it  # noqa: E402
+from bench_common import cross_comm, slowest, time_it  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 NODES = hvd.cross_size()
@@ -37,7 +37,7 @@ NODE_SETS = [hvd.add_process_set([r for r, (node, _) in enumerate(WHERE) if node
              for n in range(NODES)]
 LEADERS = hvd.add_process_set([r for r, (_, local) in enumerate(WHERE) if local == 0])
 MY_NODE = NODE_SETS[hvd.cross_rank()]
-CROSS = COMM.Split(hvd.local_rank(), hvd.rank())
+CROSS = cross_comm(hvd.local_rank())
 
 
 def leaders(t: torch.Tensor) -> None:

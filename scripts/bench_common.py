@@ -24,9 +24,15 @@ def time_it(fn, iters: int, barrier=MPI.COMM_WORLD.Barrier) -> float:
     return statistics.median(times)
 
 
-def slowest(seconds: float, comm=MPI.COMM_WORLD) -> float:
+def slowest(seconds: float) -> float:
     """The slowest rank's time: what a collective costs the job."""
-    return comm.allreduce(seconds, op=MPI.MAX)
+    return MPI.COMM_WORLD.allreduce(seconds, op=MPI.MAX)
+
+
+def cross_comm(local_rank: int):
+    """The ranks with this local rank, one per node (as ringreduce sees nodes, simulated or
+    not): where MPI's own Allreduce between nodes runs, as the anchor for ours."""
+    return MPI.COMM_WORLD.Split(local_rank, MPI.COMM_WORLD.rank)
 
 
 def init_gloo(comm=MPI.COMM_WORLD) -> None:

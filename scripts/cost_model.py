@@ -72,16 +72,18 @@ def node_time(m: Machine, size: int) -> float:
     return 2 * (g - 1) / g * size / (m.node_gbs * 1e9)
 
 
+def ring_between_nodes(m: Machine, nodes: int, size: int) -> float:
+    """Our ring between nodes, block by block: 2(N-1) messages a block, the bytes once."""
+    blocks = math.ceil(size / m.block_bytes)
+    return blocks * 2 * (nodes - 1) * m.alpha + 2 * (nodes - 1) / nodes * size / m.link
+
+
 def hierarchical(m: Machine, nodes: int, size: int) -> float:
     o = m.overhead_us * 1e-6
     if size <= m.small_bytes:
-        rounds = math.ceil(math.log2(nodes)) if nodes > 1 else 0
+        rounds = math.ceil(math.log2(nodes))
         return o + node_time(m, size) + rounds * (m.alpha + size / m.link)
-    blocks = math.ceil(size / m.block_bytes)
-    ring = 0.0
-    if nodes > 1:
-        ring = blocks * 2 * (nodes - 1) * m.alpha + 2 * (nodes - 1) / nodes * size / m.link
-    return o + node_time(m, size) + ring
+    return o + node_time(m, size) + ring_between_nodes(m, nodes, size)
 
 
 def hierarchical_pipelined(m: Machine, nodes: int, size: int) -> float:
@@ -89,11 +91,8 @@ def hierarchical_pipelined(m: Machine, nodes: int, size: int) -> float:
     previous block would give (not built yet): the slower of the two, plus one block's fill."""
     if size <= m.small_bytes:
         return hierarchical(m, nodes, size)
+    node, ring = node_time(m, size), ring_between_nodes(m, nodes, size)
     blocks = math.ceil(size / m.block_bytes)
-    ring = 0.0
-    if nodes > 1:
-        ring = blocks * 2 * (nodes - 1) * m.alpha + 2 * (nodes - 1) / nodes * size / m.link
-    node = node_time(m, size)
     return m.overhead_us * 1e-6 + max(node, ring) + min(node, ring) / blocks
 
 
@@ -103,7 +102,7 @@ def flat_ring(m: Machine, nodes: int, size: int) -> float:
 
 
 def tree(m: Machine, nodes: int, size: int) -> float:
-    steps = 2 * math.ceil(math.log2(nodes)) if nodes > 1 else 0
+    steps = 2 * math.ceil(math.log2(nodes))
     return m.overhead_us * 1e-6 + node_time(m, size) + steps * (m.alpha + size / m.link)
 
 
@@ -120,25 +119,28 @@ def label(size: int) -> str:
     return f"{size} B"
 
 
+def row(m: Machine, nodes: int, size: int) -> dict:
+    """Every algorithm's predicted time for one node count and size."""
+    return {"nodes": nodes, "size_bytes": size,
+            **{name: fn(m, nodes, size) for name, fn in ALGORITHMS.items()}}
+
+
 def table(m: Machine) -> list[dict]:
-    return [{"nodes": n, "size_bytes": s,
-             **{name: fn(m, n, s) for name, fn in ALGORITHMS.items()}}
-            for n in NODES for s in SIZES]
+    return [row(m, n, s) for n in NODES for s in SIZES]
 
 
-def best(row: dict) -> str:
+def best(times: dict) -> str:
     """The fastest algorithm; within 0.1 % of it, the first listed (so that equal formulas,
     such as the pipelined one with a single block, do not flip)."""
-    fastest = min(row[name] for name in ALGORITHMS)
-    return next(name for name in ALGORITHMS if row[name] <= fastest * 1.001)
+    fastest = min(times[name] for name in ALGORITHMS)
+    return next(name for name in ALGORITHMS if times[name] <= fastest * 1.001)
 
 
 def crossovers(m: Machine) -> list[str]:
     """Per size, the node counts where the fastest algorithm changes."""
     lines = []
     for s in SIZES:
-        winners = [(n, best({name: fn(m, n, s) for name, fn in ALGORITHMS.items()}))
-                   for n in NODES]
+        winners = [(n, best(row(m, n, s))) for n in NODES]
         changes = [f"{w} from {n} nodes" for i, (n, w) in enumerate(winners)
                    if i == 0 or w != winners[i - 1][1]]
         lines.append(f"{label(s):>8}: " + ", ".join(changes))

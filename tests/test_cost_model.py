@@ -45,7 +45,11 @@ def test_crossovers_name_the_fastest_as_nodes_grow():
     lines = model.crossovers(M)
     assert len(lines) == len(model.SIZES)
     assert lines[0].strip().startswith("4 KiB: hierarchical from 2 nodes")
-    row = {"nodes": 8, "size_bytes": 4096,
-           **{name: fn(M, 8, 4096) for name, fn in model.ALGORITHMS.items()}}
-    assert model.best(row) == "hierarchical"
-    assert math.isclose(row["hierarchical"], row["pipelined"])   # one block: a tie, no flip
+    assert model.best(model.row(M, 8, 4096)) == "hierarchical"
+    # one large block: pipelining has nothing to overlap, the two formulas tie
+    two = model.Machine(**{**model.asdict(M), "ranks_per_node": 2})
+    one_block = model.row(two, 1024, 1 << 20)
+    assert math.isclose(one_block["hierarchical"], one_block["pipelined"])
+    # a near tie (rounding) keeps the first listed: the crossovers do not flip on it
+    assert model.best({"hierarchical": 1.0, "pipelined": 0.9995, "flat ring": 2.0,
+                       "tree": 2.0}) == "hierarchical"
