@@ -31,7 +31,6 @@ from lightning.fabric.plugins.environments import MPIEnvironment
 from lightning.fabric.utilities.distributed import ReduceOp as TorchReduceOp
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -194,8 +193,6 @@ class RingReduceStrategy(ParallelStrategy):
         """The closure's backward (the step's last pass) is followed by `synchronize()`, in
         `backward` below, so that everything after it reads averaged gradients; the wrapped
         optimizer then steps without synchronizing again."""
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer.optimizer
         if not hasattr(optimizer, "synchronize") or getattr(optimizer, "_adasum", False):
             # Adasum combines parameter deltas at step() (no synchronize, as in Horovod).
             return super().optimizer_step(optimizer, closure, model, **kwargs)
