@@ -31,6 +31,7 @@ HEADER = np.dtype((np.int64, 2))    # digest, per-rank word
 _bound = False          # whether native/p2p.c knows the MPI functions yet
 _HEADERS_ONLY = (-1, 0, 0, 0, 0, 0, 1.0, 1.0)     # doubling()'s reduction arguments: none
 _MOST_BYTES = (1 << 31) - 1                        # MPI counts are C ints
+_doubling, _PENDING = _native.doubling, _native.PENDING
 
 
 def _bind_native_mpi(MPI: Any) -> None:
@@ -113,22 +114,34 @@ class BetweenNodes:
         self.run(_HEADERS_ONLY)
         return self._by_set_rank(self.gathered)
 
-    def allreduce(self, src: int, dst: int, nbytes: int, count: int, dtype: int, op: int,
-                  digest: int, divisor: float, scale: float) -> Optional[np.ndarray]:
-        """Reduce `nbytes` at address `src` (`count` elements of dtype code `dtype`; 0: they
-        are in `data` already) across the set: on the node through its slots, then between
-        nodes; the result divided by `divisor`, multiplied by `scale`, into `dst`. None when
-        every member's digest agrees (and `dst` holds the result); else every member's digest,
-        by set rank, and `dst` is untouched."""
-        reduced = True
-        if self.node is not None:
-            reduced = self.node.small(src or self.data_address, self.data_address, nbytes, count,
-                                      dtype, op, 1.0, 1.0, digest)
+    def small(self, src: int, dst: int, nbytes: int, count: int, dtype: int, op: int,
+              divisor: float, scale: float, digest: int) -> bool:
+        """Reduce `nbytes` at address `src` (`count` elements of dtype code `dtype`) across the
+        set: on the node through its slots, then between nodes; the result divided by
+        `divisor`, multiplied by `scale`, into `dst` (may be `src`). False, with `dst`
+        untouched, when the members' digests differ (`last_digests()` tells them). NodeWindow's
+        `small`, for the whole set; the hot path of a small allreduce, so one frame."""
+        reduced, node = True, self.node
+        if node is None:
+            own = self._own
+            own[0], own[1] = digest, 0
+        else:
+            reduced = node.small(src or self.data_address, self.data_address, nbytes, count,
+                                 dtype, op, 1.0, 1.0, digest)
+            node.headers_into(self._mine_address)
             src = 0
-        self._node_headers(digest, 0)
-        if self.run((nbytes, count, dtype, op, src, dst, divisor, scale) if reduced
-                    else _HEADERS_ONLY):
-            return None
+        if not reduced:
+            return self.run(_HEADERS_ONLY)
+        status = _doubling(*self._head, False, nbytes, count, dtype, op, src, dst, divisor,
+                           scale, *self._tail)
+        while status == _PENDING:       # run()'s loop, inline
+            self.watch.wait(self.exchanged)
+            status = _doubling(*self._head, True, nbytes, count, dtype, op, src, dst, divisor,
+                               scale, *self._tail)
+        return status == 1
+
+    def last_digests(self) -> np.ndarray:
+        """Every member's digest in the last exchange, by set rank."""
         return self._by_set_rank(self.gathered)[0]
 
     def _node_headers(self, digest: int, per_rank: int) -> None:
@@ -153,8 +166,8 @@ class BetweenNodes:
         op, src, dst, divisor, scale) for `data`, reduced in place until a message comes
         without data (its sender's digest tells why), or _HEADERS_ONLY. True when every
         message carried data and every digest agrees (then `dst` is written)."""
-        status = _native.doubling(*self._head, False, *reduction, *self._tail)
-        while status == _native.PENDING:
+        status = _doubling(*self._head, False, *reduction, *self._tail)
+        while status == _PENDING:
             self.watch.wait(self.exchanged)
-            status = _native.doubling(*self._head, True, *reduction, *self._tail)
+            status = _doubling(*self._head, True, *reduction, *self._tail)
         return status == 1

@@ -63,16 +63,20 @@ def _call(name: str, work: Callable[[], Any]) -> Any:
 
 class Engine:
     """`poke()` runs now and then while the engine idles: MPI progress for the set's
-    communicator, so that other ranks' one-sided reads of this rank complete."""
+    communicator, so that other ranks' one-sided reads of this rank complete.
+
+    `_running` is held by whichever thread runs one of the set's collectives: the engine
+    thread for queued work, a caller for a synchronous one (taken only while nothing is
+    queued). The engine thread takes it before it pops the next handle, so a caller never
+    overtakes work queued before it. A non-blocking acquire is the fast path's whole claim."""
 
     def __init__(self, thread_name: str, rank: int, poke: Callable[[], Any]) -> None:
         self.rank = rank
         self._poke = poke
-        self._lock = threading.Lock()           # taken directly where no wait is involved
-        self._cv = threading.Condition(self._lock)
+        self._running = threading.Lock()
+        self._cv = threading.Condition()        # guards the queue, the names, _stopping
         self._queue: collections.deque[Handle] = collections.deque()
         self._in_flight: set[str] = set()
-        self._busy = False
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
         self._thread.start()
@@ -83,7 +87,7 @@ class Engine:
             return self._enqueue(name, work)
 
     def _enqueue(self, name: str, work: Callable[[], Any]) -> Handle:
-        """Under the lock: queue `work` and wake the engine thread."""
+        """Under the condition's lock: queue `work` and wake the engine thread."""
         handle = Handle(name, work)
         self._claim_name(name)
         self._queue.append(handle)
@@ -93,12 +97,15 @@ class Engine:
     def run(self, name: str, work: Callable[[], Any]) -> Any:
         """Run `work` now and return its result: inline when the engine is idle, else queued."""
         with self._cv:
-            if not self._queue and not self._busy:
-                self._claim_name(name)
-                self._busy = True
-                handle = None
-            else:
-                handle = self._enqueue(name, work)
+            inline = not self._queue and self._running.acquire(False)
+            try:
+                handle = None if inline else self._enqueue(name, work)
+                if inline:
+                    self._claim_name(name)
+            except BaseException:
+                if inline:
+                    self._running.release()
+                raise
         if handle is not None:
             return handle.wait()
         try:
@@ -109,14 +116,17 @@ class Engine:
     def claim_idle(self) -> bool:
         """Take the engine for one synchronous call on this thread if nothing is queued or
         running (then no name is in flight either); `release_idle()` after it."""
-        with self._lock:
-            if self._queue or self._busy or self._stopping:
-                return False
-            self._busy = True
-            return True
+        if not self._running.acquire(False):
+            return False
+        if self._queue or self._stopping:
+            self._running.release()
+            return False
+        return True
 
     def release_idle(self) -> None:
-        self._finish("")
+        """After a claim, which took no name. The engine thread, if it waits, waits for the
+        lock itself."""
+        self._running.release()
 
     def shutdown(self) -> None:
         """Run what is queued, then end the thread."""
@@ -135,23 +145,29 @@ class Engine:
         self._in_flight.add(name)
 
     def _finish(self, name: str) -> None:
-        with self._lock:
-            self._busy = False
+        self._running.release()
+        with self._cv:
             self._in_flight.discard(name)
-            if self._queue:     # wake the engine thread only when there is work for it
-                self._cv.notify_all()
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while self._busy or (not self._queue and not self._stopping):
-                    if not self._cv.wait(timeout=_IDLE_POKE_SECONDS) and not self._busy:
-                        self._poke()
+                while not self._queue and not self._stopping:
+                    if not self._cv.wait(timeout=_IDLE_POKE_SECONDS):
+                        self._poke_if_idle()
                 if not self._queue:
                     return
+            self._running.acquire()         # after a synchronous call in progress
+            with self._cv:
                 handle = self._queue.popleft()
-                self._busy = True
             try:
                 handle._run()
             finally:
                 self._finish(handle.name)
+
+    def _poke_if_idle(self) -> None:
+        if self._running.acquire(False):
+            try:
+                self._poke()
+            finally:
+                self._running.release()

@@ -140,6 +140,10 @@ class Transport:
         self.fast_small_bytes = (self.node.small_bytes if self.one_node
                                  else self.between_small_bytes)
         self.average_divisor = float(comm.size)     # (the small paths' division, precomputed)
+        # The fast path's exchange: both take (src, dst, bytes, count, dtype code, op, divisor,
+        # scale, digest) and say whether the digests agreed.
+        self._small = self.node.small if self.one_node else (
+            self.between.small if self.between is not None else None)
 
     def free(self) -> None:
         if self.node is not None:
@@ -162,16 +166,17 @@ class Transport:
                         ) -> None:
         """collectives.py's fast path: a contiguous CPU tensor of at most `fast_small_bytes`
         (dtype code `code`), no prescale, its signature digested: straight into the node's
-        slots, or crossnode's C rounds between nodes. The ReduceSpec is made only where one is
-        needed (a mismatch, a join, a stall report): at a few microseconds a call, every step
-        of Python shows."""
+        slots, or crossnode's C rounds between nodes, the digest riding with the data. The
+        ReduceSpec is made only where one is needed (a mismatch, a join, a stall report): at a
+        few microseconds a call, every step of Python shows."""
         self.watch.begin(make_spec)
-        describe = lambda: make_spec().describe()   # noqa: E731
+        address = src.data_ptr()
         try:
-            if self.one_node:
-                self._one_node_small(src, dst, code, op, postscale, digest, describe)
-            else:
-                self._between(src, dst, code, op, 1.0, postscale, digest, describe)
+            if not self._small(address, address if dst is src else dst.data_ptr(), src.nbytes,
+                               src.numel(), code, op,
+                               self.average_divisor if op is _AVERAGE else 1.0, postscale,
+                               digest):
+                self._disagreement(lambda: make_spec().describe())
         except PeersJoined:
             self._after_joins(src, dst, make_spec())
 
@@ -263,40 +268,20 @@ class Transport:
         if not self.one_node:
             self._ring(self.cross, "cross", as_array(dst), spec)
 
-    def _one_node_small(self, src: torch.Tensor, dst: torch.Tensor, code: int, op: ReduceOp,
-                        postscale: float, digest: int, describe: Callable[[], Signature]
-                        ) -> None:
-        """_node_slots for the fast path: one node, no prescale, the digest riding with the
-        data."""
-        address = src.data_ptr()
-        if not self.node.small(address, address if dst is src else dst.data_ptr(), src.nbytes,
-                               src.numel(), code, op,
-                               self._divisor(op), postscale, digest):
-            self._disagreement(describe)
-
     def _between_nodes_small(self, src: torch.Tensor, dst: torch.Tensor,
                              spec: ReduceSpec) -> None:
-        self._between(src, dst, spec.code, spec.op, spec.prescale, spec.postscale,
-                      spec.digest or 0, spec.describe)
-
-    def _between(self, src: torch.Tensor, dst: torch.Tensor, code: int, op: ReduceOp,
-                 prescale: float, postscale: float, digest: int,
-                 describe: Callable[[], Signature]) -> None:
         """Several nodes, a small buffer: reduced on the node (its slots), then between nodes
         in the messages that carry the signature (crossnode.py, in C from the copy in to the
         copy out); `dst` is written once every digest agrees."""
         between, count, nbytes, address = self.between, src.numel(), src.nbytes, src.data_ptr()
-        if prescale != 1.0:
+        out = address if dst is src else dst.data_ptr()
+        if spec.prescale != 1.0:
             _native.copy_stream(between.data_address, address, nbytes)
-            _native.finish(code, between.data_address, count, 1.0, prescale)
-            src, address = None, 0         # in place already
-        disagreeing = between.allreduce(
-            address, address if dst is src else dst.data_ptr(), nbytes, count, code, op, digest,
-            self._divisor(op), postscale)
-        if disagreeing is not None:
-            self.negotiator.judge(disagreeing, describe)     # raises: they differ
-            raise RingReduceError(f"ringreduce: {label(describe())}: a message between nodes "
-                                  "came without data while every digest agreed")
+            _native.finish(spec.code, between.data_address, count, 1.0, spec.prescale)
+            address = 0         # in place already
+        if not between.small(address, out, nbytes, count, spec.code, spec.op,
+                             self._divisor(spec.op), spec.postscale, spec.digest or 0):
+            self._disagreement(spec.describe)
 
     def _node_blocks(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
         digest = self._digest_for_node(spec)
@@ -320,8 +305,14 @@ class Transport:
         self.negotiator.check(spec.describe(), precomputed=spec.digest or 0)
 
     def _disagreement(self, describe: Callable[[], Signature]) -> None:
-        """The node's exchange found different digests: PeersJoined or MismatchError."""
-        self.negotiator.judge(self.node.last_headers()[0], describe)
+        """The exchange that carried the digests (the node's, or the one between nodes) found
+        them different: PeersJoined or MismatchError."""
+        if self.between is None:
+            self.negotiator.judge(self.node.last_headers()[0], describe)
+        else:
+            self.negotiator.judge(self.between.last_digests(), describe)
+            raise RingReduceError(f"ringreduce: {label(describe())}: a message between nodes "
+                                  "came without data while every digest agreed")
 
     def _digest_for_node(self, spec: ReduceSpec) -> int:
         """The digest the node exchange compares (0: none). It rides with the data on one node;
