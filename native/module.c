@@ -240,7 +240,8 @@ static PyObject *mpi_result(long result) {
 }
 
 /* mpi_exchange(state, comm, partner, tag, send, send_bytes, recv, recv_bytes, spin_seconds)
- * -> bytes received, or -1 while pending (state: EXCHANGE_BYTES at an address). */
+ * -> bytes received, or -1 while pending (state: EXCHANGE_BYTES at an address; a negative
+ * spin_seconds only posts). */
 static PyObject *mpi_exchange(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (check_args(nargs, 9, "mpi_exchange")) return NULL;
     rr_exchange *x = PyLong_AsVoidPtr(args[0]);
@@ -270,7 +271,7 @@ static PyObject *mpi_test(PyObject *self, PyObject *state) {
 /* doubling(state, comm, tag, rounds, nrounds, resume, nbytes, count, dtype, op, src, dst,
  *          divisor, scale, data, incoming, capacity, gathered, members, spin_seconds)
  * -> 1 (complete, digests agree, dst written), 0, or -1 while pending; nbytes < 0: headers
- * only. */
+ * only; spin_seconds < 0: post the first round and return (resume with dst). */
 static PyObject *doubling(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (check_args(nargs, 20, "doubling")) return NULL;
     rr_exchange *x = PyLong_AsVoidPtr(args[0]);

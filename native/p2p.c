@@ -78,6 +78,23 @@ long rr_mpi_test(rr_exchange *x) {
     return count;
 }
 
+/* Poll a pending exchange for up to spin_seconds (none when negative). */
+static long wait_for(rr_exchange *x, double spin_seconds) {
+    long result = rr_mpi_test(x);
+    if (result != RR_PENDING || spin_seconds < 0) return result;
+    double deadline = -1.0;
+    for (unsigned polls = 1;; polls++) {
+        result = rr_mpi_test(x);
+        if (result != RR_PENDING) return result;
+        if (polls % 16 == 15) {         /* reading the clock costs more than a poll */
+            sched_yield();              /* a peer sharing our core (more ranks than cores) */
+            double t = rr_now();
+            if (deadline < 0) deadline = t + spin_seconds;
+            else if (t > deadline) return RR_PENDING;
+        }
+    }
+}
+
 long rr_mpi_exchange(rr_exchange *x, intptr_t comm, int partner, int tag, const void *send,
                      int send_bytes, void *recv, int recv_bytes, double spin_seconds) {
     if (x->pending) {   /* a wait that ended in an exception left one in flight */
@@ -90,17 +107,7 @@ long rr_mpi_exchange(rr_exchange *x, intptr_t comm, int partner, int tag, const 
                      x->requests + mpi.request_size);
     if (code != 0) return failed("MPI_Isend", code);
     x->pending = 1;
-    double deadline = -1.0;
-    for (unsigned polls = 0;; polls++) {
-        long result = rr_mpi_test(x);
-        if (result != RR_PENDING) return result;
-        if (polls % 16 == 15) {         /* reading the clock costs more than a poll */
-            sched_yield();              /* a peer sharing our core (more ranks than cores) */
-            double t = rr_now();
-            if (deadline < 0) deadline = t + spin_seconds;
-            else if (t > deadline) return RR_PENDING;
-        }
-    }
+    return spin_seconds < 0 ? RR_PENDING : wait_for(x, spin_seconds);
 }
 
 static long unknown(const rr_reduction *reduction) {
@@ -130,7 +137,7 @@ long rr_doubling(rr_exchange *x, int resume, intptr_t comm, int tag, const rr_ro
         const rr_round *r = &rounds[x->round];
         long received;
         if (resume) {
-            received = rr_mpi_test(x);
+            received = wait_for(x, spin_seconds);
             resume = 0;
         } else {
             memcpy((void *)(intptr_t)r->headers, (const void *)(intptr_t)r->ours,

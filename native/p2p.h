@@ -48,15 +48,17 @@ typedef struct rr_reduction {
 int rr_mpi_bind(void *library, size_t request_size, size_t status_size, intptr_t byte_type);
 
 /* Receive up to recv_bytes from `partner` and send send_bytes to it (tag `tag` on `comm`),
- * then poll both for up to spin_seconds. Returns the bytes received, RR_PENDING, or
- * RR_MPI_FAILED. */
+ * then poll both for up to spin_seconds (a negative one: return at once, posted). Returns
+ * the bytes received, RR_PENDING, or RR_MPI_FAILED. */
 long rr_mpi_exchange(rr_exchange *x, intptr_t comm, int partner, int tag, const void *send,
                      int send_bytes, void *recv, int recv_bytes, double spin_seconds);
 
 /* Poll a pending exchange once: the bytes received, RR_PENDING, or RR_MPI_FAILED. */
 long rr_mpi_test(rr_exchange *x);
 
-/* Run the rounds from the first (resume 0) or from the one that was pending: in each, our
+/* Run the rounds from the first (resume 0) or from the one that was pending (polled for up
+ * to spin_seconds before it counts as still pending; a negative spin_seconds posts the first
+ * round and returns, so the caller can work while it travels): in each, our
  * half's headers (and, with a reduction, the data after them) go to the partner, theirs are
  * kept, and their data is combined with ours, the lower half first, so both sides compute
  * the same bits. Returns 1 when every message carried data and every digest of `gathered`

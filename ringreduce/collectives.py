@@ -142,7 +142,6 @@ def _small_allreduce(tensor: Any, name: Optional[str], op: Any, postscale: float
         op_name, op = op_named
         code, dtype = dtype_named
         shape = tensor.shape
-        out = tensor if in_place else torch.empty_like(tensor)
         digest = _native.allreduce_digest(name, op_name, dtype, shape, 1.0, float(postscale))
 
         def make_spec() -> ReduceSpec:     # the general path's, made only where needed (and
@@ -150,10 +149,10 @@ def _small_allreduce(tensor: Any, name: Optional[str], op: Any, postscale: float
                 "collective": "allreduce", "name": name, "op": op_name, "prescale": 1.0,
                 "postscale": postscale, "dtype": dtype, "shape": tuple(shape)})
 
-        transport.small_allreduce(tensor, out, code, op, postscale, digest, make_spec)
+        return transport.small_allreduce(tensor, in_place, code, op, postscale, digest,
+                                         make_spec)
     finally:
         ps.engine.release_idle()
-    return out
 
 
 def _allreduce_work(tensor: torch.Tensor, average: Optional[bool], name: Optional[str], op: Any,

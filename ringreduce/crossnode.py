@@ -17,7 +17,7 @@ that mpi4py loaded) for a short spin; a longer wait goes to the stall watch.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -103,6 +103,7 @@ class BetweenNodes:
                       len(self.rounds))
         self._tail = (self.data_address, self.incoming_address, self.incoming.nbytes,
                       self.gathered.ctypes.data, self.gathered.size // 2, SPIN_SECONDS)
+        self._post_only = self._tail[:-1] + (-1.0,)     # post the first round and return
         self._mine_address = self.gathered[cross.rank].ctypes.data
         self._own = self.gathered[cross.rank].reshape(-1) if node is None else None
 
@@ -115,12 +116,16 @@ class BetweenNodes:
         return self._by_set_rank(self.gathered)
 
     def small(self, src: int, dst: int, nbytes: int, count: int, dtype: int, op: int,
-              divisor: float, scale: float, digest: int) -> bool:
+              divisor: float, scale: float, digest: int,
+              output: Optional[Callable[[], int]] = None) -> bool:
         """Reduce `nbytes` at address `src` (`count` elements of dtype code `dtype`) across the
         set: on the node through its slots, then between nodes; the result divided by
-        `divisor`, multiplied by `scale`, into `dst` (may be `src`). False, with `dst`
-        untouched, when the members' digests differ (`last_digests()` tells them). NodeWindow's
-        `small`, for the whole set; the hot path of a small allreduce, so one frame."""
+        `divisor`, multiplied by `scale`, into `dst` (may be `src`). With `output`, `dst` is
+        made by `output()` (its address) once the first message is on its way: an
+        out-of-place allreduce allocates its result while the message travels, not before
+        every member can start. False, with `dst` untouched, when the members' digests differ
+        (`last_digests()` tells them). NodeWindow's `small`, for the whole set; the hot path
+        of a small allreduce, so one frame."""
         reduced, node = True, self.node
         if node is None:
             own = self._own
@@ -132,8 +137,16 @@ class BetweenNodes:
             src = 0
         if not reduced:
             return self.run(_HEADERS_ONLY)
-        status = _doubling(*self._head, False, nbytes, count, dtype, op, src, dst, divisor,
-                           scale, *self._tail)
+        if output is None:
+            status = _doubling(*self._head, False, nbytes, count, dtype, op, src, dst, divisor,
+                               scale, *self._tail)
+        else:
+            status = _doubling(*self._head, False, nbytes, count, dtype, op, src, 0, divisor,
+                               scale, *self._post_only)
+            dst = output()
+            if status == _PENDING:
+                status = _doubling(*self._head, True, nbytes, count, dtype, op, src, dst,
+                                   divisor, scale, *self._tail)
         while status == _PENDING:       # run()'s loop, inline
             self.watch.wait(self.exchanged)
             status = _doubling(*self._head, True, nbytes, count, dtype, op, src, dst, divisor,

@@ -70,12 +70,16 @@ class NodeWindow:
         _native.headers_read(self.node, address, address + 8, 2)
 
     def small(self, src: int, dst: int, nbytes: int, count: int, dtype: int, op: int,
-              divisor: float, scale: float, digest: int) -> bool:
+              divisor: float, scale: float, digest: int,
+              output: Optional[Callable[[], int]] = None) -> bool:
         """Allreduce `count` elements at address `src` into `dst` (may be `src`) through one
-        slot per rank; the result divided by `divisor`, then multiplied by `scale`. False, with
+        slot per rank; the result divided by `divisor`, then multiplied by `scale`. With
+        `output`, `output()` makes `dst` (its address) once ours is published. False, with
         `dst` untouched, when the digests differ (on every local rank)."""
         if not _native.small_begin(self.node, src, nbytes, digest, SPIN_SECONDS):
             self._wait()
+        if output is not None:
+            dst = output()
         return _native.small_end(self.node, dst, count, dtype, op, divisor, scale) == 0
 
     def profile(self, reset: bool = False) -> dict[str, float]:

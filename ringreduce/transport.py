@@ -161,24 +161,36 @@ class Transport:
         except PeersJoined:
             self._after_joins(src, dst, spec)
 
-    def small_allreduce(self, src: torch.Tensor, dst: torch.Tensor, code: int, op: ReduceOp,
+    def small_allreduce(self, src: torch.Tensor, in_place: bool, code: int, op: ReduceOp,
                         postscale: float, digest: int, make_spec: Callable[[], ReduceSpec]
-                        ) -> None:
+                        ) -> torch.Tensor:
         """collectives.py's fast path: a contiguous CPU tensor of at most `fast_small_bytes`
         (dtype code `code`), no prescale, its signature digested: straight into the node's
-        slots, or crossnode's C rounds between nodes, the digest riding with the data. The
+        slots, or crossnode's C rounds between nodes, the digest riding with the data. Returns
+        `src`, or out of place a new tensor, allocated once our data is on its way (the
+        allocation costs as much as a message, and every member would wait for it). The
         ReduceSpec is made only where one is needed (a mismatch, a join, a stall report): at a
         few microseconds a call, every step of Python shows."""
         self.watch.begin(make_spec)
         address = src.data_ptr()
+        made: Optional[torch.Tensor] = None
+        if in_place:
+            output = None
+        else:
+            def output() -> int:
+                nonlocal made
+                made = torch.empty_like(src)
+                return made.data_ptr()
         try:
-            if not self._small(address, address if dst is src else dst.data_ptr(), src.nbytes,
-                               src.numel(), code, op,
+            if not self._small(address, address, src.nbytes, src.numel(), code, op,
                                self.average_divisor if op is _AVERAGE else 1.0, postscale,
-                               digest):
+                               digest, output):
                 self._disagreement(lambda: make_spec().describe())
         except PeersJoined:
-            self._after_joins(src, dst, make_spec())
+            if not in_place and made is None:
+                made = torch.empty_like(src)
+            self._after_joins(src, src if in_place else made, make_spec())
+        return src if in_place else made
 
     def _after_joins(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
         """Some members have joined: agree with the others on what runs, then run it without

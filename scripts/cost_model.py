@@ -48,7 +48,7 @@ class Machine:
     ranks_per_node: int = 8
     node_gbs: float = 9.0            # node allreduce busbw, GB/s (measured: 8.5-9.9)
     node_small_us: float = 2.0       # node slots exchange for a small buffer (measured 1.4-3)
-    overhead_us: float = 4.5         # Python per call (measured: 6.3 us total, 1.5 us MPI)
+    overhead_us: float = 3.0         # Python per call (measured: 4.8 us, 1.8 us of it the C exchange)
     block_bytes: int = 1 * MIB       # RINGREDUCE_BLOCK_BYTES
     small_bytes: int = 64 * KIB      # RINGREDUCE_SMALL_MESSAGE_BYTES
 
