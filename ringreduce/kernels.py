@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -17,7 +17,7 @@ import torch
 from . import _native
 from .buffers import CODES
 
-Kernel = Callable[[np.ndarray, np.ndarray], None]
+Kernel = Callable[..., None]    # (target, source[, mine]), see reducer()
 Combine = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 
 
@@ -47,13 +47,16 @@ def combiner(dtype: torch.dtype, op: ReduceOp) -> Combine:
 
 @functools.lru_cache(maxsize=None)
 def reducer(dtype: torch.dtype, op: ReduceOp) -> Kernel:
-    """The in-place kernel `target = target op source` for `dtype` (the target's address
-    read once: each `.ctypes.data` costs a microsecond, and rings call this per segment)."""
+    """The kernel `target = target op source` for `dtype`, or `mine op source` into target
+    (the ring out of place); the target's address read once: each `.ctypes.data` costs a
+    microsecond, and rings call this per segment."""
     code, combine = CODES[dtype], _native.combine
 
-    def kernel(target: np.ndarray, source: np.ndarray) -> None:
+    def kernel(target: np.ndarray, source: np.ndarray, mine: Optional[np.ndarray] = None
+               ) -> None:
         address = target.ctypes.data
-        combine(code, op, address, source.ctypes.data, address, target.size, False, 1.0, 1.0)
+        combine(code, op, address if mine is None else mine.ctypes.data, source.ctypes.data,
+                address, target.size, False, 1.0, 1.0)
 
     return kernel
 

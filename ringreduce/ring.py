@@ -11,12 +11,17 @@ reduces the rows in rank order, identically on every rank.
 
 Buffers are NumPy or CuPy arrays; mpi4py takes either, and the `reduce` kernel decides where
 the arithmetic runs. `scratch` is caller-owned, so nothing is allocated here per call.
+
+Out of place (`source` given), the ring reads our input where it first needs it: the first
+send, and the local operand of each chunk's one local reduction (the reduce-scatter reduces
+every chunk but one exactly once on each rank, and the allgather fills that one), so the
+input is never copied into the output first, which costs as much as a step of the ring.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
-Kernel = Callable[[Any, Any], None]
+Kernel = Callable[..., None]    # (target, arrived[, mine]): target = (mine or target) op arrived
 Bounds = Sequence[tuple[int, int]]
 TAG = 7
 
@@ -43,19 +48,23 @@ def scratch_elements(bounds: Bounds, segment: int) -> int:
 
 
 def reduce_scatter(comm: Any, buf: Any, bounds: Bounds, reduce: Kernel, scratch: Any,
-                   segment: int) -> None:
-    """Ring reduce-scatter: afterwards buf[bounds[r]] on rank r holds the reduction over ranks.
+                   segment: int, source: Any = None) -> None:
+    """Ring reduce-scatter: afterwards buf[bounds[r]] on rank r holds the reduction over ranks
+    (of `source`'s values when given, else of buf's own).
 
     Step s: send chunk r-s-1 to the right, receive chunk r-s-2 from the left and reduce it
-    into ours. The other chunks of buf are left holding partial sums.
+    into ours. The other chunks of buf are left holding partial sums (out of place: chunk r-1
+    is left untouched).
     """
     n, r = comm.size, comm.rank
     right, left = (r + 1) % n, (r - 1) % n
     for s in range(n - 1):
         send_lo, send_hi = bounds[(r - s - 1) % n]
         recv_lo, recv_hi = bounds[(r - s - 2) % n]
-        _exchange_and_reduce(comm, buf[send_lo:send_hi], buf[recv_lo:recv_hi], reduce, scratch,
-                             segment, left, right)
+        sent = source if source is not None and s == 0 else buf
+        _exchange_and_reduce(comm, sent[send_lo:send_hi], buf[recv_lo:recv_hi], reduce, scratch,
+                             segment, left, right,
+                             None if source is None else source[recv_lo:recv_hi])
 
 
 def allgather(comm: Any, buf: Any, bounds: Bounds) -> None:
@@ -71,11 +80,15 @@ def allgather(comm: Any, buf: Any, bounds: Bounds) -> None:
 
 
 def ring_allreduce(comm: Any, buf: Any, reduce: Kernel, scratch: Any, segment: int,
-                   finish: Optional[Callable[[Any], None]] = None) -> None:
-    """In-place allreduce of flat `buf`. `finish(chunk)` runs on each rank's finished chunk
-    before the allgather, so scaling costs 1/n of the buffer and stays bitwise identical."""
+                   finish: Optional[Callable[[Any], None]] = None, source: Any = None) -> None:
+    """Allreduce of flat `buf`, in place, or of `source` into `buf` (same length, not
+    overlapping; `reduce` then takes the third operand). `finish(chunk)` runs on each rank's
+    finished chunk before the allgather, so scaling costs 1/n of the buffer and stays bitwise
+    identical."""
     bounds = chunk_bounds(balanced_counts(len(buf), comm.size))
-    reduce_scatter(comm, buf, bounds, reduce, scratch, segment)
+    if comm.size == 1 and source is not None:
+        buf[...] = source
+    reduce_scatter(comm, buf, bounds, reduce, scratch, segment, source)
     if finish is not None:
         lo, hi = bounds[comm.rank]
         finish(buf[lo:hi])
@@ -95,10 +108,11 @@ def gather_allreduce(comm: Any, buf: Any, reduce: Kernel, gathered: Any,
 
 
 def _exchange_and_reduce(comm: Any, send: Any, target: Any, reduce: Kernel, scratch: Any,
-                         segment: int, left: int, right: int) -> None:
-    """Send `send` right and reduce what arrives from the left into `target`, segment by
-    segment, with the receive of the next segment in flight while the current one is reduced.
-    Both sides cut a chunk into the same segments, so every message matches one receive."""
+                         segment: int, left: int, right: int, mine: Any = None) -> None:
+    """Send `send` right and reduce what arrives from the left into `target` (with `mine` as
+    our operand when given, else target's own values), segment by segment, with the receive of
+    the next segment in flight while the current one is reduced. Both sides cut a chunk into
+    the same segments, so every message matches one receive."""
     sends = [comm.Isend(send[off:off + segment], dest=right, tag=TAG)
              for off in range(0, len(send), segment)]
     offsets = range(0, len(target), segment)
@@ -114,6 +128,9 @@ def _exchange_and_reduce(comm: Any, send: Any, target: Any, reduce: Kernel, scra
         arrived = slots[k % 2][:min(segment, len(target) - off)]
         if k + 1 < len(offsets):
             pending = post(k + 1)
-        reduce(target[off:off + len(arrived)], arrived)
+        if mine is None:
+            reduce(target[off:off + len(arrived)], arrived)
+        else:
+            reduce(target[off:off + len(arrived)], arrived, mine[off:off + len(arrived)])
     for request in sends:
         request.Wait()

@@ -268,7 +268,10 @@ class Transport:
 
     def _mpi_ring(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
         self._check(spec)
-        self._ring(self.comm, "ring", as_array(self._prescaled(src, dst, spec, True)), spec)
+        if spec.prescale == 1.0 and dst.data_ptr() != src.data_ptr():    # out of place
+            self._ring(self.comm, "ring", as_array(dst), spec, as_array(src))
+        else:
+            self._ring(self.comm, "ring", as_array(self._prescaled(src, dst, spec, True)), spec)
 
     def _node_slots(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
         digest = self._digest_for_node(spec)
@@ -362,10 +365,14 @@ class Transport:
             return None
         return lambda part: kernels.finish(part, spec.dtype, divisor, spec.postscale)
 
-    def _ring(self, comm: Any, purpose: str, buf: np.ndarray, spec: ReduceSpec) -> None:
-        """Our ring over `comm` (the set, or the cross communicator between nodes), in place."""
+    def _ring(self, comm: Any, purpose: str, buf: np.ndarray, spec: ReduceSpec,
+              source: Optional[np.ndarray] = None) -> None:
+        """Our ring over `comm` (the set, or the cross communicator between nodes), in place or
+        from `source`."""
         finish = self._finisher(spec)
         if comm.size == 1 or buf.size == 0:
+            if source is not None:
+                buf[...] = source
             if finish is not None:
                 finish(buf)
             return
@@ -373,7 +380,7 @@ class Transport:
         bounds = ring.chunk_bounds(ring.balanced_counts(buf.size, comm.size))
         scratch = self.scratch.get(purpose, buf.dtype, ring.scratch_elements(bounds, segment))
         ring.ring_allreduce(comm, buf, kernels.reducer(spec.dtype, spec.op), scratch, segment,
-                            finish)
+                            finish, source)
 
     # ------------------------------------------------------------------ join
 
