@@ -78,6 +78,19 @@ static PyObject *node_ready(PyObject *self, PyObject *capsule) {
     return node == NULL ? NULL : PyBool_FromLong(rr_node_ready(node));
 }
 
+/* node_wait(node, spin_seconds) -> True when every flag is up (polled for up to the spin). */
+static PyObject *node_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 2, "node_wait")) return NULL;
+    rr_node *node = node_of(args[0]);
+    double spin = PyFloat_AsDouble(args[1]);
+    if (node == NULL || PyErr_Occurred()) return NULL;
+    int ready;
+    Py_BEGIN_ALLOW_THREADS
+    ready = rr_node_wait(node, spin);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(ready);
+}
+
 /* headers_begin(node, digest, per_rank, spin_seconds) -> True when every flag is up. */
 static PyObject *headers_begin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (check_args(nargs, 4, "headers_begin")) return NULL;
@@ -103,7 +116,8 @@ static PyObject *headers_read(PyObject *self, PyObject *const *args, Py_ssize_t 
     return PyBool_FromLong(rr_headers_read(node, digests, per_rank, stride));
 }
 
-/* small_begin(node, src_address, nbytes, digest, spin_seconds) -> True when every flag is up */
+/* small_begin(node, src_address, nbytes, digest, spin_seconds) -> True when every flag is up
+ * (a negative spin: published, the flags looked at once) */
 static PyObject *small_begin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (check_args(nargs, 5, "small_begin")) return NULL;
     rr_node *node = node_of(args[0]);
@@ -389,6 +403,7 @@ static PyMethodDef methods[] = {
     FAST(node_attach, "Point the node's allreduce at the set's shared segments."),
     {"node_detach", node_detach, METH_O, "Forget the segments (before they are freed)."},
     {"node_ready", node_ready, METH_O, "Whether every local rank has raised our flag."},
+    FAST(node_wait, "Spin a while until every local rank has raised our flag."),
     FAST(headers_begin, "Publish a signature digest, raise the flag, spin a while."),
     FAST(headers_read, "Every rank's digest and per-rank word of the last exchange."),
     FAST(small_begin, "Publish data and header, raise the flag, spin a while for the peers."),

@@ -134,8 +134,8 @@ static void raise_flag(rr_node *node, int64_t flag) {
     __atomic_store_n(flag_of(node, node->me), flag, __ATOMIC_SEQ_CST);
 }
 
-/* Poll every flag flat out for up to spin_seconds: 1 when all are up (and their writes
- * visible), 0 when the caller should wait elsewhere. */
+/* Poll every flag flat out for up to spin_seconds (once when negative): 1 when all are up
+ * (and their writes visible), 0 when the caller should wait elsewhere. */
 static int spin_until_ready(rr_node *node, double spin_seconds) {
     double deadline = -1.0;
     for (unsigned spins = 0;; spins++) {
@@ -143,6 +143,7 @@ static int spin_until_ready(rr_node *node, double spin_seconds) {
             __atomic_thread_fence(__ATOMIC_SEQ_CST);
             return 1;
         }
+        if (spin_seconds < 0) return 0;
         cpu_relax();
         if (spins % 64 == 63) {         /* reading the clock costs more than a poll */
             sched_yield();              /* free at once on an idle core; lets a peer that
@@ -152,6 +153,10 @@ static int spin_until_ready(rr_node *node, double spin_seconds) {
             else if (t > deadline) return 0;
         }
     }
+}
+
+int rr_node_wait(rr_node *node, double spin_seconds) {
+    return spin_until_ready(node, spin_seconds);
 }
 
 static int digests_agree(rr_node *node, int64_t flag) {

@@ -15,6 +15,10 @@ rr_node *rr_node_attach(int me, int n, const uintptr_t *bases, size_t slot_bytes
                         size_t block_bytes);
 void rr_node_detach(rr_node *node);
 int rr_node_ready(rr_node *node);
+/* Poll for up to spin_seconds until rr_node_ready (the *_begin functions' wait, for a caller
+ * that passed them a negative spin: publish only, then work, then wait): 1, or 0 to wait
+ * elsewhere. */
+int rr_node_wait(rr_node *node, double spin_seconds);
 
 /* The signature check alone (for collectives whose data goes over MPI): 1 when every flag is
  * up. rr_headers_read copies every local rank's digest and per-rank word of the last exchange

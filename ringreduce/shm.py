@@ -74,12 +74,17 @@ class NodeWindow:
               output: Optional[Callable[[], int]] = None) -> bool:
         """Allreduce `count` elements at address `src` into `dst` (may be `src`) through one
         slot per rank; the result divided by `divisor`, then multiplied by `scale`. With
-        `output`, `output()` makes `dst` (its address) once ours is published. False, with
+        `output`, `output()` makes `dst` (its address) once ours is published (off the path
+        the peers wait on). False, with
         `dst` untouched, when the digests differ (on every local rank)."""
-        if not _native.small_begin(self.node, src, nbytes, digest, SPIN_SECONDS):
-            self._wait()
-        if output is not None:
+        if output is None:
+            if not _native.small_begin(self.node, src, nbytes, digest, SPIN_SECONDS):
+                self._wait()
+        else:       # publish, make dst while the peers catch up, then wait
+            ready = _native.small_begin(self.node, src, nbytes, digest, -1.0)
             dst = output()
+            if not ready and not _native.node_wait(self.node, SPIN_SECONDS):
+                self._wait()
         return _native.small_end(self.node, dst, count, dtype, op, divisor, scale) == 0
 
     def profile(self, reset: bool = False) -> dict[str, float]:
