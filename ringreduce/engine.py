@@ -41,13 +41,14 @@ class Handle:
         return self._result
 
     def _run(self) -> None:
+        """Run the work; the engine marks the handle done once it has let go of the name (a
+        caller woken by `wait()` may reuse it at once)."""
         try:
             self._result = _call(self.name, self._work)
         except RingReduceError as exc:
             self._error = exc
         finally:
             self._work = None
-            self._done.set()
 
 
 def _call(name: str, work: Callable[[], Any]) -> Any:
@@ -164,6 +165,7 @@ class Engine:
                 handle._run()
             finally:
                 self._finish(handle.name)
+                handle._done.set()
 
     def _poke_if_idle(self) -> None:
         if self._running.acquire(False):

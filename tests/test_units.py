@@ -1,4 +1,7 @@
-"""Single-process tests of the pure logic: chunking, settings, messages, compression, kernels."""
+"""Single-process tests of the pure logic: chunking, settings, messages, compression, kernels,
+the engine's ordering."""
+import threading
+import time
 import zlib
 
 import numpy as np
@@ -6,7 +9,7 @@ import pytest
 import torch
 
 import ringreduce as hvd
-from ringreduce import _native, config, crossnode, kernels, ring, signature
+from ringreduce import _native, config, crossnode, engine, kernels, ring, signature
 from ringreduce.buffers import as_array
 from ringreduce.mpi import mpi
 
@@ -210,3 +213,43 @@ def test_native_exchange_talks_to_mpi_and_reports_its_errors():
                                  sent.ctypes.data, 40, received.ctypes.data, 64, 0.01)
     finally:
         comm.Free()
+
+
+class _SlowToLetGo(engine.Engine):
+    """An engine thread that dawdles between a collective's end and letting go of its name,
+    which is when a woken caller may already reuse the name."""
+
+    def _finish(self, name: str) -> None:
+        if threading.current_thread() is self._thread:
+            time.sleep(0.05)
+        super()._finish(name)
+
+
+def test_a_handle_is_done_only_once_its_name_is_free():
+    e = _SlowToLetGo("test-engine", 0, lambda: None)
+    try:
+        for _ in range(3):
+            e.submit("same", lambda: 1).wait()
+            assert e.run("same", lambda: 2) == 2      # no "still in flight"
+    finally:
+        e.shutdown()
+
+
+def test_a_synchronous_claim_never_overtakes_queued_work():
+    """claim_idle() (the small allreduce's inline path) succeeds only when nothing runs and
+    nothing is queued: work submitted before it has run by then."""
+    order, gate = [], threading.Event()
+    e = engine.Engine("test-engine", 0, lambda: None)
+    try:
+        first = e.submit("a", lambda: (gate.wait(), order.append("a")))
+        second = e.submit("b", lambda: order.append("b"))
+        assert not e.claim_idle()       # "a" runs, "b" waits
+        gate.set()
+        while not e.claim_idle():
+            pass
+        order.append("inline")
+        e.release_idle()
+        first.wait(), second.wait()
+        assert order == ["a", "b", "inline"]
+    finally:
+        e.shutdown()
