@@ -7,7 +7,7 @@ Run it under MPI, one process per rank, e.g.
         --json out.json --plot out.png      # --plot needs `pip install -e .[bench]`
 
 Options: --sizes (bytes per rank, K/M/G = powers of 1024; default 4K,64K,1M,16M,64M,256M),
---dtypes (float32,bfloat16), --iters (default: adapts to the size, many for small messages and
+--dtypes (float32,bfloat16), --iters (default: adapts to the size, 1000 for small messages and
 about 5 for 256M), --json FILE, --plot FILE.png, --no-gloo (skip torch.distributed),
 --profile (the in-place allreduce's time per phase, see bench_profile).
 
@@ -85,8 +85,9 @@ def size_label(nbytes: int) -> str:
 
 
 def default_iters(nbytes: int) -> int:
-    """About 1 GiB of payload per measurement: 100 calls for small sizes, 5 for 256M."""
-    return max(5, min(100, (1 << 30) // nbytes))
+    """About 1 GiB of payload per measurement, 1000 calls at most (small sizes: a median over
+    a few milliseconds would follow one of the machine's hiccups), 5 for 256M."""
+    return max(5, min(1000, (1 << 30) // nbytes))
 
 
 # In-place methods reduce zeros, so repeated sums neither overflow nor change the data.
