@@ -107,7 +107,11 @@ long rr_mpi_exchange(rr_exchange *x, intptr_t comm, int partner, int tag, const 
                      x->requests + mpi.request_size);
     if (code != 0) return failed("MPI_Isend", code);
     x->pending = 1;
-    return spin_seconds < 0 ? RR_PENDING : wait_for(x, spin_seconds);
+    if (spin_seconds >= 0) return wait_for(x, spin_seconds);
+    /* Posted only: one test, so MPI progresses our send before we go; a completion is kept
+     * (rr_mpi_test stores it) for the resume to find. */
+    long result = rr_mpi_test(x);
+    return result == RR_MPI_FAILED ? result : RR_PENDING;
 }
 
 static long unknown(const rr_reduction *reduction) {

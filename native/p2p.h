@@ -48,8 +48,9 @@ typedef struct rr_reduction {
 int rr_mpi_bind(void *library, size_t request_size, size_t status_size, intptr_t byte_type);
 
 /* Receive up to recv_bytes from `partner` and send send_bytes to it (tag `tag` on `comm`),
- * then poll both for up to spin_seconds (a negative one: return at once, posted). Returns
- * the bytes received, RR_PENDING, or RR_MPI_FAILED. */
+ * then poll both for up to spin_seconds (a negative one: test once, so MPI moves our send,
+ * and return RR_PENDING; rr_mpi_test then returns what that test found). Returns the bytes
+ * received, RR_PENDING, or RR_MPI_FAILED. */
 long rr_mpi_exchange(rr_exchange *x, intptr_t comm, int partner, int tag, const void *send,
                      int send_bytes, void *recv, int recv_bytes, double spin_seconds);
 
