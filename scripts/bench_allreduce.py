@@ -311,10 +311,6 @@ def main() -> None:
     results, every_copy, profiles = [], [], []
     for nbytes in sizes:
         iters = args.iters or default_iters(nbytes)
-        # the allreduces before the copy yardsticks: a method measured right after them (every
-        # rank copying flat out, then ranks sleeping in barriers) sometimes ran slow throughout
-        timed = {dtype: {m: fn(nbytes, DTYPES[dtype], iters) if fn else None
-                         for m, fn in bench.items()} for dtype in dtypes}
         copies = bench_copies(nbytes, iters)
         every_copy += copies
         best, alone = yardstick(copies), yardstick(copies, "rank 0")
@@ -325,7 +321,8 @@ def main() -> None:
                       f"{c['time_s'] * 1e6:>11.1f} {c['bw_GBps']:>8.3f}  ({c['where']}){mark}",
                       flush=True)
         for dtype in dtypes:
-            times = timed[dtype]
+            times = {m: fn(nbytes, DTYPES[dtype], iters) if fn else None
+                     for m, fn in bench.items()}
             for method, seconds in times.items():
                 if bench[method] is None:
                     continue

@@ -12,9 +12,8 @@ from mpi4py import MPI
 
 
 def time_it(fn, iters: int, barrier=MPI.COMM_WORLD.Barrier) -> float:
-    """Warm up (a fifth as many calls, at most 100: the first method after the copy
-    yardsticks ran slow for a while after a few), then the median over `iters` of one call's
-    time, each call after a barrier."""
+    """Warm up (a fifth as many calls, at most 100), then the median over `iters` of one
+    call's time, each call after a barrier."""
     for _ in range(max(1, min(100, iters // 5))):
         fn()
     times = []
