@@ -32,8 +32,10 @@ Methods, each reducing (Sum) a buffer of SIZE bytes on every rank:
     at once: a rank's node allreduce must read its input and write its result, the traffic of
     one copy, while every other rank does the same.
 
-Timing: a few warm-up calls, then per iteration: barrier, time one call. A rank's time is the
-median over iterations; the reported time is the largest of the ranks' medians.
+Timing: a few warm-up calls, then per iteration: barrier, time one call. The methods of a size
+take turns, in five rounds of a fifth of the iterations each, so that a hiccup of the machine
+lands on all of them rather than on one method's whole median. A rank's time is the median over
+its iterations; the reported time is the largest of the ranks' medians.
 
 Columns (nccl-tests definitions, GB/s = 1e9 bytes/s):
     time(us)    the reported time of one call
@@ -64,7 +66,7 @@ hvd.init()
 from mpi4py import MPI  # noqa: E402
 
 from bench_common import (cross_comm, init_gloo, metadata as common_metadata,  # noqa: E402
-                          slowest, time_it, write_results)
+                          sleeping_barrier, slowest, time_interleaved, time_it, write_results)
 
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
@@ -90,61 +92,64 @@ def default_iters(nbytes: int) -> int:
     return max(5, min(1000, (1 << 30) // nbytes))
 
 
-# In-place methods reduce zeros, so repeated sums neither overflow nor change the data.
+# Each method is prepared (buffers made, the result checked once) and returns what to time:
+# (call, barrier), the call None on a rank that sits it out; all are timed in turn
+# (bench_common.time_interleaved). In-place methods reduce zeros, so repeated sums neither
+# overflow nor change the data.
+WORLD_BARRIER = MPI.COMM_WORLD.Barrier
 
-def bench_ours(nbytes: int, dtype: torch.dtype, iters: int) -> float:
+
+def prepare_ours(nbytes: int, dtype: torch.dtype):
     t = torch.ones(nbytes // dtype.itemsize, dtype=dtype)
     out = hvd.allreduce(t, op=hvd.Sum)
     assert torch.all(out == NRANKS), "ringreduce.allreduce returned a wrong sum"
-    return slowest(time_it(lambda: hvd.allreduce(t, op=hvd.Sum), iters))
+    return lambda: hvd.allreduce(t, op=hvd.Sum), WORLD_BARRIER
 
 
-def bench_ours_inplace(nbytes: int, dtype: torch.dtype, iters: int) -> float:
+def prepare_ours_inplace(nbytes: int, dtype: torch.dtype):
     t = torch.zeros(nbytes // dtype.itemsize, dtype=dtype)
-    return slowest(time_it(lambda: hvd.allreduce_(t, op=hvd.Sum), iters))
+    return lambda: hvd.allreduce_(t, op=hvd.Sum), WORLD_BARRIER
 
 
-def bench_bucket(nbytes: int, dtype: torch.dtype, iters: int) -> float:
+def prepare_bucket(nbytes: int, dtype: torch.dtype):
     t = torch.zeros(nbytes // dtype.itemsize, dtype=dtype)
-    return slowest(time_it(lambda: hvd.synchronize(
-        hvd.allreduce_async_(t, op=hvd.Sum, name="bench.bucket")), iters))
+    return (lambda: hvd.synchronize(hvd.allreduce_async_(t, op=hvd.Sum, name="bench.bucket")),
+            WORLD_BARRIER)
 
 
-def bench_set(nbytes: int, dtype: torch.dtype, iters: int) -> float:
+def prepare_set(nbytes: int, dtype: torch.dtype):
     """In place on the set {0, 1}; the other ranks wait in a barrier that sleeps."""
-    seconds = 0.0
-    if RANK in PAIR.ranks:
-        t = torch.zeros(nbytes // dtype.itemsize, dtype=dtype)
-        seconds = time_it(lambda: hvd.allreduce_(t, op=hvd.Sum, process_set=PAIR), iters,
-                          barrier=PAIR_COMM.Barrier)
-    sleeping_barrier()
-    return slowest(seconds)
-
-
-def sleeping_barrier() -> None:
-    request = COMM.Ibarrier()
-    while not request.Test():
-        time.sleep(0.001)
+    if RANK not in PAIR.ranks:
+        return None, None
+    t = torch.zeros(nbytes // dtype.itemsize, dtype=dtype)
+    return lambda: hvd.allreduce_(t, op=hvd.Sum, process_set=PAIR), PAIR_COMM.Barrier
 
 
 def mpi_allreduce(comm):
     """MPI's own Allreduce of SIZE bytes on `comm` (every rank's at once)."""
 
-    def bench(nbytes: int, dtype: torch.dtype, iters: int) -> float | None:
+    def prepare(nbytes: int, dtype: torch.dtype):
         if dtype == torch.bfloat16:
             return None  # MPI has no bfloat16 type to sum
         send = np.ones(nbytes // 4, dtype=np.float32)
         recv = np.empty_like(send)
-        return slowest(time_it(lambda: comm.Allreduce(send, recv, op=MPI.SUM), iters))
+        return lambda: comm.Allreduce(send, recv, op=MPI.SUM), WORLD_BARRIER
 
-    return bench
+    return prepare
 
 
-def bench_gloo(nbytes: int, dtype: torch.dtype, iters: int) -> float:
+def prepare_gloo(nbytes: int, dtype: torch.dtype):
     import torch.distributed as dist
 
     t = torch.zeros(nbytes // dtype.itemsize, dtype=dtype)
-    return slowest(time_it(lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM), iters))
+    return lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM), WORLD_BARRIER
+
+
+def bench_methods(prepare: dict, nbytes: int, dtype: torch.dtype, iters: int) -> dict:
+    """Every available method's time (the slowest rank's median), None where not run."""
+    calls = {m: p(nbytes, dtype) if p else None for m, p in prepare.items()}
+    timed = time_interleaved({m: c for m, c in calls.items() if c is not None}, iters)
+    return {m: slowest(timed[m]) if m in timed else None for m in prepare}
 
 
 def bench_copies(nbytes: int, iters: int) -> list[dict]:
@@ -304,10 +309,10 @@ def main() -> None:
         print("GB/s = 1e9 B/s; time = max over ranks of the median; xMPI/xgloo = their time / ours")
         print(HEADER, flush=True)
 
-    bench = {"ours": bench_ours, "ours_": bench_ours_inplace, "bucket": bench_bucket,
-             "set_": bench_set if PAIR is not None else None, "mpi": mpi_allreduce(COMM),
+    bench = {"ours": prepare_ours, "ours_": prepare_ours_inplace, "bucket": prepare_bucket,
+             "set_": prepare_set if PAIR is not None else None, "mpi": mpi_allreduce(COMM),
              "mpi_x": mpi_allreduce(CROSS) if CROSS is not None else None,
-             "gloo": None if args.no_gloo else bench_gloo}
+             "gloo": None if args.no_gloo else prepare_gloo}
     results, every_copy, profiles = [], [], []
     for nbytes in sizes:
         iters = args.iters or default_iters(nbytes)
@@ -321,8 +326,7 @@ def main() -> None:
                       f"{c['time_s'] * 1e6:>11.1f} {c['bw_GBps']:>8.3f}  ({c['where']}){mark}",
                       flush=True)
         for dtype in dtypes:
-            times = {m: fn(nbytes, DTYPES[dtype], iters) if fn else None
-                     for m, fn in bench.items()}
+            times = bench_methods(bench, nbytes, DTYPES[dtype], iters)
             for method, seconds in times.items():
                 if bench[method] is None:
                     continue

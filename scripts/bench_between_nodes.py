@@ -12,8 +12,8 @@ Both are hierarchical allreduces of SIZE bytes per rank, built from ringreduce's
               a broadcast on the node
     mpi       MPI's Allreduce on the whole job;  mpi_x  MPI's Allreduce between nodes only (the
               ranks with the same local rank), of the whole SIZE
-Timing as bench_allreduce.py (bench_common.py): a barrier before each call, the slowest rank's
-median; algbw = SIZE / time.
+Timing as bench_allreduce.py (bench_common.py): a barrier before each call, the methods in
+turns, the slowest rank's median; algbw = SIZE / time.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from ringreduce.config import parse_bytes
 hvd.init()
 from mpi4py import MPI  # noqa: E402
 
-from bench_common import cross_comm, slowest, time_it  # noqa: E402
+from bench_common import cross_comm, slowest, time_interleaved  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 NODES = hvd.cross_size()
@@ -67,7 +67,9 @@ def main() -> None:
         calls = {"every": lambda: hvd.allreduce_(t, op=hvd.Sum), "leaders": lambda: leaders(t),
                  "mpi": lambda: COMM.Allreduce(send, recv, op=MPI.SUM),
                  "mpi_x": lambda: CROSS.Allreduce(send, recv, op=MPI.SUM)}
-        times = {name: slowest(time_it(call, iters)) for name, call in calls.items()}
+        timed = time_interleaved({name: (call, COMM.Barrier) for name, call in calls.items()},
+                                 iters)
+        times = {name: slowest(seconds) for name, seconds in timed.items()}
         if hvd.rank() == 0:
             print(f"{text:>6} " + " ".join(f"{nbytes / s / 1e9:8.3f}" for s in times.values()),
                   flush=True)

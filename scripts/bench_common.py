@@ -14,15 +14,55 @@ from mpi4py import MPI
 def time_it(fn, iters: int, barrier=MPI.COMM_WORLD.Barrier) -> float:
     """Warm up (a fifth as many calls, at most 100), then the median over `iters` of one
     call's time, each call after a barrier."""
+    warm_up(fn, iters)
+    return statistics.median(samples(fn, iters, barrier))
+
+
+def warm_up(fn, iters: int) -> None:
     for _ in range(max(1, min(100, iters // 5))):
         fn()
+
+
+def samples(fn, iters: int, barrier) -> list[float]:
+    """`iters` single calls' times, each call after `barrier()`."""
     times = []
     for _ in range(iters):
         barrier()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def time_interleaved(calls: dict, iters: int, rounds: int = 5) -> dict:
+    """time_it for several methods at once, in `rounds` rounds that take them in turn: this
+    machine has hiccups of tens of milliseconds, which would otherwise land on one method's
+    whole median. `calls`: name -> (fn, barrier); fn None on a rank that sits the method out
+    (it waits in a sleeping barrier after each of that method's rounds, with every rank).
+    Returns name -> this rank's median (0.0 where it sat out)."""
+    rounds = max(1, min(rounds, iters))
+    times: dict = {name: [] for name in calls}
+    partial = {name: any(MPI.COMM_WORLD.allgather(fn is None))
+               for name, (fn, _) in calls.items()}
+    for fn, _ in calls.values():
+        if fn is not None:
+            warm_up(fn, iters)
+    for r in range(rounds):
+        count = iters // rounds + (r < iters % rounds)
+        for name, (fn, barrier) in calls.items():
+            if fn is not None:
+                times[name] += samples(fn, count, barrier)
+            if partial[name]:
+                sleeping_barrier()
+    return {name: statistics.median(t) if t else 0.0 for name, t in times.items()}
+
+
+def sleeping_barrier() -> None:
+    """A barrier that sleeps while it waits (ranks sitting a measurement out leave the cores
+    to those taking it)."""
+    request = MPI.COMM_WORLD.Ibarrier()
+    while not request.Test():
+        time.sleep(0.001)
 
 
 def slowest(seconds: float) -> float:
