@@ -255,7 +255,7 @@ static PyObject *mpi_result(long result) {
 
 /* mpi_exchange(state, comm, partner, tag, send, send_bytes, recv, recv_bytes, spin_seconds)
  * -> bytes received, or -1 while pending (state: EXCHANGE_BYTES at an address; a negative
- * spin_seconds only posts). */
+ * spin_seconds posts, tests once and returns -1). */
 static PyObject *mpi_exchange(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (check_args(nargs, 9, "mpi_exchange")) return NULL;
     rr_exchange *x = PyLong_AsVoidPtr(args[0]);

@@ -98,15 +98,15 @@ class Engine:
     def run(self, name: str, work: Callable[[], Any]) -> Any:
         """Run `work` now and return its result: inline when the engine is idle, else queued."""
         with self._cv:
-            inline = not self._queue and self._running.acquire(False)
-            try:
-                handle = None if inline else self._enqueue(name, work)
-                if inline:
+            if not self._queue and self._running.acquire(False):
+                handle = None
+                try:
                     self._claim_name(name)
-            except BaseException:
-                if inline:
+                except BaseException:
                     self._running.release()
-                raise
+                    raise
+            else:
+                handle = self._enqueue(name, work)
         if handle is not None:
             return handle.wait()
         try:

@@ -75,8 +75,8 @@ class NodeWindow:
         """Allreduce `count` elements at address `src` into `dst` (may be `src`) through one
         slot per rank; the result divided by `divisor`, then multiplied by `scale`. With
         `output`, `output()` makes `dst` (its address) once ours is published (off the path
-        the peers wait on). False, with
-        `dst` untouched, when the digests differ (on every local rank)."""
+        the peers wait on). False, with `dst` untouched, when the digests differ (on every
+        local rank)."""
         if output is None:
             if not _native.small_begin(self.node, src, nbytes, digest, SPIN_SECONDS):
                 self._wait()

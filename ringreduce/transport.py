@@ -141,9 +141,11 @@ class Transport:
                                  else self.between_small_bytes)
         self.average_divisor = float(comm.size)     # (the small paths' division, precomputed)
         # The fast path's exchange: both take (src, dst, bytes, count, dtype code, op, divisor,
-        # scale, digest) and say whether the digests agreed.
-        self._small = self.node.small if self.one_node else (
-            self.between.small if self.between is not None else None)
+        # scale, digest, output) and say whether the digests agreed; and what tells why not.
+        self._small, self._small_disagreement = (
+            (self.node.small, self._disagreement) if self.one_node else
+            (self.between.small, self._disagreement_between) if self.between is not None else
+            (None, None))
 
     def free(self) -> None:
         if self.node is not None:
@@ -185,7 +187,7 @@ class Transport:
             if not self._small(address, address, src.nbytes, src.numel(), code, op,
                                self.average_divisor if op is _AVERAGE else 1.0, postscale,
                                digest, output):
-                self._disagreement(lambda: make_spec().describe())
+                self._small_disagreement(lambda: make_spec().describe())
         except PeersJoined:
             if not in_place and made is None:
                 made = torch.empty_like(src)
@@ -296,7 +298,7 @@ class Transport:
             address = 0         # in place already
         if not between.small(address, out, nbytes, count, spec.code, spec.op,
                              self._divisor(spec.op), spec.postscale, spec.digest or 0):
-            self._disagreement(spec.describe)
+            self._disagreement_between(spec.describe)
 
     def _node_blocks(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
         digest = self._digest_for_node(spec)
@@ -320,14 +322,14 @@ class Transport:
         self.negotiator.check(spec.describe(), precomputed=spec.digest or 0)
 
     def _disagreement(self, describe: Callable[[], Signature]) -> None:
-        """The exchange that carried the digests (the node's, or the one between nodes) found
-        them different: PeersJoined or MismatchError."""
-        if self.between is None:
-            self.negotiator.judge(self.node.last_headers()[0], describe)
-        else:
-            self.negotiator.judge(self.between.last_digests(), describe)
-            raise RingReduceError(f"ringreduce: {label(describe())}: a message between nodes "
-                                  "came without data while every digest agreed")
+        """The node's exchange found different digests: PeersJoined or MismatchError."""
+        self.negotiator.judge(self.node.last_headers()[0], describe)
+
+    def _disagreement_between(self, describe: Callable[[], Signature]) -> None:
+        """The exchange between nodes found different digests (or a message without data)."""
+        self.negotiator.judge(self.between.last_digests(), describe)
+        raise RingReduceError(f"ringreduce: {label(describe())}: a message between nodes came "
+                              "without data while every digest agreed")
 
     def _digest_for_node(self, spec: ReduceSpec) -> int:
         """The digest the node exchange compares (0: none). It rides with the data on one node;
