@@ -78,14 +78,12 @@ long rr_mpi_test(rr_exchange *x) {
     return count;
 }
 
-/* Poll a pending exchange for up to spin_seconds (none when negative). */
+/* Poll a pending exchange for up to spin_seconds (once when negative). */
 static long wait_for(rr_exchange *x, double spin_seconds) {
-    long result = rr_mpi_test(x);
-    if (result != RR_PENDING || spin_seconds < 0) return result;
     double deadline = -1.0;
-    for (unsigned polls = 1;; polls++) {
-        result = rr_mpi_test(x);
-        if (result != RR_PENDING) return result;
+    for (unsigned polls = 0;; polls++) {
+        long result = rr_mpi_test(x);
+        if (result != RR_PENDING || spin_seconds < 0) return result;
         if (polls % 16 == 15) {         /* reading the clock costs more than a poll */
             sched_yield();              /* a peer sharing our core (more ranks than cores) */
             double t = rr_now();
@@ -107,11 +105,10 @@ long rr_mpi_exchange(rr_exchange *x, intptr_t comm, int partner, int tag, const 
                      x->requests + mpi.request_size);
     if (code != 0) return failed("MPI_Isend", code);
     x->pending = 1;
-    if (spin_seconds >= 0) return wait_for(x, spin_seconds);
-    /* Posted only: one test, so MPI progresses our send before we go; a completion is kept
-     * (rr_mpi_test stores it) for the resume to find. */
-    long result = rr_mpi_test(x);
-    return result == RR_MPI_FAILED ? result : RR_PENDING;
+    long result = wait_for(x, spin_seconds);
+    /* Posted only (a negative spin): pending whatever the one test found, so MPI has moved our
+     * send and a completion is kept (rr_mpi_test stores it) for the resume to find. */
+    return spin_seconds < 0 && result != RR_MPI_FAILED ? RR_PENDING : result;
 }
 
 static long unknown(const rr_reduction *reduction) {

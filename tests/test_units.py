@@ -243,8 +243,9 @@ def test_a_synchronous_claim_never_overtakes_queued_work():
         second = e.submit("b", lambda: order.append("b"))
         assert not e.claim_idle()       # "a" runs, "b" waits
         gate.set()
+        deadline = time.monotonic() + 30
         while not e.claim_idle():
-            pass
+            assert time.monotonic() < deadline, "the engine never became idle"
         order.append("inline")
         e.release_idle()
         first.wait(), second.wait()
