@@ -5,6 +5,7 @@ with `ringreduce-run` in front (or `python -m ringreduce.run`). MPI starts the p
 only translates. MPICH's Hydra (and Intel MPI's) and Open MPI's `mpirun` spell hosts, host files
 and environment passing differently; ringreduce's settings travel as `RINGREDUCE_*` variables.
 Flags whose job needs Horovod's own driver (Gloo, elastic host discovery) are refused.
+`ringreduce.runner.run` (Horovod's `horovod.run`) launches through the same functions.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -33,11 +35,18 @@ _REFUSED = {
     "--max-np": (True, _ELASTIC),
     "--slots-per-host": (True, _ELASTIC),
     "--blacklist-cooldown-range": (True, _ELASTIC),
+    "--reset-limit": (True, _ELASTIC),
     "--network-interface": (True, "MPI picks the network: use your MPI's own option (e.g. Open "
                                   "MPI's --mca btl_tcp_if_include) through --mpi-args"),
     "--start-timeout": (True, "MPI's launcher has its own start-up timeout"),
+    "--ssh-identity-file": (True, "MPI's launcher reaches the hosts with your ssh settings: "
+                                  "set IdentityFile for them in ~/.ssh/config"),
+    "--output-filename": (True, "pass your MPI's own option through --mpi-args (Open MPI: "
+                                "--output-filename DIR; MPICH Hydra: -outfile-pattern and "
+                                "-errfile-pattern)"),
     "--tcp": (False, "MPI picks the transport"),
-    "--disable-cache": (False, "ringreduce has no response cache"),
+    "--disable-cache": (False, "there are no start-up checks to cache (MPI's launcher starts "
+                               "the ranks)"),
     "--cache-capacity": (True, "ringreduce has no response cache"),
     "--cycle-time-ms": (True, "ringreduce has no background cycle"),
     "--autotune": (False, "ringreduce has no autotuner; see the README's Settings for its "
@@ -194,10 +203,35 @@ def check_build() -> str:
 
 def refused(args: argparse.Namespace) -> Optional[str]:
     """Why the first of horovodrun's flags that we cannot honour is refused, if one was given."""
-    for flag, (_, why) in _REFUSED.items():
+    for flag in _REFUSED:
         if getattr(args, "refused_" + flag.strip("-").replace("-", "_")) not in (None, False):
-            return f"ringreduce-run: {flag} is not supported: {why}"
+            return f"ringreduce-run: {flag} is not supported: {why_refused(flag)}"
     return None
+
+
+def why_refused(flag: str) -> str:
+    """Why horovodrun's `flag` (one we refuse, e.g. "--gloo") is not supported."""
+    return _REFUSED[flag][1]
+
+
+def prepare(args: argparse.Namespace, environ: dict[str, str], scratch: str,
+            python: str = sys.executable) -> list[str]:
+    """The MPI launcher's command for `args`, for `ringreduce-run` and `ringreduce.runner.run`
+    alike: the launcher beside `python` (else on PATH), our settings added to `environ`, a
+    line on stderr when placement is left to Slurm, and with --verbose the command itself."""
+    launcher = find_launcher(python)
+    family = flavour(launcher)
+    environ.update(settings_environment(args))
+    cmd = build_command(args, launcher, family, environ, scratch)
+    if "SLURM_JOB_ID" in environ and not (args.hosts or args.hostfile):
+        print(f"ringreduce-run: under Slurm (job {environ['SLURM_JOB_ID']}): placement "
+              f"is left to {family}'s Slurm support", file=sys.stderr)
+    if args.verbose:
+        ours = {k: v for k, v in environ.items() if k.startswith("RINGREDUCE_")}
+        print(f"ringreduce-run: {family}: "
+              + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(ours.items()))
+              + (" " if ours else "") + shlex.join(cmd), file=sys.stderr, flush=True)
+    return cmd
 
 
 def run(argv: Sequence[str], environ: Optional[dict[str, str]] = None) -> int:
@@ -212,34 +246,37 @@ def run(argv: Sequence[str], environ: Optional[dict[str, str]] = None) -> int:
         print(check_build())
         return 0
     try:
-        launcher = find_launcher()
-        family = flavour(launcher)
-        environ.update(settings_environment(args))
         with tempfile.TemporaryDirectory(prefix="ringreduce-run-") as scratch:
-            cmd = build_command(args, launcher, family, environ, scratch)
-            if "SLURM_JOB_ID" in environ and not (args.hosts or args.hostfile):
-                print(f"ringreduce-run: under Slurm (job {environ['SLURM_JOB_ID']}): placement "
-                      f"is left to {family}'s Slurm support", file=sys.stderr)
-            if args.verbose:
-                ours = {k: v for k, v in environ.items() if k.startswith("RINGREDUCE_")}
-                print(f"ringreduce-run: {family}: "
-                      + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(ours.items()))
-                      + (" " if ours else "") + shlex.join(cmd), file=sys.stderr, flush=True)
-            return _run_forwarding_signals(cmd, environ)
+            return run_forwarding_signals(prepare(args, environ, scratch), environ)
     except LaunchError as exc:
         print(f"ringreduce-run: {exc}", file=sys.stderr)
         return 2
 
 
-def _run_forwarding_signals(cmd: list[str], environ: dict[str, str]) -> int:
-    """Run `cmd`; SIGINT, SIGTERM and SIGHUP sent to us go to it (the MPI launcher then
-    stops its ranks); its exit status is ours."""
+_STOP_GRACE_SECONDS = 10.0   # for the launcher to stop its ranks after SIGTERM
+
+
+def run_forwarding_signals(cmd: list[str], environ: dict[str, str]) -> int:
+    """Run `cmd`; its exit status (128 + N if a signal N ended it). Called from the main
+    thread, SIGINT, SIGTERM and SIGHUP sent to us go to it (the MPI launcher then stops its
+    ranks). Should waiting end in an exception of ours (a test's timeout, say), the launcher
+    is stopped with SIGTERM, then killed, rather than left running."""
     child = subprocess.Popen(cmd, env=environ)
     forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {s: signal.signal(s, lambda number, _frame: child.send_signal(number))
-                for s in forwarded}
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, lambda number, _frame: child.send_signal(number))
+                    for s in forwarded}
     try:
         code = child.wait()
+    except BaseException:
+        child.terminate()
+        try:
+            child.wait(_STOP_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        raise
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
