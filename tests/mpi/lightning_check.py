@@ -1,5 +1,6 @@
 """RingReduceStrategy under Lightning at 2 ranks, against plain PyTorch in one process on the
-whole batch. Usage: lightning_check.py DIRECTORY (shared by the ranks, for checkpoints).
+whole batch: `lightning.pytorch`, and the last case the standalone `pytorch_lightning`.
+Usage: lightning_check.py DIRECTORY (shared by the ranks, for checkpoints).
 
 Each case prints "CASE <name> ok" on every rank; a failure raises with the case's name.
 """
@@ -15,7 +16,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+try:
+    import pytorch_lightning
+except ImportError:          # the test expects case_pytorch_lightning only where it is installed
+    pytorch_lightning = None
+
 import ringreduce as hvd
+import ringreduce.lightning
 from ringreduce.lightning import RingReduceStrategy
 from checks import expect
 
@@ -36,12 +43,13 @@ VX = torch.randn(4 * PER_RANK * n, 6, generator=generator)
 VY = torch.randn(4 * PER_RANK * n, 1, generator=generator)
 
 
-def trainer(**kwargs) -> pl.Trainer:
+def trainer(package=pl, **kwargs) -> pl.Trainer:
+    """`package`'s Trainer: lightning.pytorch's, or pytorch_lightning's."""
     options = dict(accelerator="cpu", logger=False, enable_checkpointing=False,
                    enable_progress_bar=False, enable_model_summary=False,
                    num_sanity_val_steps=0)
     options.update(kwargs)
-    return pl.Trainer(**options)
+    return package.Trainer(**options)
 
 
 def loader(x, y) -> DataLoader:
@@ -71,7 +79,9 @@ def network(seed: int, batch_norm: bool = True) -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 8), *middle, nn.Tanh(), nn.Linear(8, 1))
 
 
-class Regression(pl.LightningModule):
+class RegressionSteps:
+    """The module's steps, for either package's LightningModule."""
+
     def __init__(self, net: nn.Module, optimizer: str = "sgd"):
         super().__init__()
         self.net, self.optimizer_name = net, optimizer
@@ -98,6 +108,15 @@ class Regression(pl.LightningModule):
             return torch.optim.Adam(self.parameters(), lr=0.01)
         optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)]
+
+
+class Regression(RegressionSteps, pl.LightningModule):
+    pass
+
+
+if pytorch_lightning is not None:
+    class StandaloneRegression(RegressionSteps, pytorch_lightning.LightningModule):
+        pass
 
 
 def whole_batches(epoch: int):
@@ -271,8 +290,31 @@ def case_collectives():
            group=object())
 
 
+def case_pytorch_lightning():
+    """The standalone pytorch_lightning's Trainer, with strategy="ringreduce" and with a
+    RingReduceStrategy of its flavour (ringreduce.lightning.pl): SyncBatchNorm, accumulation
+    ending on a partial group, clipping; bitwise-identical parameters on every rank, those of
+    one process on the whole batch."""
+    flavour = ringreduce.lightning.pl
+    assert issubclass(flavour.RingReduceStrategy, pytorch_lightning.strategies.ParallelStrategy)
+    reference = network(0)
+    reference_fit(reference, 1, 2, 0.3)
+    for how, strategy in (("by name", "ringreduce"), ("instance", flavour.RingReduceStrategy())):
+        model = StandaloneRegression(network(0))
+        fit = trainer(pytorch_lightning, strategy=strategy, max_epochs=1,
+                      accumulate_grad_batches=2, gradient_clip_val=0.3, sync_batchnorm=True)
+        assert isinstance(fit.strategy, flavour.RingReduceStrategy), type(fit.strategy)
+        assert (fit.world_size, fit.global_rank) == (n, r)
+        fit.fit(model, loader(X, Y))
+        assert model.synced_batch_norm, "sync_batchnorm=True did not swap in ringreduce's"
+        assert type(model.net[1]) is nn.BatchNorm1d, "SyncBatchNorm not reverted after fit"
+        same_on_every_rank(flat(model), f"pytorch_lightning parameters ({how})")
+        close(flat(model), flat(reference), f"pytorch_lightning ({how}) vs one process")
+
+
 CASES = [case_collectives, case_fit_matches_one_process, case_checkpoint_resume,
-         case_manual_optimization, case_bf16_mixed]
+         case_manual_optimization, case_bf16_mixed,
+         *([case_pytorch_lightning] if pytorch_lightning is not None else [])]
 for case in CASES:
     try:
         case()
