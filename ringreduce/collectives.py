@@ -18,10 +18,10 @@ import torch
 from . import _native, adasum, cuda, ring, timeline
 from .buffers import CODES, NAMES, SUPPORTED, as_array, fresh
 from .compression import Compression, Compressor
-from .engine import Handle
+from .engine import Handle, OutOfOrder
 from .errors import UnsupportedError
 from .kernels import ReduceOp
-from .process_sets import ActiveSet, ProcessSet, active, global_process_set, thread_key
+from .process_sets import ActiveSet, ProcessSet, active, global_process_set
 from .signature import digest
 from .transport import ReduceSpec
 
@@ -125,7 +125,9 @@ def _small_allreduce(tensor: Any, name: Optional[str], op: Any, postscale: float
     nodes), with a minimum of checks and straight to the transport; None when the call is not
     that case (or the set's engine is busy), and the general path takes it. Same name counter,
     signature digest and bits as the general path, which a peer may take for the same
-    collective. Every line here costs a visible share of a 4 KiB call: one lookup per table."""
+    collective, and which this call takes too if the members' next collectives differ (the
+    engine then settles their order). Every line here costs a visible share of a 4 KiB call:
+    one lookup per table."""
     ps = active(process_set, "allreduce_()" if in_place else "allreduce()")
     transport = ps.transport
     op_named = _FAST_OPS.get(Average if op is None else op)
@@ -134,11 +136,11 @@ def _small_allreduce(tensor: Any, name: Optional[str], op: Any, postscale: float
             or (dtype_named := _FAST_DTYPES.get(torch_dtype := tensor.dtype)) is None
             or not tensor.is_contiguous()
             or tensor.nbytes > transport.fast_small_bytes
-            or not ps.engine.claim_idle()):
+            or not ps.engine.claim_idle(name)):
         return None
     try:
         if name is None:
-            name = ps.auto_name("allreduce_" if in_place else "allreduce")
+            name = ps.auto_name("allreduce")
         op_name, op = op_named
         code, dtype = dtype_named
         shape = tensor.shape
@@ -151,8 +153,12 @@ def _small_allreduce(tensor: Any, name: Optional[str], op: Any, postscale: float
 
         return transport.small_allreduce(tensor, in_place, code, op, postscale, digest,
                                          make_spec)
+    except OutOfOrder:
+        handle = ps.engine.reorder(name, _allreduce_work(
+            tensor, None, name, op, 1.0, postscale, Compression.none, in_place, process_set)[2])
     finally:
         ps.engine.release_idle()
+    return handle.wait()
 
 
 def _allreduce_work(tensor: torch.Tensor, average: Optional[bool], name: Optional[str], op: Any,
@@ -618,15 +624,14 @@ def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
     `device`: where to make the zeros for GPU allreduces (-1: the current CUDA device)."""
     ps = active(process_set, "join()")
     where = torch.device("cuda", device) if device >= 0 else None
-    key = thread_key()
-    return ps.engine.run(ps.auto_name("join"), lambda: ps.join(where, key))
+    return ps.engine.run(ps.auto_name("join"), lambda: ps.join(where))
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Wait until every member reaches this point (after all collectives submitted before it)."""
     ps = active(process_set, "barrier()")
-    ps.engine.run(ps.auto_name("barrier"),
-                  lambda: ps.transport.barrier({"collective": "barrier"}))
+    name = ps.auto_name("barrier")
+    ps.engine.run(name, lambda: ps.transport.barrier({"collective": "barrier", "name": name}))
 
 
 # ---------------------------------------------------------------- handles

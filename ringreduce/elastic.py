@@ -16,9 +16,10 @@ How a reset differs from Horovod's, and why:
   forgets the step it had begun. An error that reaches Python leaves ringreduce's
   communicators usable (a `MismatchError` is raised on every rank before any data moves); an
   MPI failure from a dead peer ends the job anyway.
-- A rank that failed alone still resets with the others: its agreement meets the collective
-  they are in, that collective fails with `MismatchError` on every rank, and they reset too.
-  (If they have left the function already, it waits there, and the stall report says so.)
+- A rank that failed alone still resets with the others: while its agreement is pending, each
+  collective the others run fails with `MismatchError` naming it (negotiation.RESET), so they
+  reset too. (If they have left the function already, it waits there, and the stall report
+  says so.)
 - A bounded number of resets. Under plain mpirun a `HorovodInternalError` is a program error
   (a `MismatchError`, a misuse of the optimizer) or one raised on purpose, so Horovod's unbounded
   loop would retry a deterministic error forever. More failures than
@@ -40,7 +41,8 @@ import torch
 from torch.utils.data import Sampler
 
 from . import world
-from .errors import HorovodInternalError, MismatchError, RingReduceError
+from .errors import HorovodInternalError, RingReduceError
+from .negotiation import RESET
 from .objects import (allgather_object, broadcast_object, broadcast_optimizer_state,
                       broadcast_parameters)
 
@@ -49,8 +51,6 @@ log = logging.getLogger("ringreduce")
 RESET_LIMIT_VARIABLE = "RINGREDUCE_ELASTIC_RESET_LIMIT"
 DEFAULT_RESET_LIMIT = 5
 ROOT_RANK = 0                                     # the rank whose state everyone takes
-_AGREEMENT_NAME = "ringreduce.elastic.reset"
-_MAX_AGREEMENT_ATTEMPTS = 256                     # each attempt consumes one collective elsewhere
 
 T = TypeVar("T")
 
@@ -492,19 +492,10 @@ def _reset_together(reason: BaseException, failures: int, limit: int, what_runs:
 
 
 def _agree(description: str, failures: int) -> list[tuple[str, int]]:
-    """Every rank's (error, failure count), once every rank has reached the reset.
-
-    A rank that failed alone meets here a collective the others had begun; that collective then
-    fails with MismatchError on every rank, which sends them here too, so try again."""
-    for _ in range(_MAX_AGREEMENT_ATTEMPTS):
-        try:
-            return allgather_object((description, failures), name=_AGREEMENT_NAME)
-        except MismatchError:
-            continue
-    raise RingReduceError(
-        f"ringreduce: rank {world.rank()} could not reset: after {_MAX_AGREEMENT_ATTEMPTS} "
-        "attempts the other ranks were still running other collectives instead of failing "
-        f"({description})")
+    """Every rank's (error, failure count), once every rank has reached the reset. A rank
+    that failed alone waits here while the others' collectives fail (negotiation.RESET), which
+    sends them here too."""
+    return allgather_object((description, failures), name=RESET)
 
 
 def _describe(reason: BaseException) -> str:

@@ -1,11 +1,18 @@
-"""One process set's ordering: its collectives run in submission order, one at a time.
+"""One process set's ordering: its collectives run one at a time, paired across ranks by name.
 
 Asynchronous work goes to the set's background thread, so communication overlaps backward. A
 synchronous call made while nothing is queued runs inline on the caller's thread instead:
 waking a sleeping thread costs tens of microseconds, more than a small allreduce itself.
-Either way exactly one thread runs the set's collectives at a time and the order is the
-submission order, which is the same on every member because user code submits in the same
-order. Each set has its own engine, so sets progress independently of each other.
+Either way exactly one thread runs the set's collectives at a time, in submission order.
+
+Collectives are paired by name, as Horovod's coordinator pairs them. When every member
+submits the same collective next (every optimizer step), running in submission order is the
+whole story. When they do not, the collective's signature check says so on every member
+(`OutOfOrder`, before any data is used), and the thread running it settles the order with the
+other members: rounds of exchanging the names each member has pending (`agreement`), until
+some are pending on every member; those run, in the same order everywhere, and the rest
+return to the queue. A name may be pending only once per rank: a second submission while the
+first is in flight is Horovod's `ValueError`.
 
 Errors raised while running a collective are stored on its handle and re-raised by `wait()`
 in the caller's thread, so the engine thread never dies of a user's mistake.
@@ -19,6 +26,18 @@ from typing import Any, Callable, Optional
 from .errors import RingReduceError
 
 _IDLE_POKE_SECONDS = 0.05
+_FIRST_PAUSE, _LONGEST_PAUSE = 0.0002, 0.01   # between settling rounds that found no agreement
+
+# One settling of the order: takes this rank's pending names, oldest first; returns those to
+# run now, in the order every member runs them (empty: none is pending everywhere yet; None:
+# leave the settling with nothing run, on every member alike). It may raise, on every member
+# whose first name then fails with that error.
+Agreement = Callable[[list[str]], Optional[list[str]]]
+
+
+class OutOfOrder(Exception):
+    """Raised by a collective's work when the members' next collectives have different names.
+    Nothing of the exchange was used; the engine settles the order and runs the work again."""
 
 
 class Handle:
@@ -26,7 +45,7 @@ class Handle:
 
     def __init__(self, name: str, work: Callable[[], Any]) -> None:
         self.name = name
-        self._work = work
+        self._work: Optional[Callable[[], Any]] = work
         self._done = threading.Event()
         self._result: Any = None
         self._error: Optional[BaseException] = None
@@ -41,14 +60,17 @@ class Handle:
         return self._result
 
     def _run(self) -> None:
-        """Run the work; the engine marks the handle done once it has let go of the name (a
-        caller woken by `wait()` may reuse it at once)."""
+        """Run the work and keep its result or error; OutOfOrder passes (the work runs again
+        once the order is settled)."""
         try:
             self._result = _call(self.name, self._work)
         except RingReduceError as exc:
             self._error = exc
-        finally:
-            self._work = None
+        self._work = None
+
+    def _fail(self, exc: Exception) -> None:
+        self._error = _ours(self.name, exc)
+        self._work = None
 
 
 def _call(name: str, work: Callable[[], Any]) -> Any:
@@ -56,28 +78,40 @@ def _call(name: str, work: Callable[[], Any]) -> Any:
     their cause chained."""
     try:
         return work()
-    except RingReduceError:
+    except (RingReduceError, OutOfOrder):
         raise
     except Exception as exc:  # MPI failures and bugs
-        raise RingReduceError(f"ringreduce: collective '{name}' failed: {exc}") from exc
+        raise _ours(name, exc) from exc
+
+
+def _ours(name: str, exc: Exception) -> RingReduceError:
+    if isinstance(exc, RingReduceError):
+        return exc
+    error = RingReduceError(f"ringreduce: collective '{name}' failed: {exc}")
+    error.__cause__ = exc
+    return error
 
 
 class Engine:
     """`poke()` runs now and then while the engine idles: MPI progress for the set's
-    communicator, so that other ranks' one-sided reads of this rank complete.
+    communicator, so that other ranks' one-sided reads of this rank complete. `agreement()`
+    starts one settling of the order across the set (see the module's docstring).
 
-    `_running` is held by whichever thread runs one of the set's collectives: the engine
-    thread for queued work, a caller for a synchronous one (taken only while nothing is
-    queued). The engine thread takes it before it pops the next handle, so a caller never
-    overtakes work queued before it. A non-blocking acquire is the fast path's whole claim."""
+    `_running` is held by whichever thread runs the set's collectives: the engine thread for
+    queued work, a caller for a synchronous one (taken only while nothing is queued). The
+    engine thread takes it before it pops the next handle, so a caller never overtakes work
+    queued before it. A non-blocking acquire is the fast path's whole claim; its name, if the
+    caller gave one, is `_inline` meanwhile, so that a duplicate is refused."""
 
-    def __init__(self, thread_name: str, rank: int, poke: Callable[[], Any]) -> None:
+    def __init__(self, thread_name: str, rank: int, poke: Callable[[], Any],
+                 agreement: Callable[[], Agreement]) -> None:
         self.rank = rank
-        self._poke = poke
+        self._poke, self._agreement = poke, agreement
         self._running = threading.Lock()
         self._cv = threading.Condition()        # guards the queue, the names, _stopping
         self._queue: collections.deque[Handle] = collections.deque()
         self._in_flight: set[str] = set()
+        self._inline: Optional[str] = None
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
         self._thread.start()
@@ -111,23 +145,47 @@ class Engine:
             return handle.wait()
         try:
             return _call(name, work)
+        except OutOfOrder:
+            handle = self.reorder(name, work)
         finally:
-            self._finish(name)
+            self._running.release()
+            if handle is None:
+                self._release_name(name)
+        return handle.wait()
 
-    def claim_idle(self) -> bool:
+    def claim_idle(self, name: Optional[str] = None) -> bool:
         """Take the engine for one synchronous call on this thread if nothing is queued or
-        running (then no name is in flight either); `release_idle()` after it."""
+        running; `release_idle()` after it. `name`: the call's name, if the caller chose it
+        (ValueError if that name is in flight); an automatic one is unique anyway."""
         if not self._running.acquire(False):
             return False
+        if name is not None:
+            self._inline = name            # before looking at the names: see _claim_name
+            if name in self._in_flight:
+                self.release_idle()
+                raise ValueError(self._duplicate(name))
         if self._queue or self._stopping:
-            self._running.release()
+            self.release_idle()
             return False
         return True
 
     def release_idle(self) -> None:
-        """After a claim, which took no name. The engine thread, if it waits, waits for the
-        lock itself."""
+        """After a claim. The engine thread, if it waits, waits for the lock itself."""
+        self._inline = None
         self._running.release()
+
+    def reorder(self, name: str, work: Callable[[], Any]) -> Handle:
+        """By the holder of the engine, whose inline collective `name` met OutOfOrder: settle
+        the order with the other members. Returns the collective's handle: done, or first in
+        the queue for the engine thread (wait for it after letting go of the engine)."""
+        handle = Handle(name, work)
+        with self._cv:
+            self._in_flight.add(name)
+        if not self._settled(handle):
+            with self._cv:
+                self._queue.appendleft(handle)
+                self._cv.notify_all()
+        return handle
 
     def shutdown(self) -> None:
         """Run what is queued, then end the thread."""
@@ -136,19 +194,84 @@ class Engine:
             self._cv.notify_all()
         self._thread.join()
 
+    def _duplicate(self, name: str) -> str:
+        return (f"ringreduce: a collective named '{name}' is still in flight on rank "
+                f"{self.rank}; wait for it (synchronize) before reusing the name")
+
     def _claim_name(self, name: str) -> None:
+        """Under the condition's lock. The name goes in before `_inline` is read, and a claim
+        sets `_inline` before it reads the names, so of two threads submitting one name at
+        once, at least one sees the other."""
         if self._stopping:
             raise RingReduceError("ringreduce: the engine is shut down; call init() again")
         if name in self._in_flight:
-            raise ValueError(
-                f"ringreduce: a collective named '{name}' is still in flight on rank "
-                f"{self.rank}; wait for it (synchronize) before reusing the name")
+            raise ValueError(self._duplicate(name))
         self._in_flight.add(name)
+        if name == self._inline:
+            self._in_flight.discard(name)
+            raise ValueError(self._duplicate(name))
 
-    def _finish(self, name: str) -> None:
-        self._running.release()
+    def _release_name(self, name: str) -> None:
         with self._cv:
             self._in_flight.discard(name)
+
+    def _execute(self, handle: Handle) -> bool:
+        """Run `handle` (its caller holds `_running`). True when it finished (result or error:
+        then its name is free and it is done); False when it is still pending because the
+        members' next collectives differed and the others ran first."""
+        try:
+            handle._run()
+        except OutOfOrder:
+            return self._settled(handle)
+        self._complete(handle)
+        return True
+
+    def _settled(self, handle: Handle) -> bool:
+        """`handle` met OutOfOrder: settle the order (`_settle`); as `_execute` returns."""
+        try:
+            self._settle(handle)
+        except Exception as exc:    # the settling failed (a member left, MPI): so did it
+            if not handle.done():
+                handle._fail(exc)
+                self._complete(handle)
+            return True
+        return handle.done()
+
+    def _complete(self, handle: Handle) -> None:
+        """Its name is free before it is done: a caller woken by wait() may reuse the name."""
+        self._release_name(handle.name)
+        handle._done.set()
+
+    def _settle(self, first: Handle) -> None:
+        """`first` met OutOfOrder: rounds with the other members until some names are pending
+        on all of them; run those, in the agreed order. Between rounds that agree on nothing,
+        wait for a new submission here (or a short pause: the others' may come). A round may
+        also end the settling with nothing run (a reset, negotiation.py)."""
+        agree = self._agreement()
+        pause = _FIRST_PAUSE
+        while True:
+            with self._cv:
+                pending = [first, *self._queue]
+            agreed = agree([h.name for h in pending])
+            if agreed is None:
+                return
+            if agreed:
+                break
+            with self._cv:
+                if len(self._queue) == len(pending) - 1:
+                    self._cv.wait(pause)
+            pause = min(2 * pause, _LONGEST_PAUSE)
+        by_name = {h.name: h for h in pending}
+        for name in agreed:
+            handle = by_name[name]
+            if handle is not first:
+                with self._cv:
+                    if handle not in self._queue:     # run by a settling inside this one
+                        continue
+                    self._queue.remove(handle)
+            if not self._execute(handle) and handle is not first:
+                with self._cv:
+                    self._queue.appendleft(handle)
 
     def _loop(self) -> None:
         while True:
@@ -159,13 +282,16 @@ class Engine:
                 if not self._queue:
                     return
             self._running.acquire()         # after a synchronous call in progress
-            with self._cv:
-                handle = self._queue.popleft()
             try:
-                handle._run()
+                with self._cv:
+                    if not self._queue:     # a settling on another thread ran it
+                        continue
+                    handle = self._queue.popleft()
+                if not self._execute(handle):
+                    with self._cv:
+                        self._queue.appendleft(handle)
             finally:
-                self._finish(handle.name)
-                handle._done.set()
+                self._running.release()
 
     def _poke_if_idle(self) -> None:
         if self._running.acquire(False):

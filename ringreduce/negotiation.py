@@ -6,23 +6,34 @@ costs no extra round trip there. With every member on one node the headers trave
 node's shared memory instead, meeting allreduces at the same flag; across a power-of-two number
 of nodes, through the node's memory and then by recursive doubling between the nodes
 (crossnode.py), meeting small allreduces in the same messages. When digests differ, a second
-round gathers the full signatures so that every rank raises the same `MismatchError`, naming the
-tensor, the field, and each rank's value; unless some digests are `JOINED`, the mark a rank
-that has joined (`join()`) sends in every exchange, which raises `PeersJoined` instead.
+round gathers the full signatures: where the names differ, the members are running different
+collectives (`OutOfOrder`: the engine settles the order, through `agreement()` below, and runs
+them by name); where the names agree, every rank raises the same `MismatchError`, naming the
+tensor, the field, and each rank's value. Some digests may be `JOINED`, the mark a rank that
+has joined (`join()`) sends in every exchange: that raises `PeersJoined` instead.
 """
 from __future__ import annotations
 
+import hashlib
+import logging
+import time
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
 from .crossnode import BetweenNodes
+from .engine import Agreement, OutOfOrder
 from .errors import MismatchError
 from .shm import NodeWindow
 from .signature import Signature, describe_mismatch, digest
 from .stall import StallWatch
 
 JOINED = 0x4A4F494E45442121   # "JOINED!!": the digest a joined rank sends, not a signature's
+# A collective of this name preempts: while some members have it pending, a member whose
+# collective is another one fails that one (MismatchError), so that an error raised on some
+# ranks only still brings every rank to the elastic reset (elastic.py).
+RESET = "ringreduce.elastic.reset"
+log = logging.getLogger("ringreduce")
 
 
 class PeersJoined(Exception):
@@ -43,10 +54,6 @@ class Negotiator:
         self.between = between
         self._header = np.zeros(2, dtype=np.int64)
         self._headers = np.zeros((comm.size, 2), dtype=np.int64)
-
-    def mismatch(self, signature: Signature) -> str:
-        """The message of a mismatch, from every member's signature (collective)."""
-        return describe_mismatch(self.comm.allgather(dict(signature)), self.ranks)
 
     def exchange(self, value: int, per_rank: int) -> tuple[np.ndarray, np.ndarray]:
         """Every member's digest and per-rank value, indexed by set rank."""
@@ -73,11 +80,97 @@ class Negotiator:
 
     def judge(self, digests: np.ndarray,
               signature: Union[Signature, Callable[[], Signature]]) -> None:
-        """Nothing when every digest agrees; else PeersJoined or MismatchError. `signature`
-        may be a function making it, called only for the message."""
+        """Nothing when every digest agrees; else PeersJoined, OutOfOrder (the names differ)
+        or MismatchError, the same on every member. `signature` may be a function making it,
+        called only when the digests differ."""
         if (digests == digests[0]).all():
             return
         joined = [int(r) for r in np.flatnonzero(digests == JOINED)]
         if joined:
             raise PeersJoined(joined)
-        raise MismatchError(self.mismatch(signature() if callable(signature) else signature))
+        signatures = self.comm.allgather(dict(signature() if callable(signature) else signature))
+        if any(s.get("name") != signatures[0].get("name") for s in signatures):
+            raise OutOfOrder()
+        raise MismatchError(describe_mismatch(signatures, self.ranks))
+
+    def agreement(self) -> Agreement:
+        """Start settling the order of the set's collectives by name (engine.py)."""
+        return _Settling(self).round
+
+
+def _name_hash(name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little",
+                          signed=True)
+
+
+_RESET_HASH = _name_hash(RESET)
+
+
+class _Settling:
+    """The rounds of one settling. Each gathers every member's pending names (as 64-bit hashes,
+    a count first) and returns those pending on all, in the first member's order. While none
+    is, each member says whether its stall check time (from the settling's start) or its stall
+    shutdown time has passed; when one has, every member gathers the names themselves and
+    reports which are pending where, and at the shutdown time the job ends with that report,
+    as a wait inside a collective would. Where some members have the RESET pending, the round
+    ends the settling everywhere: a member whose first name is the RESET keeps it pending, the
+    others fail their first."""
+
+    def __init__(self, negotiator: Negotiator) -> None:
+        self.negotiator, self.watch = negotiator, negotiator.watch
+        self.started = time.monotonic()
+        never = float("inf")
+        self.next_report = (self.started + self.watch.check_time
+                            if self.watch.check_time > 0 else never)
+        self.shutdown_at = (self.started + self.watch.shutdown_time
+                            if self.watch.shutdown_time > 0 else never)
+
+    def round(self, names: list[str]) -> Optional[list[str]]:
+        n, watch = self.negotiator, self.watch
+        now = time.monotonic()
+        due = 2 if now >= self.shutdown_at else 1 if now >= self.next_report else 0
+        hashes = np.array([_name_hash(name) for name in names], dtype=np.int64)
+        n._header[:] = (len(names), due)
+        watch.wait(n.comm.Iallgather(n._header, n._headers).Test)
+        counts, dues = n._headers[:, 0].tolist(), n._headers[:, 1]
+        everyone = np.empty(sum(counts), dtype=np.int64)
+        watch.wait(n.comm.Iallgatherv(hashes, [everyone, counts]).Test)
+        lists = np.split(everyone, np.cumsum(counts)[:-1])
+        resetting = [member for member, listed in enumerate(lists) if _RESET_HASH in listed]
+        if resetting:       # whoever has something else first fails it; the reset waits
+            if hashes[0] == _RESET_HASH:
+                return None
+            ranks = watch.ranks
+            raise MismatchError(
+                f"ringreduce: rank {ranks[n.comm.rank]}: collective '{names[0]}' fails: ranks "
+                f"{[ranks[m] for m in resetting]} wait in '{RESET}' after an error; every rank "
+                "fails what it runs before the reset, until it comes to the reset too.")
+        common = set(lists[0].tolist()).intersection(*(set(x.tolist()) for x in lists[1:]))
+        if common:
+            mine = dict(zip(hashes.tolist(), names))
+            return [mine[h] for h in lists[0].tolist() if h in common]
+        if dues.max() > 0:
+            message = self._describe(n.comm.allgather(names), now - self.started)
+            self.next_report = now + watch.check_time
+            if dues.max() == 2:
+                watch.on_shutdown(f"{message} Shutting the job down after "
+                                  f"{watch.shutdown_time:g} s (RINGREDUCE_STALL_SHUTDOWN_TIME).")
+            else:
+                log.warning(message)
+        return []
+
+    def _describe(self, pending: list[list[str]], waited: float) -> str:
+        """Which names are pending on which members (collective: every member's `pending`)."""
+        ranks = self.watch.ranks
+        holders: dict[str, list[int]] = {}
+        for member, names in enumerate(pending):
+            for name in names:
+                holders.setdefault(name, []).append(ranks[member])
+        where = "; ".join(f"'{name}' is pending on ranks {held} and not submitted by ranks "
+                          f"{[r for r in ranks if r not in held]}"
+                          for name, held in holders.items())
+        return (f"ringreduce: stall: rank {ranks[self.negotiator.comm.rank]} has waited "
+                f"{waited:.0f} s for the members{self.watch.where} to submit a collective "
+                f"they all have pending: {where}. Collectives run by name once every member "
+                "has submitted them: the ranks missing one are stuck in their own code, or "
+                "submit it under another name, or not at all.")

@@ -10,7 +10,6 @@ thread), so sets progress independently of each other. `global_process_set` hold
 from __future__ import annotations
 
 import itertools
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -80,18 +79,6 @@ class ProcessSet:
     __repr__ = __str__
 
 
-_MAIN_THREAD = threading.main_thread().ident
-
-
-def thread_key() -> str:
-    """What tells this thread's automatic names from other threads': nothing for the main
-    thread, else its name and a dot. (Asked on every small allreduce: the identity check
-    first, which costs a tenth of current_thread().)"""
-    if threading.get_ident() == _MAIN_THREAD:
-        return ""
-    return f"{threading.current_thread().name}."
-
-
 global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 
@@ -115,8 +102,9 @@ class ActiveSet:
                            self.ranks, where)
         self.transport = Transport(comm, self.local, self.cross, settings, watch, self.ranks,
                                    self.homogeneous)
-        self.engine = Engine(f"ringreduce-set{set_id}", self.ranks[comm.rank], comm.Iprobe)
-        self._names: dict[str, itertools.count] = {}   # per thread: see auto_name
+        self.engine = Engine(f"ringreduce-set{set_id}", self.ranks[comm.rank], comm.Iprobe,
+                             self.transport.negotiator.agreement)
+        self._names: dict[str, itertools.count] = {}   # per kind: see auto_name
         self._optimizers = itertools.count()
 
     def optimizer_prefix(self) -> str:
@@ -127,26 +115,30 @@ class ActiveSet:
         return "" if k == 0 else f"opt{k}."
 
     def auto_name(self, kind: str) -> str:
-        """Automatic names count per set and per thread: members that call in the same order
-        agree on them. Another thread's names carry its name ('allreduce.noname.Thread-2.0'):
-        two threads of a rank never take the same name, and when the members' threads submit
-        in different orders their collectives fail the signature check on every member
-        (MismatchError) instead of pairing one thread's tensor with another's."""
-        key = thread_key()
-        counter = self._names.get(key)
+        """A collective's name when the caller gives none: '<kind>.noname.<k>' for the set's
+        k-th unnamed collective of that kind, counted across this rank's threads, so members
+        that submit the same calls agree whatever other threads or sets they run (Horovod
+        counts one way per process; in-place variants count with their kind, as Horovod names
+        `allreduce_` 'allreduce.noname.N' too). Calls pair by name: threads that submit
+        unnamed collectives of one kind concurrently pair by whichever came first; name them
+        to pair them deliberately."""
+        kind = kind.rstrip("_")
+        counter = self._names.get(kind)
         if counter is None:
-            counter = self._names.setdefault(key, itertools.count())
-        return f"{kind}.noname.{key}{next(counter)}"
+            counter = self._names.setdefault(kind, itertools.count())
+        return f"{kind}.noname.{next(counter)}"
 
-    def join(self, device: Optional[Any], key: str) -> int:
+    def join(self, device: Optional[Any]) -> int:
         """Horovod's join on this set (collective; see Transport.join): returns the global rank
-        that joined last. Members that joined early ran fewer named collectives, so the
-        calling thread's counter of automatic names restarts from the highest afterwards, and
+        that joined last. Members that joined early ran fewer unnamed collectives, so every
+        counter of automatic names restarts from the highest among the members afterwards, and
         members agree again."""
         last = self.transport.join(device)
-        mine = next(self._names.setdefault(key, itertools.count()))
-        counters = self.transport.allgather_object(mine, {"collective": "join", "name": "names"})
-        self._names[key] = itertools.count(max(counters))
+        mine = {kind: next(counter) for kind, counter in list(self._names.items())}
+        everyone = self.transport.allgather_object(mine, {"collective": "join",
+                                                          "name": "join.names"})
+        for kind in {kind for counters in everyone for kind in counters}:
+            self._names[kind] = itertools.count(max(c.get(kind, 0) for c in everyone))
         return self.ranks[last]
 
     def root(self, root_rank: Any, what: str, name: str) -> int:

@@ -52,6 +52,6 @@ def describe_mismatch(signatures: Sequence[Signature], ranks: Sequence[int]) -> 
     kinds = sorted({str(s.get("collective")) for s in signatures})
     by_rank = "; ".join(f"rank {r}: {v!r}" for r, v in zip(ranks, values))
     return (f"ringreduce: ranks disagree on {'/'.join(kinds)} of tensor "
-            f"{' / '.join(repr(n) for n in names)}: '{field}' differs ({by_rank}). Every rank "
-            "must submit the same collectives, in the same order, with the same shapes, dtypes, "
-            "ops and root rank.")
+            f"{' / '.join(repr(n) for n in names)}: '{field}' differs ({by_rank}). Collectives "
+            "pair across ranks by name: every rank must submit a name with the same kind of "
+            "collective, shape, dtype, op and root rank.")

@@ -213,18 +213,22 @@ def test_native_exchange_talks_to_mpi_and_reports_its_errors():
         comm.Free()
 
 
+def _no_settling():
+    raise AssertionError("a one-rank engine never settles an order")
+
+
 class _SlowToLetGo(engine.Engine):
     """An engine thread that dawdles between a collective's end and letting go of its name,
     which is when a woken caller may already reuse the name."""
 
-    def _finish(self, name: str) -> None:
+    def _release_name(self, name: str) -> None:
         if threading.current_thread() is self._thread:
             time.sleep(0.05)
-        super()._finish(name)
+        super()._release_name(name)
 
 
 def test_a_handle_is_done_only_once_its_name_is_free():
-    e = _SlowToLetGo("test-engine", 0, lambda: None)
+    e = _SlowToLetGo("test-engine", 0, lambda: None, _no_settling)
     try:
         for _ in range(3):
             e.submit("same", lambda: 1).wait()
@@ -237,7 +241,7 @@ def test_a_synchronous_claim_never_overtakes_queued_work():
     """claim_idle() (the small allreduce's inline path) succeeds only when nothing runs and
     nothing is queued: work submitted before it has run by then."""
     order, gate = [], threading.Event()
-    e = engine.Engine("test-engine", 0, lambda: None)
+    e = engine.Engine("test-engine", 0, lambda: None, _no_settling)
     try:
         first = e.submit("a", lambda: (gate.wait(), order.append("a")))
         second = e.submit("b", lambda: order.append("b"))
@@ -250,5 +254,61 @@ def test_a_synchronous_claim_never_overtakes_queued_work():
         e.release_idle()
         first.wait(), second.wait()
         assert order == ["a", "b", "inline"]
+    finally:
+        e.shutdown()
+
+
+def test_a_name_is_refused_while_a_claim_holds_it():
+    """The small allreduce's inline claim takes its name: another thread's submission of the
+    same name is refused (ValueError), and a claim of a name that is queued is refused."""
+    e = engine.Engine("test-engine", 0, lambda: None, _no_settling)
+    try:
+        assert e.claim_idle("held")
+        with pytest.raises(ValueError, match="'held' is still in flight"):
+            e.submit("held", lambda: None)
+        e.release_idle()
+        assert e.run("held", lambda: 3) == 3        # free again after the release
+        gate = threading.Event()
+        blocker = e.submit("blocker", gate.wait)
+        queued = e.submit("queued", lambda: 4)
+        with pytest.raises(ValueError, match="'queued' is still in flight"):
+            e.claim_idle("queued")
+        gate.set()
+        blocker.wait()
+        assert queued.wait() == 4
+    finally:
+        e.shutdown()
+
+
+def test_settling_runs_the_agreed_names_first_and_requeues_the_rest():
+    """A collective that meets OutOfOrder is run again only after the names the agreement
+    returns (other threads' queued ones too), in its order; the rest keep submission order."""
+    order, rounds = [], []
+
+    def agreement():
+        def agree(names):
+            rounds.append(list(names))
+            return [] if len(rounds) == 1 else ["c", "b"]     # nothing common at first
+        return agree
+
+    e = engine.Engine("test-engine", 0, lambda: None, agreement)
+    try:
+        gate, meets = threading.Event(), iter([True])
+
+        def first():
+            if next(meets, False):
+                raise engine.OutOfOrder()
+            order.append("a")
+
+        blocker = e.submit("blocker", gate.wait)
+        handles = [e.submit(name, work) for name, work in
+                   (("a", first), ("b", lambda: order.append("b")),
+                    ("c", lambda: order.append("c")), ("d", lambda: order.append("d")))]
+        gate.set()
+        blocker.wait()
+        for h in handles:
+            h.wait()
+        assert order == ["c", "b", "a", "d"], order
+        assert rounds[0][0] == "a" and set(rounds[1]) == {"a", "b", "c", "d"}, rounds
     finally:
         e.shutdown()

@@ -29,6 +29,18 @@ def expect(error: type, fragments: Union[str, Sequence[str]], fn: Callable, *arg
                          f"({fragments})")
 
 
+def run_cases(cases: Sequence[Callable[[], None]], rank: int) -> None:
+    """Run every case, also after one fails; then fail naming each failed case and why."""
+    failures = []
+    for case in cases:
+        try:
+            case()
+        except Exception as e:      # an assertion, or an error the case did not expect
+            failures.append(f"{case.__name__} (rank {rank}): {type(e).__name__}: {e}")
+    if failures:
+        raise AssertionError("; ".join(failures))
+
+
 def per_setting(argument: Optional[str], start: Callable[[], None], checks: Callable[[], None],
                 stop: Callable[[], None]) -> None:
     """For each setting of `argument`, a JSON object {label: {RINGREDUCE_* variable: value}}

@@ -83,8 +83,6 @@ if n > 1:
            name="op_mm", op=hvd.Sum if r == 0 else hvd.Max)
     expect(hvd.MismatchError, ["'root_mm'", "'root_rank'"], hvd.broadcast, torch.ones(4),
            root_rank=0 if r == 0 else 1, name="root_mm")
-    expect(hvd.MismatchError, ["'name'", "n0", "n1"], hvd.allreduce, torch.ones(4),
-           name=f"n{min(r, 1)}")
     expect(hvd.MismatchError, ["'collective'", "allreduce", "allgather"],
            hvd.allreduce if r == 0 else hvd.allgather, torch.ones(4), name="kind_mm")
     expect(hvd.MismatchError, ["'ag_mm'", "trailing shape"], hvd.allgather,

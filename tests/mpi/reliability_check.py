@@ -3,8 +3,6 @@
 leave_end     rank 0 reaches the end of its script while rank 1 waits in an allreduce
 leave_exit    the same through sys.exit(0)
 fewer         rank 0 has fewer batches than the others and finishes first
-threads       two threads per rank call allreduce with automatic names: every result is
-              right, or every rank raises MismatchError for it; never a silently wrong one
 optimizer     a parameter unfrozen after wrapping; parameters no rank has a gradient for;
               two DistributedOptimizers in one backward
 checkpoint    load failures and unloadable extras raise the same error on every rank
@@ -14,7 +12,6 @@ stall         rank 1 sleeps FAULT_SLEEP seconds before its next allreduce
 """
 import os
 import sys
-import threading
 import time
 
 import numpy as np
@@ -58,35 +55,6 @@ def fewer():
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
     stamp("FINISHED")
-
-
-def threads():
-    counts = {"right": 0, "mismatch": 0, "wrong": 0}
-    lock = threading.Lock()
-
-    def work(t):
-        for i in range(60):
-            x = torch.full((8,), float(100 * t + i))
-            try:
-                got = hvd.allreduce(x, op=hvd.Sum)
-                outcome = "right" if torch.equal(got, x * n) else "wrong"
-            except hvd.MismatchError:
-                outcome = "mismatch"
-            with lock:
-                counts[outcome] += 1
-
-    workers = [threading.Thread(target=work, args=(t,)) for t in range(2)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    print(f"THREADS rank {r} {counts}", flush=True)
-    assert counts["wrong"] == 0, counts
-    assert sum(counts.values()) == 2 * 60, f"a thread died: {counts}"
-    everyone = hvd.allgather_object(counts)
-    assert all(c == counts for c in everyone), f"ranks disagree on the outcomes: {everyone}"
-    # a name reused by another thread while pending is refused there, the job goes on
-    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [n, n]
 
 
 def params_equal(model, what):
@@ -213,7 +181,7 @@ def stall():
     hvd.allreduce(torch.ones(4), name="stalled.here")
 
 
-{"leave_end": leave, "leave_exit": leave, "fewer": fewer, "threads": threads,
+{"leave_end": leave, "leave_exit": leave, "fewer": fewer,
  "optimizer": optimizer, "checkpoint": checkpoint, "alltoall": alltoall,
  "stoppable": stoppable, "stall": stall}[mode]()
 print(f"OK rank {r}", flush=True)

@@ -1,0 +1,32 @@
+"""Collectives paired by name (issue 20): out-of-order submissions, threads, duplicates and
+failures, on several data paths, at 2 and 3 ranks; and the stall report when no name is
+pending on every rank."""
+import json
+
+import pytest
+
+from conftest import PATHS, run_mpi, run_ok
+
+SETTINGS = {
+    2: {"default": {}, "mpi-gather": PATHS["mpi-gather"],
+        "2 nodes of 1": {"RINGREDUCE_SIMULATED_NODES": "2"}},
+    3: {"default": {}, "shm-blocks": PATHS["shm-blocks"], "mpi-ring": PATHS["mpi-ring"]},
+}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_collectives_pair_by_name(n):
+    run_ok(n, "by_name_check.py", json.dumps(SETTINGS[n]), timeout=60 * len(SETTINGS[n]))
+
+
+def test_names_pending_on_some_ranks_only_are_reported_and_shut_down():
+    result = run_mpi(3, "by_name_check.py", "stall", timeout=60,
+                     env={"RINGREDUCE_STALL_CHECK_TIME": "1",
+                          "RINGREDUCE_STALL_SHUTDOWN_TIME": "3"})
+    assert result.returncode != 0, "a stall past the shutdown time must end the job"
+    for rank in range(3):
+        assert (f"rank {rank} has waited 1 s for the members to submit a collective they all "
+                "have pending: 'n0' is pending on ranks [0, 2] and not submitted by ranks [1]; "
+                "'n1' is pending on ranks [1, 2] and not submitted by ranks [0]"
+                in result.output), result.output[-3000:]
+    assert "Shutting the job down after 3 s" in result.output, result.output[-3000:]
