@@ -45,8 +45,6 @@ _REFUSED = {
                                 "--output-filename DIR; MPICH Hydra: -outfile-pattern and "
                                 "-errfile-pattern)"),
     "--tcp": (False, "MPI picks the transport"),
-    "--disable-cache": (False, "there are no start-up checks to cache (MPI's launcher starts "
-                               "the ranks)"),
     "--cache-capacity": (True, "ringreduce has no response cache"),
     "--cycle-time-ms": (True, "ringreduce has no background cycle"),
     "--autotune": (False, "ringreduce has no autotuner; see the README's Settings for its "
@@ -80,6 +78,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--check-build", action="store_true",
                    help="print what this build supports and exit")
     p.add_argument("--mpi-args", default="", help="extra arguments for the MPI launcher")
+    p.add_argument("--disable-cache", action="store_true",
+                   help="accepted and ignored: there are no start-up checks to cache (MPI's "
+                        "launcher starts the ranks)")
     for flag, (takes_value, _) in _REFUSED.items():
         p.add_argument(flag, dest="refused_" + flag.strip("-").replace("-", "_"),
                        help=argparse.SUPPRESS,

@@ -45,7 +45,7 @@ _REFUSED_ARGUMENTS = {
     "max_np": "--max-np", "slots": "--slots-per-host", "reset_limit": "--reset-limit",
     "cooldown_range": "--blacklist-cooldown-range",
     "host_discovery_script": "--host-discovery-script", "start_timeout": "--start-timeout",
-    "ssh_identity_file": "--ssh-identity-file", "disable_cache": "--disable-cache",
+    "ssh_identity_file": "--ssh-identity-file",
     "output_filename": "--output-filename", "use_gloo": "--gloo",
     "network_interface": "--network-interface", "network_interfaces": "--network-interface",
 }
@@ -81,7 +81,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict]
     given = {"min_num_proc": min_num_proc, "max_num_proc": max_num_proc, "slots": slots,
              "reset_limit": reset_limit, "cooldown_range": cooldown_range,
              "host_discovery_script": host_discovery_script, "start_timeout": start_timeout,
-             "ssh_identity_file": ssh_identity_file, "disable_cache": disable_cache,
+             "ssh_identity_file": ssh_identity_file,
              "output_filename": output_filename, "use_gloo": use_gloo,
              "network_interface": network_interface, "network_interfaces": network_interfaces,
              "min_np": min_np, "max_np": max_np}
