@@ -13,9 +13,9 @@ from .collectives import (Adasum, Average, Max, Min, Product, Sum, allgather, al
 from .compression import Compression
 from .engine import Handle
 from . import checkpoint, elastic
-from .errors import (CheckpointError, ConsistencyError, HorovodInternalError, JoinedError,
-                     MismatchError, NotInitializedError, RingReduceError, ShutDownError,
-                     UnsupportedError, UsageError)
+from .errors import (ArgumentTypeError, CheckpointError, ConsistencyError,
+                     HorovodInternalError, JoinedError, MismatchError, NotInitializedError,
+                     RingReduceError, ShutDownError, UnsupportedError, UsageError)
 from .kernels import ReduceOp
 from .objects import (allgather_object, broadcast_object, broadcast_optimizer_state,
                       broadcast_parameters, check_consistency)
@@ -58,5 +58,5 @@ __all__ = [
     # errors
     "RingReduceError", "HorovodInternalError", "MismatchError", "NotInitializedError",
     "JoinedError", "ShutDownError", "UnsupportedError", "UsageError", "ConsistencyError",
-    "CheckpointError",
+    "CheckpointError", "ArgumentTypeError",
 ]

@@ -472,7 +472,8 @@ def _alltoall_work(tensor: torch.Tensor, splits: Any, name: Optional[str],
     else:
         given = np.asarray(splits.tolist() if isinstance(splits, torch.Tensor) else splits)
         if given.dtype.kind not in "iu":
-            raise TypeError(f"{where}: splits must be integers, got {given.tolist()!r}")
+            from .errors import ArgumentTypeError     # a TypeError and, as Horovod's, a ValueError
+            raise ArgumentTypeError(f"{where}: splits must be integers, got {given.tolist()!r}")
         send_splits = given.astype(np.int64).reshape(-1)
         if send_splits.size != ps.size or (send_splits < 0).any() or \
                 send_splits.sum() != t.shape[0]:
@@ -591,10 +592,15 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
 
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
-                           process_set: ProcessSet = global_process_set) -> Handle:
-    """Reduce a sparse COO tensor as Horovod does: allgather every member's indices and
-    values; the result holds them all (duplicate indices add up when coalesced), values divided
-    by the set's size for Average. The handle yields the sparse result."""
+                           process_set: ProcessSet = global_process_set) -> Callable[[], Any]:
+    """Reduce a sparse COO tensor as Horovod does: allgather every member's indices
+    ('<name>.indices') and values ('<name>.values'); the result holds them all (duplicate
+    indices add up when coalesced), values divided by the set's size for Average.
+
+    Returns, as Horovod's, a function: `handle()` waits and returns the sparse result (it also
+    has `wait()` and `done()`, so `synchronize(handle)` and `poll(handle)` work). The members'
+    dense shapes must agree (they are part of the signature): otherwise every member raises
+    MismatchError naming the tensor and each rank's shape."""
     ps = active(process_set, "sparse_allreduce_async()")
     name = ps.auto_name("sparse_allreduce") if name is None else name
     op = _op(op, None, "sparse_allreduce_async")
@@ -604,16 +610,28 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
     if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
         raise TypeError(f"ringreduce: sparse_allreduce_async of tensor '{name}' on rank "
                         f"{ps.ranks[ps.rank]}: expected a sparse COO tensor")
-    _, _, gather = _allgather_work([tensor._indices().t().contiguous(), tensor._values()],
-                                   f"{name}.sparse", process_set, "sparse_allreduce")
+    dense_shape = tuple(tensor.shape)
+    gathers = []
+    for part, piece in (("indices", tensor._indices().t()), ("values", tensor._values())):
+        each = f"{name}.{part}"
+        t = _tensor(piece, "sparse_allreduce_async", each, ps)
+        signature = {"collective": "sparse_allreduce", "name": each, "dense shape": dense_shape,
+                     "dtype": NAMES[t.dtype], "trailing shape": tuple(t.shape[1:])}
+        gathers.append(functools.partial(ps.transport.allgather, t, signature))
 
     def work() -> torch.Tensor:
-        indices, values = gather()
+        indices, values = [gather() for gather in gathers]
         if op == Average:
             values = values / ps.size
-        return torch.sparse_coo_tensor(indices.t(), values, tensor.shape)
+        return torch.sparse_coo_tensor(indices.t(), values, dense_shape, check_invariants=False)
 
-    return _submit((ps, name, work))
+    submitted = _submit((ps, name, work))
+
+    def handle() -> torch.Tensor:
+        return submitted.wait()
+
+    handle.wait, handle.done = submitted.wait, submitted.done
+    return handle
 
 
 def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
@@ -743,21 +761,36 @@ class _AlltoallFunction(torch.autograd.Function):
 
 
 class _ReducescatterFunction(torch.autograd.Function):
-    """Each input's gradient is the allgather of the incoming ones, times the factors the
-    forward applied (prescale, postscale, and 1/size for Average)."""
+    """Horovod's gradient (HorovodReducescatter, HorovodGroupedReducescatter): the incoming
+    gradients times the set's size for Sum (nothing for Average), then times the prescale and
+    the postscale factor (each only when not 1), one multiplication at a time, then
+    allgathered. With compression, as Horovod's (which compresses outside its autograd
+    function), that happens in the wire dtype."""
 
     @staticmethod
     def forward(ctx, args, *tensors):
         name, compression, op, process_set, pre, post = args
         ps = active(process_set, "reducescatter()")
         op = _op(op, None, "reducescatter")
-        ctx.process_set = process_set
-        ctx.factor = pre * post / (ps.size if op == Average else 1)
+        ctx.process_set, ctx.size, ctx.compression = process_set, ps.size, compression
+        ctx.sum, ctx.pre, ctx.post = op == Sum, pre, post
         return tuple(_run(_reducescatter_work(list(tensors), name, op, pre, post, compression,
                                               process_set)))
 
     @staticmethod
     def backward(ctx, *grads):
-        gathered = grouped_allgather([g.contiguous() for g in grads],
-                                     process_set=ctx.process_set)
-        return (None, *[g * ctx.factor for g in gathered])
+        wire_dtype = ctx.compression.wire_dtype
+        scaled, dtypes = [], []
+        for g in grads:
+            dtypes.append(g.dtype)
+            if wire_dtype is not None and ctx.compression.applies_to(g.dtype):
+                g = g.to(wire_dtype)
+            if ctx.sum:
+                g = g * ctx.size
+            if ctx.pre != 1.0:
+                g = g * ctx.pre
+            if ctx.post != 1.0:
+                g = g * ctx.post
+            scaled.append(g.contiguous())
+        gathered = grouped_allgather(scaled, process_set=ctx.process_set)
+        return (None, *[g.to(dtype) for g, dtype in zip(gathered, dtypes)])

@@ -37,6 +37,13 @@ class UnsupportedError(RingReduceError, NotImplementedError):
     Adasum on a rank count that is not a power of two."""
 
 
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type where Horovod raises ValueError (for instance `alltoall`
+    splits that are not integers: Horovod's users catch `(torch.FatalError, ValueError)`).
+    Also a `TypeError`, as it was before, so either `except` clause catches it. Like every
+    argument error it is raised on the rank that made the mistake, before any traffic."""
+
+
 class MismatchError(RingReduceError):
     """Ranks submitted different collectives (name, shape, dtype, op, root ...).
 

@@ -13,7 +13,9 @@ Life cycle of one step:
   step(): synchronize() unless inside skip_synchronize(), then the wrapped optimizer's step.
 
 With op=Adasum the life cycle is Horovod's instead (`_AdasumOptimizer`): each rank steps its
-own optimizer, and the parameter deltas are combined.
+own optimizer, and the parameter deltas are combined. On a rank outside the process set, as in
+Horovod, nothing is hooked or reduced and step() steps with the local gradients
+(`_OutsideOptimizer`).
 
 The returned object is an instance of a subclass of the wrapped optimizer's class, sharing its
 param_groups and state, so isinstance checks, LR schedulers and state_dict keep working.
@@ -57,13 +59,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._process_set = process_set
         self._rank = ps.ranks[ps.rank]
         settings = ps.transport.settings
-        self._named = _named_parameters(self.param_groups, named_parameters)
-        self._names = {id(p): n for n, p in self._named}
-        _check_passes(backward_passes_per_step)
-        op = _op(op, None, "DistributedOptimizer", adasum_ok=True)
-        if gradient_predivide_factor != 1.0 and op != Average:
-            raise ValueError("ringreduce: gradient_predivide_factor only applies to op=Average "
-                             f"(got op={op.name}); drop the factor or use Average")
+        op = self._check_arguments(named_parameters, backward_passes_per_step, op,
+                                   gradient_predivide_factor)
         if gradient_as_bucket_view and compression is not Compression.none:
             raise ValueError("ringreduce: gradient_as_bucket_view needs compression="
                              "Compression.none (compressed buckets hold another dtype)")
@@ -71,6 +68,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         predivided = gradient_predivide_factor != 1.0
         self._reduction = (Sum if predivided else op, 1.0 / gradient_predivide_factor,
                            gradient_predivide_factor / ps.size if predivided else 1.0)
+        self._op = op                # sparse gradients: Horovod's op, without the predivision
         self._sparse_as_dense = sparse_as_dense
         self._passes = backward_passes_per_step
         self._consistency_every = settings.consistency_check_steps
@@ -92,6 +90,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         weakref.finalize(self, _remove_hooks, self._hooks)
         self._plan()
         self._reset_step()
+
+    def _check_arguments(self, named_parameters, backward_passes_per_step, op,
+                         gradient_predivide_factor) -> Any:
+        """The checks every rank makes, in or outside the process set; sets the parameter
+        names (`_named`, and Horovod's `_parameter_names`: parameter -> name). Returns the
+        op."""
+        self._named, self._parameter_names = _named_parameters(self.param_groups,
+                                                               named_parameters)
+        self._names = {id(p): n for n, p in self._named}
+        _check_passes(backward_passes_per_step)
+        op = _op(op, None, "DistributedOptimizer", adasum_ok=True)
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("ringreduce: gradient_predivide_factor only applies to op=Average "
+                             f"(got op={op.name}); drop the factor or use Average")
+        return op
 
     # ------------------------------------------------------------ the plan
 
@@ -175,6 +188,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._next_bucket = 0                # buckets are submitted strictly in order
         self._handles: list[Handle] = []
         self._found_sparse: set[int] = set()   # parameters with sparse gradients this step
+        self._densified: set[int] = set()      # sparse gradients this step, sparse_as_dense
         self._present.zero_()
         self._synchronized = False
         self._first_gradient_at: dict[int, float] = {}  # bucket index -> time (timeline only)
@@ -203,8 +217,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if count < self._passes:
             return
         if p.grad is not None and p.grad.layout != torch.strided:
-            if self._sparse_as_dense:
+            if self._sparse_as_dense and (self._adasum or self._set.size > 1):
+                # Horovod: reduced densely, handed back sparse (alone, it reduces nothing:
+                # the gradient stays as backward made it, reduced on its own below)
                 p.grad = p.grad.to_dense()
+                if not self._adasum:
+                    self._densified.add(key)
             elif self._adasum:
                 raise UnsupportedError(
                     f"ringreduce: parameter '{self._names[key]}' on rank {self._rank} has a "
@@ -305,7 +323,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                   if id(p) in self._planned_sparse or id(p) in self._found_sparse]
         self._sparse |= self._found_sparse    # the next step's plan reduces them on their own
         results = [(p, sparse_allreduce_async(_sparse_or_empty(p), f"{self._prefix}sparse.{n}",
-                                              self._reduction[0], self._process_set))
+                                              self._op, self._process_set))
                    for n, p in sparse]
         presence = None
         if self._counts_presence:
@@ -316,12 +334,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for handle in self._handles:
                 handle.wait()
             for p, handle in results:
-                p.grad = handle.wait()
+                p.grad = handle()
             if presence is not None:
                 presence.wait()
                 self._forget_gradients_nobody_had()
+            self._sparse_again()
         finally:
             self._handles = []
+
+    def _sparse_again(self) -> None:
+        """sparse_as_dense, as Horovod: a gradient that came sparse on this rank was reduced
+        densely, and goes back to the optimizer sparse (the reduced dense gradient's nonzero
+        entries, coalesced), so that SparseAdam and the like step with it."""
+        if self._densified:
+            for _, p in self._named:
+                if id(p) in self._densified and p.grad is not None \
+                        and p.grad.layout == torch.strided:
+                    p.grad = p.grad.to_sparse()
+            self._densified = set()
 
     def _mark_present(self, bucket: fusion.Bucket) -> None:
         """As a bucket is packed (before its unpack fills in missing gradients): this rank has
@@ -433,6 +463,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         p.grad.zero_()
             for _, p in self._sparse_params:
                 p.grad = None
+            for _, p in self._named:    # handed back sparse (sparse_as_dense): not a view
+                if p.grad is not None and p.grad.layout != torch.strided:
+                    p.grad = None
             self._point_grads_at_buckets()
         else:
             self._plain_class.zero_grad(self, set_to_none)
@@ -532,6 +565,71 @@ class _AdasumOptimizer:
         return loss
 
 
+class _OutsideOptimizer:
+    """On a rank outside the optimizer's process set, as Horovod's: no gradient hooks, nothing
+    to reduce; synchronize() returns at once and step() steps with this rank's own gradients
+    (the wrapped optimizer's step, given the closure)."""
+
+    def _setup(self, named_parameters, compression, backward_passes_per_step, op,
+               gradient_predivide_factor, groups, sparse_as_dense, gradient_as_bucket_view,
+               fusion_threshold, first_bucket_bytes, process_set) -> None:
+        self._process_set = process_set
+        self._rank = _global_rank()
+        self._check_arguments(named_parameters, backward_passes_per_step, op,
+                              gradient_predivide_factor)
+        self._passes = backward_passes_per_step
+        self._skip_sync = False
+        self._synchronized = False
+        self._released = False
+        self._hooks: list = []
+        self._handles: list = []
+
+    @property
+    def _adasum(self) -> bool:
+        return False
+
+    def _reset_step(self) -> None:
+        self._synchronized = False
+
+    def synchronize(self) -> None:
+        self._synchronized = True
+
+    def step(self, closure=None):
+        self._check_usable()
+        if not self._skip_sync:
+            if self._synchronized:
+                warnings.warn(_STEP_AFTER_SYNCHRONIZE)
+            self.synchronize()
+        self._synchronized = False
+        if self._plain_step is not None:
+            return self._plain_step(closure)
+        return self._plain_class.step(self, closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._plain_class.zero_grad(self, set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        _check_passes(passes)
+        self._passes = passes
+
+    def _check_usable(self) -> None:
+        if self._released:
+            raise UsageError(f"ringreduce: this DistributedOptimizer on rank {self._rank} was "
+                             "released; wrap a new one")
+
+
+def _outside(process_set: ProcessSet) -> bool:
+    """Whether this rank is outside `process_set`, a registered set (an unregistered one is
+    left to `active()` to refuse)."""
+    return (isinstance(process_set, ProcessSet) and process_set is not global_process_set
+            and process_set.process_set_id is not None and process_set.included() is False)
+
+
+def _global_rank() -> int:
+    everyone = active(global_process_set, "DistributedOptimizer()")
+    return everyone.ranks[everyone.rank]
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
                          compression: type[Compressor] = Compression.none,
@@ -557,6 +655,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if getattr(optimizer, "_ringreduce_wrapped", False):
         raise ValueError("ringreduce: this optimizer is a DistributedOptimizer already; wrap "
                          "the plain torch optimizer once")
+    if _outside(process_set):
+        return _wrap(optimizer, (_OutsideOptimizer, _DistributedOptimizer), named_parameters,
+                     compression, backward_passes_per_step, op, gradient_predivide_factor,
+                     num_groups, groups, sparse_as_dense, process_set, gradient_as_bucket_view,
+                     fusion_threshold, first_bucket_bytes)
     ps = active(process_set, "DistributedOptimizer()")
     adasum_op = op is not None and _op(op, None, "DistributedOptimizer", True) == Adasum
     if adasum_op and ps.size > 1:
@@ -570,6 +673,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                                        compression.applies_to(p.dtype) else p.dtype)
     mixins = (_AdasumOptimizer, _DistributedOptimizer) if adasum_op and ps.size > 1 \
         else (_DistributedOptimizer,)
+    return _wrap(optimizer, mixins, named_parameters, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set,
+                 gradient_as_bucket_view, fusion_threshold, first_bucket_bytes)
+
+
+def _wrap(optimizer: torch.optim.Optimizer, mixins: tuple, named_parameters, compression,
+          backward_passes_per_step, op, gradient_predivide_factor, num_groups, groups,
+          sparse_as_dense, process_set, gradient_as_bucket_view, fusion_threshold,
+          first_bucket_bytes) -> torch.optim.Optimizer:
+    """An instance of a subclass of the optimizer's class with the mixins' methods, sharing
+    its param_groups and state."""
     methods = {}
     for mixin in reversed(mixins):
         methods.update({k: v for k, v in mixin.__dict__.items()
@@ -602,10 +716,11 @@ def _check_passes(passes: Any) -> None:
 
 
 def _sparse_or_empty(p: torch.Tensor) -> torch.Tensor:
-    """p's sparse gradient, or an empty one where this rank has none (the allgather is
-    collective, so every rank takes part)."""
+    """p's sparse gradient as backward made it (not coalesced: Horovod gathers it as it is, and
+    the optimizer's coalesce then adds up every rank's entries at once), or an empty one where
+    this rank has none (the allgather is collective, so every rank takes part)."""
     if p.grad is not None and p.grad.layout == torch.sparse_coo:
-        return p.grad.coalesce()
+        return p.grad
     empty_values = torch.zeros((0, *p.shape[1:]), dtype=p.dtype, device=p.device)
     return torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.int64), empty_values,
                                    p.shape)
@@ -622,11 +737,16 @@ def _remove_hooks(hooks: list) -> None:
         hook.remove()
 
 
-def _named_parameters(param_groups: Sequence[dict], named: Any) -> list[tuple[str, torch.Tensor]]:
-    """Names for every parameter of the optimizer, checked the way Horovod checks them."""
+def _named_parameters(param_groups: Sequence[dict], named: Any
+                      ) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+    """Names for every parameter of the optimizer, checked the way Horovod checks them, in
+    param_groups order; and Horovod's `_parameter_names` (parameter -> name, sorted by name,
+    over every entry of `named`). Without `named`, Horovod's generated names:
+    'allreduce.noname.<group index>.<index in the group>'."""
     params = [p for group in param_groups for p in group["params"]]
     if named is None:
-        return [(f"param.{i}", p) for i, p in enumerate(params)]
+        named = [(f"allreduce.noname.{i}.{j}", p) for i, group in enumerate(param_groups)
+                 for j, p in enumerate(group["params"])]
     named = list(named)
     if any(not isinstance(entry, tuple) or len(entry) != 2 for entry in named):
         raise ValueError("ringreduce: named_parameters must be a sequence of (name, parameter) "
@@ -643,7 +763,8 @@ def _named_parameters(param_groups: Sequence[dict], named: Any) -> list[tuple[st
         raise ValueError(f"ringreduce: named_parameters was given but {len(unnamed)} optimizer "
                          f"parameter(s) have no name (positions {unnamed[:10]} in param_groups); "
                          "pass model.named_parameters() of the model the optimizer trains")
-    return [(name_of[id(p)], p) for p in params]
+    parameter_names = {p: n for n, p in sorted(named, key=lambda entry: entry[0])}
+    return [(name_of[id(p)], p) for p in params], parameter_names
 
 
 def _explicit_groups(groups: Any, named: list[tuple[str, torch.Tensor]]):

@@ -60,7 +60,7 @@ HOROVOD_TORCH_0_28 = {
                              "backward_passes_per_step", "op", "gradient_predivide_factor",
                              "num_groups", "groups", "sparse_as_dense", "process_set"],
     "broadcast_parameters": ["params", "root_rank"],
-    "broadcast_optimizer_state": ["optimizer", "root_rank"],
+    "broadcast_optimizer_state": ["optimizer", "root_rank", "model"],
     "broadcast_object": ["obj", "root_rank", "name", "process_set"],
     "allgather_object": ["obj", "name", "process_set"],
     "SyncBatchNorm": None, "elastic": None,
@@ -99,6 +99,8 @@ def test_errors_are_caught_by_horovods_except_clauses():
     assert issubclass(hvd.NotInitializedError, ValueError)      # Horovod: ValueError
     assert issubclass(hvd.UnsupportedError, NotImplementedError)
     assert issubclass(hvd.UsageError, AssertionError)
+    assert issubclass(hvd.ArgumentTypeError, TypeError)         # ours before
+    assert issubclass(hvd.ArgumentTypeError, ValueError)        # Horovod's alltoall splits
     with pytest.raises(ValueError, match="before ringreduce.init"):
         hvd.rank()
 

@@ -3,9 +3,11 @@
 Rank r holds an input x_r and an upstream gradient u_r (both from seeds, so every rank can
 rebuild everyone's). The reference rebuilds the collective in one process with torch ops on all
 ranks' inputs, takes the loss sum_r (y_r * u_r).sum() and lets autograd differentiate it: that
-is the exact gradient, which allreduce, alltoall and reducescatter match; Horovod's allgather and
-broadcast average the incoming gradients instead of summing them, so their reference is divided
-by the set's size. Results are compared to 1e-12 (float64) on every rank, at every rank count.
+is the exact gradient, which allreduce and alltoall match; Horovod's allgather and broadcast
+average the incoming gradients instead of summing them, so their reference is divided by the
+set's size, and Horovod's reducescatter multiplies them by the set's size for Sum where the
+exact gradient would divide by it for Average, so its reference is multiplied by the set's
+size. Results are compared to 1e-12 (float64) on every rank, at every rank count.
 """
 import torch
 
@@ -120,7 +122,7 @@ counts = [base + (1 if j < extra else 0) for j in range(n)]
 for op, pre, post in ((hvd.Sum, 1.0, 1.0), (hvd.Average, 0.5, 3.0)):
     factor = pre * post / (n if op == hvd.Average else 1)
     want = reference(lambda xs: list((sum(xs) * factor).split(counts)), [full] * n,
-                     [(c, 2) for c in counts], salt=10)[r]
+                     [(c, 2) for c in counts], salt=10)[r] * n      # Horovod's: times the size
     got = run(lambda x: hvd.reducescatter(x, op=op, prescale_factor=pre, postscale_factor=post),
               full, (counts[r], 2), salt=10)
     check(f"reducescatter {op.name}", got, want)
@@ -129,7 +131,7 @@ for op, pre, post in ((hvd.Sum, 1.0, 1.0), (hvd.Average, 0.5, 3.0)):
     (ge * u_of(r, (counts[r], 2), 11)).sum().backward()
     check(f"grouped_reducescatter {op.name}", e.grad,
           reference(lambda xs: list((sum(xs) * factor).split(counts)), [full] * n,
-                    [(c, 2) for c in counts], 11)[r])
+                    [(c, 2) for c in counts], 11)[r] * n)
 
 hvd.shutdown()
 print(f"OK rank {r}", flush=True)

@@ -235,8 +235,13 @@ def check_state_helpers():
     params_equal_across_ranks(other, "broadcast_parameters(named_parameters)")
 
     opt = torch.optim.Adam(model.parameters(), lr=0.001 * (r + 1))
+    before = [p.detach().clone() for p in model.parameters()]
     hvd.broadcast_optimizer_state(opt, root_rank=0)          # before the first step: empty
-    assert opt.param_groups[0]["lr"] == 0.001 and not opt.state
+    # Horovod's procedure: the state is made by a step with zero gradients (which moves no
+    # parameter of Adam without weight decay), then the root's is broadcast
+    assert opt.param_groups[0]["lr"] == 0.001
+    assert all(float(opt.state[p]["step"]) == 1.0 for p in model.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     x, y = data(r)
     for _ in range(r + 1):          # local steps, a different number per rank
         F.cross_entropy(model(x), y).backward()
@@ -246,7 +251,7 @@ def check_state_helpers():
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(dist, root_rank=0)
     state = dist.state_dict()["state"]
-    assert float(state[0]["step"]) == 1.0, state[0]["step"]   # rank 0 took one step
+    assert float(state[0]["step"]) == 2.0, state[0]["step"]   # rank 0: state step + one
     flat = torch.cat([state[i]["exp_avg"].reshape(-1) for i in sorted(state)])
     everyone = MPI.COMM_WORLD.allgather(flat.numpy().tobytes())
     assert all(b == everyone[0] for b in everyone), "optimizer state differs across ranks"

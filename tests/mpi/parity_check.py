@@ -58,7 +58,7 @@ def check_sparse_allreduce():
     indices = torch.tensor([[r, r + 1], [0, 1]])
     sparse = torch.sparse_coo_tensor(indices, torch.tensor([r + 1.0, r + 1.0]), (n + 1, 2))
     for op in (hvd.Sum, hvd.Average):
-        got = hvd.synchronize(hvd.sparse_allreduce_async(sparse, f"sparse.{op.name}", op))
+        got = hvd.sparse_allreduce_async(sparse, f"sparse.{op.name}", op)()   # Horovod's call
         dense = sum(torch.sparse_coo_tensor(torch.tensor([[k, k + 1], [0, 1]]),
                                             torch.tensor([k + 1.0, k + 1.0]), (n + 1, 2)
                                             ).to_dense() for k in range(n))
@@ -78,12 +78,14 @@ class Embedder(nn.Module):
 
 
 def check_sparse_gradients_in_the_optimizer():
-    """SparseAdam on sparse gradients (allgathered as Horovod does), and Adam with
-    sparse_as_dense, each against one process on the whole batch."""
-    for sparse_as_dense, make in ((False, lambda m: [torch.optim.SparseAdam(
-                                      list(m.embedding.parameters()), lr=0.05),
-                                      torch.optim.Adam(m.head.parameters(), lr=0.05)]),
-                                  (True, lambda m: [torch.optim.Adam(m.parameters(), lr=0.05)])):
+    """SparseAdam on sparse gradients (allgathered as Horovod does), and with sparse_as_dense
+    (reduced densely, handed back sparse, as Horovod does), each against one process on the
+    whole batch."""
+    def make(m):
+        return [torch.optim.SparseAdam(list(m.embedding.parameters()), lr=0.05),
+                torch.optim.Adam(m.head.parameters(), lr=0.05)]
+
+    for sparse_as_dense in (False, True):
         torch.manual_seed(3)
         model = Embedder(sparse=True)
         reference = copy.deepcopy(model)
@@ -99,14 +101,15 @@ def check_sparse_gradients_in_the_optimizer():
             for o in opts:
                 o.zero_grad()
             F.cross_entropy(model(tokens[4 * r:4 * r + 4]), labels[4 * r:4 * r + 4]).backward()
-            assert model.embedding.weight.grad.is_sparse != sparse_as_dense   # made dense
             for o in opts:
                 o.step()
+            assert model.embedding.weight.grad.is_sparse   # sparse again after the reduction
             for o in ref_opts:
                 o.zero_grad()
             F.cross_entropy(reference(tokens), labels).backward()
-            if sparse_as_dense:
-                reference.embedding.weight.grad = reference.embedding.weight.grad.to_dense()
+            if sparse_as_dense and n > 1:   # Horovod's dense reduction made sparse again
+                reference.embedding.weight.grad = \
+                    reference.embedding.weight.grad.to_dense().to_sparse()
             for o in ref_opts:
                 o.step()
             what = f"sparse_as_dense={sparse_as_dense} step {step}"
@@ -216,13 +219,19 @@ if hasattr(torch.optim, "Adafactor"):
 
 def check_broadcast_optimizer_state():
     """Every torch.optim optimizer, with options that are not tensors, a frozen parameter that
-    never gets a gradient and one that is unused: the root's state and options everywhere."""
+    never gets a gradient and one that is unused: the root's state and options everywhere.
+    LBFGS is refused, as in Horovod."""
     for name, make in OPTIMIZERS.items():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2), nn.Linear(2, 2))
         model[0].weight.requires_grad_(False)      # frozen: never a gradient
         opt = make(model.parameters(), r + 1)
-        for step in range(r):                      # a different history on every rank
+        if name == "LBFGS":
+            expect(ValueError, "LBFGS", hvd.broadcast_optimizer_state, opt, root_rank=0)
+            continue
+        # A different history on every rank, with state everywhere (an empty state would be
+        # made by a step with zero gradients on that rank alone, as in Horovod)
+        for step in range(r + 1):
             def closure():
                 opt.zero_grad()
                 loss = model[1](model[0](torch.randn(2, 3))).sum()   # model[2] unused
