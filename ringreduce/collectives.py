@@ -19,7 +19,7 @@ from . import _native, adasum, cuda, ring, timeline
 from .buffers import CODES, NAMES, SUPPORTED, as_array, fresh
 from .compression import Compression, Compressor
 from .engine import Handle, OutOfOrder
-from .errors import UnsupportedError
+from .errors import ArgumentTypeError, UnsupportedError
 from .kernels import ReduceOp
 from .process_sets import ActiveSet, ProcessSet, active, global_process_set
 from .signature import digest
@@ -472,7 +472,6 @@ def _alltoall_work(tensor: torch.Tensor, splits: Any, name: Optional[str],
     else:
         given = np.asarray(splits.tolist() if isinstance(splits, torch.Tensor) else splits)
         if given.dtype.kind not in "iu":
-            from .errors import ArgumentTypeError     # a TypeError and, as Horovod's, a ValueError
             raise ArgumentTypeError(f"{where}: splits must be integers, got {given.tolist()!r}")
         send_splits = given.astype(np.int64).reshape(-1)
         if send_splits.size != ps.size or (send_splits < 0).any() or \
@@ -561,7 +560,8 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
                   postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce-scatter (differentiable: the gradient is the allgather of the incoming ones,
     scaled as the forward scaled)."""
-    args = (name, compression, op, process_set, prescale_factor, postscale_factor)
+    args = (name, compression, op, process_set, prescale_factor, postscale_factor,
+            "reducescatter")
     if _differentiable(tensor):
         return _ReducescatterFunction.apply(args, tensor)[0]
     return _run(_first(_reducescatter_work([tensor], name, op, prescale_factor,
@@ -584,7 +584,8 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
                           prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """Reduce-scatter several tensors as one collective (differentiable)."""
-    args = (name, compression, op, process_set, prescale_factor, postscale_factor)
+    args = (name, compression, op, process_set, prescale_factor, postscale_factor,
+            "grouped_reducescatter")
     if any(_differentiable(t) for t in tensors):
         return list(_ReducescatterFunction.apply(args, *tensors))
     return _run(_reducescatter_work(list(tensors), name, op, prescale_factor, postscale_factor,
@@ -769,13 +770,13 @@ class _ReducescatterFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, args, *tensors):
-        name, compression, op, process_set, pre, post = args
-        ps = active(process_set, "reducescatter()")
-        op = _op(op, None, "reducescatter")
+        name, compression, op, process_set, pre, post, kind = args
+        ps = active(process_set, f"{kind}()")
+        op = _op(op, None, kind)
         ctx.process_set, ctx.size, ctx.compression = process_set, ps.size, compression
         ctx.sum, ctx.pre, ctx.post = op == Sum, pre, post
         return tuple(_run(_reducescatter_work(list(tensors), name, op, pre, post, compression,
-                                              process_set)))
+                                              process_set, kind)))
 
     @staticmethod
     def backward(ctx, *grads):
