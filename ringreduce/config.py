@@ -36,10 +36,28 @@ def parse_bytes(text: str) -> int:
     return int(float(number) * scale)
 
 
-def _setting(default: Any, parse: Callable[[str], Any], doc: str, horovod: str = "") -> Any:
-    """A field; `horovod` names the Horovod environment variable that means the same."""
-    return dataclasses.field(default=default,
-                             metadata={"parse": parse, "doc": doc, "horovod": horovod})
+_GIB = 1 << 30
+_NO_LIMIT = float("inf")
+
+
+def _setting(default: Any, parse: Callable[[str], Any], doc: str, horovod: str = "",
+             accepted: tuple[float, float] = (0, _NO_LIMIT)) -> Any:
+    """A field; `horovod` names the Horovod environment variable that means the same;
+    `accepted` is the range of a number (both ends included)."""
+    return dataclasses.field(default=default, metadata={
+        "parse": parse, "doc": doc, "horovod": horovod, "accepted": accepted})
+
+
+def _in_range(value: Any, accepted: tuple[float, float]) -> bool:
+    low, high = accepted
+    return isinstance(value, bool) or not isinstance(value, (int, float)) or low <= value <= high
+
+
+def _describe_range(accepted: tuple[float, float]) -> str:
+    low, high = accepted
+    if high == _NO_LIMIT:
+        return f"a number >= {low:g}"
+    return f"{low:.0f} to {high:.0f}" + (f" ({high / _GIB:g} GiB)" if high >= _GIB else "")
 
 
 @dataclass(frozen=True)
@@ -48,15 +66,15 @@ class Settings:
         64 << 10, parse_bytes,
         "allreduce payloads up to this size use the latency-optimal ways instead of the "
         "bandwidth-optimal ring: the gather-and-reduce path over MPI, or between nodes the "
-        "recursive doubling that carries the signature with the data")
+        "recursive doubling that carries the signature with the data", accepted=(0, _GIB))
     shared_small_bytes: int = _setting(
         512 << 10, parse_bytes,
         "shared-memory allreduce: payloads up to this size go through one slot per rank that "
-        "every rank reduces, instead of block by block")
+        "every rank reduces, instead of block by block", accepted=(0, _GIB))
     segment_bytes: int = _setting(
         1 << 20, parse_bytes,
         "the ring sends each chunk in segments of this size so that receiving the next segment "
-        "overlaps reducing the current one")
+        "overlaps reducing the current one", accepted=(1, _GIB))
     shared_memory: bool = _setting(
         True, _parse_bool,
         "ranks on one node allreduce through an MPI-3 shared-memory window (the ring over MPI "
@@ -64,7 +82,7 @@ class Settings:
     block_bytes: int = _setting(
         1 << 20, parse_bytes,
         "shared-memory allreduce of a large buffer: bytes per block, small enough for the "
-        "staging areas to stay in cache")
+        "staging areas to stay in cache", accepted=(1, _GIB))
     fusion_threshold: int = _setting(
         16 << 20, parse_bytes, "DistributedOptimizer: the byte cap of one gradient bucket",
         horovod="HOROVOD_FUSION_THRESHOLD")
@@ -134,6 +152,14 @@ class Settings:
                 values[name] = f.metadata["parse"](raw)
             except ValueError as exc:
                 raise ValueError(f"ringreduce: bad value {raw!r} for {variable}: {exc}") from None
+            if not _in_range(values[name], f.metadata["accepted"]):
+                raise ValueError(f"ringreduce: {variable}={raw} is out of range: expected "
+                                 f"{_describe_range(f.metadata['accepted'])}")
+        for name, value in overrides.items():
+            if value is not None and not _in_range(value, known[name].metadata["accepted"]):
+                raise ValueError(f"ringreduce: init({name}={value!r}) is out of range "
+                                 f"({cls.env_name(name)}): expected "
+                                 f"{_describe_range(known[name].metadata['accepted'])}")
         return cls(**values)
 
 

@@ -42,7 +42,7 @@ from torch.utils.data import Sampler
 
 from . import world
 from .errors import HorovodInternalError, RingReduceError
-from .negotiation import RESET
+from .negotiation import RESET, ResetPending
 from .objects import (allgather_object, broadcast_object, broadcast_optimizer_state,
                       broadcast_parameters)
 
@@ -472,8 +472,8 @@ def reset_limit() -> int:
 def _reset_together(reason: BaseException, failures: int, limit: int, what_runs: str) -> None:
     """Meet every rank, then go on, or give up on every rank when some rank has failed more
     than `limit` times."""
-    everyone = _agree(_describe(reason), failures)
-    most = max(count for _, count in everyone)
+    everyone = _agree(_describe(reason), failures, not _caused_by_reset(reason))
+    most = max(count for _, count, _ in everyone)
     report = _summarize(everyone)
     if most > limit:
         raise RingReduceError(
@@ -491,11 +491,22 @@ def _reset_together(reason: BaseException, failures: int, limit: int, what_runs:
         log.warning("ringreduce: elastic reset after a host update; running %s again", what_runs)
 
 
-def _agree(description: str, failures: int) -> list[tuple[str, int]]:
-    """Every rank's (error, failure count), once every rank has reached the reset. A rank
-    that failed alone waits here while the others' collectives fail (negotiation.RESET), which
-    sends them here too."""
-    return allgather_object((description, failures), name=RESET)
+def _agree(description: str, failures: int, own: bool) -> list[tuple[str, int, bool]]:
+    """Every rank's (error, failure count, whether the error was its own), once every rank has
+    reached the reset. A rank that failed alone waits here while the others' collectives fail
+    (negotiation.RESET: not their own errors), which sends them here too."""
+    return allgather_object((description, failures, own), name=RESET)
+
+
+def _caused_by_reset(error: BaseException) -> bool:
+    """Whether `error`, or an error it came from, is a collective stopped for the reset."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, ResetPending):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _describe(reason: BaseException) -> str:
@@ -504,13 +515,23 @@ def _describe(reason: BaseException) -> str:
     return f"{type(reason).__name__}: {first[:300]}"
 
 
-def _summarize(everyone: list[tuple[str, int]]) -> str:
-    """'ranks [0, 2]: X; rank 1: Y': each distinct error with the ranks that raised it."""
-    ranks_of: dict[str, list[int]] = {}
-    for rank_number, (description, _) in enumerate(everyone):
-        ranks_of.setdefault(description, []).append(rank_number)
-    return "; ".join(f"rank {ranks[0]}: {text}" if len(ranks) == 1 else f"ranks {ranks}: {text}"
-                     for text, ranks in ranks_of.items())
+def _summarize(everyone: list[tuple[str, int, bool]]) -> str:
+    """'ranks [0, 2]: X; rank 1: Y': each distinct error with the ranks that raised it, the
+    ranks' own errors first, then those whose collectives were stopped for the reset."""
+    def ranks_of(own: bool) -> dict[str, list[int]]:
+        grouped: dict[str, list[int]] = {}
+        for rank_number, (description, _, was_own) in enumerate(everyone):
+            if was_own == own:
+                grouped.setdefault(description, []).append(rank_number)
+        return grouped
+
+    def listed(grouped: dict[str, list[int]]) -> str:
+        return "; ".join(f"rank {ranks[0]}: {text}" if len(ranks) == 1
+                         else f"ranks {ranks}: {text}" for text, ranks in grouped.items())
+
+    stopped = ranks_of(False)
+    return listed(ranks_of(True)) + (f"; then, stopped for the reset, {listed(stopped)}"
+                                     if stopped else "")
 
 
 __all__ = [

@@ -14,8 +14,9 @@ some are pending on every member; those run, in the same order everywhere, and t
 return to the queue. A name may be pending only once per rank: a second submission while the
 first is in flight is Horovod's `ValueError`.
 
-Errors raised while running a collective are stored on its handle and re-raised by `wait()`
-in the caller's thread, so the engine thread never dies of a user's mistake.
+Any exception raised while running a collective (ours, MPI's, a bug, even KeyboardInterrupt)
+is stored on its handle and re-raised by `wait()` in the caller's thread, as a RingReduceError
+with the cause chained, so the engine thread never dies and later collectives still run.
 """
 from __future__ import annotations
 
@@ -64,11 +65,13 @@ class Handle:
         once the order is settled)."""
         try:
             self._result = _call(self.name, self._work)
-        except RingReduceError as exc:
-            self._error = exc
+        except OutOfOrder:
+            raise
+        except BaseException as exc:    # any failure fails this collective, never the engine
+            self._error = _ours(self.name, exc)
         self._work = None
 
-    def _fail(self, exc: Exception) -> None:
+    def _fail(self, exc: BaseException) -> None:
         self._error = _ours(self.name, exc)
         self._work = None
 
@@ -84,10 +87,13 @@ def _call(name: str, work: Callable[[], Any]) -> Any:
         raise _ours(name, exc) from exc
 
 
-def _ours(name: str, exc: Exception) -> RingReduceError:
+def _ours(name: str, exc: BaseException) -> RingReduceError:
+    """`exc` as the error a caller of the collective gets: ours as it is, anything else
+    (MPI, a bug, KeyboardInterrupt, MemoryError) wrapped with its cause chained."""
     if isinstance(exc, RingReduceError):
         return exc
-    error = RingReduceError(f"ringreduce: collective '{name}' failed: {exc}")
+    error = RingReduceError(f"ringreduce: collective '{name}' failed: "
+                            f"{type(exc).__name__}: {exc}")
     error.__cause__ = exc
     return error
 
@@ -230,7 +236,7 @@ class Engine:
         """`handle` met OutOfOrder: settle the order (`_settle`); as `_execute` returns."""
         try:
             self._settle(handle)
-        except Exception as exc:    # the settling failed (a member left, MPI): so did it
+        except BaseException as exc:    # the settling failed (a member left, MPI): so did it
             if not handle.done():
                 handle._fail(exc)
                 self._complete(handle)

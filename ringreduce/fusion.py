@@ -109,9 +109,9 @@ def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire, pref
         raise ValueError(f"ringreduce: bucket {index} (parameters {[n for n, _ in members]}) "
                          "spans several devices; each group must hold parameters of one device")
     names = [n for n, _ in members]
-    signature = {"collective": "allreduce", "name": f"{prefix}bucket.{index}",
-                 "dtype": str(dtype).removeprefix("torch."), "shape": (total,),
-                 "parameters": tuple(names)}
+    signature = {"collective": "allreduce", "name": f"{prefix}bucket.{index}",    # parameters
+                 "parameters": tuple(names), "dtype": str(dtype).removeprefix("torch."),
+                 "shape": (total,)}     # before shape: a mismatch names the parameters
     params = [p for _, p in members]
     if direct and len(members) == 1 and device.type == "cpu" and dtype == params[0].dtype:
         return Bucket(index, names, params, torch.empty(0, dtype=dtype), [], signature,

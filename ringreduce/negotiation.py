@@ -36,6 +36,11 @@ RESET = "ringreduce.elastic.reset"
 log = logging.getLogger("ringreduce")
 
 
+class ResetPending(MismatchError):
+    """A collective failed because other members wait in the elastic reset (RESET): not this
+    rank's own error, which the reset's report tells apart."""
+
+
 class PeersJoined(Exception):
     """Some members have joined (their digest is JOINED); `ranks` are their set ranks. The
     transport handles it: every member then takes part in one join round (transport.py)."""
@@ -141,7 +146,7 @@ class _Settling:
             if hashes[0] == _RESET_HASH:
                 return None
             ranks = watch.ranks
-            raise MismatchError(
+            raise ResetPending(
                 f"ringreduce: rank {ranks[n.comm.rank]}: collective '{names[0]}' fails: ranks "
                 f"{[ranks[m] for m in resetting]} wait in '{RESET}' after an error; every rank "
                 "fails what it runs before the reset, until it comes to the reset too.")
@@ -151,7 +156,9 @@ class _Settling:
             return [mine[h] for h in lists[0].tolist() if h in common]
         if dues.max() > 0:
             message = self._describe(n.comm.allgather(names), now - self.started)
-            self.next_report = now + watch.check_time
+            if watch.check_time > 0:        # every interval from the start
+                self.next_report += watch.check_time * (1 + (now - self.next_report)
+                                                        // watch.check_time)
             if dues.max() == 2:
                 watch.on_shutdown(f"{message} Shutting the job down after "
                                   f"{watch.shutdown_time:g} s (RINGREDUCE_STALL_SHUTDOWN_TIME).")

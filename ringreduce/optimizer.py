@@ -26,7 +26,7 @@ import contextlib
 import time
 import warnings
 import weakref
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -35,7 +35,7 @@ from .collectives import Adasum, Average, Max, Sum, _op, _submit, sparse_allredu
 from .compression import Compression, Compressor
 from .engine import Handle
 from .errors import UnsupportedError, UsageError
-from .objects import check_consistency
+from .objects import allgather_object, check_consistency
 from .process_sets import ProcessSet, active, global_process_set
 from .signature import digest
 from .transport import ReduceSpec
@@ -134,11 +134,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._planned = frozenset(id(p) for _, p in trainable)
         self._planned_sparse = frozenset(self._sparse)
         self._position = {id(p): i for i, (_, p) in enumerate(dense)}
-        self._present = torch.zeros(len(dense), dtype=torch.uint8)
+        # The step's agreement, one small allreduce (Max) at its end: a mark per parameter
+        # this rank has a gradient for, and last whether this rank's step is broken.
+        self._present = torch.zeros(len(dense) + 1, dtype=torch.uint8)
         self._present_marks = self._present.numpy()     # element writes: NumPy's are cheap
         self._counts_presence = not self._views and not self._adasum and len(dense) > 0
+        self._agrees = self._set.size > 1
         presence = {"collective": "allreduce", "name": f"{self._prefix}presence",
-                    "parameters": tuple(n for n, _ in dense)}
+                    "parameters": tuple(n for n, _ in dense), "and": "broken"}
         self._presence_spec = ReduceSpec(torch.uint8, Max, digest=digest(presence),
                                          signature=presence)
         for bucket in self._buckets:
@@ -316,7 +319,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _complete_collectives(self) -> None:
         """Submit whatever of this step's collectives are left, in the same order on every
-        rank, and wait for all of them."""
+        rank, and wait for all of them, also after one fails (so that the next step starts
+        with nothing of this one pending, on every rank); then raise the first failure. The
+        last of them is the step's agreement: where any rank's step is broken (an extra
+        backward pass), every rank raises UsageError, so that no rank steps."""
         self._begin_step()                   # also when no gradient came this step
         self._submit_ready_buckets(force=True)
         sparse = [(n, p) for n, p in self._named
@@ -325,22 +331,49 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         results = [(p, sparse_allreduce_async(_sparse_or_empty(p), f"{self._prefix}sparse.{n}",
                                               self._op, self._process_set))
                    for n, p in sparse]
-        presence = None
-        if self._counts_presence:
-            presence = self._set.engine.submit(f"{self._prefix}presence", lambda: (
+        agreement = None
+        if self._agrees:
+            self._present_marks[-1] = self._broken is not None
+            agreement = self._set.engine.submit(f"{self._prefix}presence", lambda: (
                 self._set.transport.allreduce(self._present, self._present,
                                               self._presence_spec)))
+        failures: list[BaseException] = []
+
+        def wait(outcome: Callable[[], Any]) -> Any:
+            try:
+                return outcome()
+            except Exception as exc:     # every handle is waited for; the first error wins
+                failures.append(exc)
+
         try:
             for handle in self._handles:
-                handle.wait()
+                wait(handle.wait)
             for p, handle in results:
-                p.grad = handle()
-            if presence is not None:
-                presence.wait()
-                self._forget_gradients_nobody_had()
-            self._sparse_again()
+                gathered = wait(handle)
+                if gathered is not None:
+                    p.grad = gathered
+            if agreement is not None:
+                wait(agreement.wait)
         finally:
             self._handles = []
+            self._synchronized = True       # nothing of this step is pending any more
+        if failures:
+            raise failures[0]
+        if self._counts_presence:
+            self._forget_gradients_nobody_had()
+        self._sparse_again()
+        if (self._present_marks[-1] if agreement is not None else self._broken is not None):
+            self._skip_broken_step()
+
+    def _skip_broken_step(self) -> None:
+        """Some rank's step is broken: every rank learns why and skips it (collective)."""
+        reasons = allgather_object(self._broken, name=f"{self._prefix}broken",
+                                   process_set=self._process_set)
+        ranks = [self._set.ranks[k] for k, why in enumerate(reasons) if why is not None]
+        first = next(why for why in reasons if why is not None)
+        self._broken = (f"ringreduce: the step is skipped on every rank because ranks {ranks} "
+                        f"broke it ({first})")
+        self._check_unbroken()
 
     def _sparse_again(self) -> None:
         """sparse_as_dense, as Horovod: a gradient that came sparse on this rank was reduced
@@ -374,9 +407,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ public methods
 
     def synchronize(self) -> None:
-        """Finish reducing every gradient of this step (zeros for gradients a rank lacks)."""
+        """Finish reducing every gradient of this step (zeros for gradients a rank lacks).
+        UsageError on every rank when some rank's step is broken."""
         self._check_usable()
         if self._synchronized:
+            self._check_unbroken()
             return
         try:
             self._complete_collectives()
@@ -401,13 +436,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if not self._skip_sync:
-            if self._synchronized and closure is None:
+            if self._synchronized and closure is None and self._broken is None:
                 warnings.warn(_STEP_AFTER_SYNCHRONIZE)
             self.synchronize()
         elif not self._synchronized:
             raise UsageError(
                 f"ringreduce: step() inside skip_synchronize() on rank {self._rank} before "
                 "synchronize(); call optimizer.synchronize() first")
+        else:
+            self._check_unbroken()
         self._step_wrapped()
         self._finish_step()
         return loss
@@ -432,9 +469,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._released:
             raise UsageError(f"ringreduce: this DistributedOptimizer on rank {self._rank} was "
                              "released (its gradient hooks are removed); wrap a new one")
+
+    def _check_unbroken(self) -> None:
         if self._broken is not None:
             raise UsageError(f"{self._broken} This step's gradients are incomplete: call "
-                             "optimizer.zero_grad() and run the step again.")
+                             "optimizer.zero_grad() on every rank and run the step again.")
 
     def _finish_step(self) -> None:
         self._reset_step()
@@ -444,13 +483,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               process_set=self._process_set)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._handles or (self._broken is not None and not self._fresh):
+        if not self._synchronized and (self._handles or (self._broken is not None
+                                                         and not self._fresh)):
             if self._broken is None:
                 raise UsageError(
                     f"ringreduce: optimizer.zero_grad() on rank {self._rank} was called after "
                     "loss.backward() but before optimizer.step() or optimizer.synchronize(); "
                     "the gradients are still being reduced. Call zero_grad() before backward.")
-            self._complete_collectives()    # a broken step still meets the other ranks' ones
+            try:        # a broken step still meets the other ranks' collectives, and tells
+                self._complete_collectives()        # them to skip the step
+            except UsageError:
+                pass
         self._broken = None
         if self._views:     # keep the gradients as views of the buckets
             for bucket in self._buckets:
@@ -550,6 +593,8 @@ class _AdasumOptimizer:
 
     def step(self, closure=None):
         self._check_usable()
+        if self._synchronized:          # a step that failed, not yet zero_grad()'ed
+            self._check_unbroken()
         loss = closure() if closure is not None else None
         self._begin_step()
         for bucket in self._buckets[self._next_bucket:]:

@@ -56,12 +56,23 @@ class LaunchError(Exception):
     """A flag or combination this launcher cannot honour; the message says why."""
 
 
+def _positive_int(text: str) -> int:
+    """A process count: argparse names the flag when this refuses (exit status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ringreduce-run",
         description="Run a ringreduce training script under MPI with horovodrun's flags.")
     p.add_argument("-v", "--version", action="version", version=f"ringreduce {__version__}")
-    p.add_argument("-np", "--num-proc", dest="np", type=int,
+    p.add_argument("-np", "--num-proc", dest="np", type=_positive_int,
                    help="number of processes (under Slurm, default: the allocation's)")
     p.add_argument("-H", "--hosts", help="hosts and slots, e.g. node1:4,node2:4")
     p.add_argument("-hostfile", "--hostfile", help="file of lines 'hostname slots=N'")

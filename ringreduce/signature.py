@@ -51,6 +51,17 @@ def describe_mismatch(signatures: Sequence[Signature], ranks: Sequence[int]) -> 
     names = sorted({str(s.get("name")) for s in signatures})
     kinds = sorted({str(s.get("collective")) for s in signatures})
     by_rank = "; ".join(f"rank {r}: {v!r}" for r, v in zip(ranks, values))
+    if all(isinstance(v, tuple) and all(isinstance(e, str) for e in v) for v in values):
+        held: dict[str, list[int]] = {}     # lists of names (a bucket's parameters)
+        for r, v in zip(ranks, values):
+            for entry in v:
+                held.setdefault(entry, []).append(r)
+        partial = [f"{entry!r} only on ranks {where}" for entry, where in held.items()
+                   if len(where) < len(ranks)]
+        if partial:
+            by_rank = "; ".join(partial)
+            if field == "parameters":
+                by_rank += ": a parameter frozen or unfrozen (requires_grad) on some ranks only"
     return (f"ringreduce: ranks disagree on {'/'.join(kinds)} of tensor "
             f"{' / '.join(repr(n) for n in names)}: '{field}' differs ({by_rank}). Collectives "
             "pair across ranks by name: every rank must submit a name with the same kind of "

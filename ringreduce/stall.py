@@ -27,7 +27,8 @@ _YIELD_SECONDS = 0.001   # then yield the core between polls (oversubscribed ran
 _GOODBYE_EVERY = 0.005   # seconds between looks for a departed member while waiting
 _REMEMBERED = 4096       # the descriptions of this many recent collectives, for stall reports
 _JOINED_COUNT = 1 << 62  # what a joined rank publishes on the progress board
-_READ_SECONDS = 2.0      # how long a stall report waits for the members' counts
+_READ_SECONDS = 2.0      # how long a stall report waits for the members' counts (at most
+                         # half the check interval, so that reports keep their interval)
 GOODBYE_TAG = 31
 
 
@@ -177,9 +178,10 @@ class StallWatch:
                 self.on_shutdown(f"{self.describe(now - start)} Shutting the job down after "
                                  f"{self.shutdown_time:g} s (RINGREDUCE_STALL_SHUTDOWN_TIME).")
                 shutdown_at = never
-            if now >= next_report:
-                log.warning(self.describe(now - start))
-                next_report = max(now, next_report) + self.check_time
+            if now >= next_report:      # every interval from the start, however long
+                log.warning(self.describe(now - start))     # the report itself took
+                next_report += self.check_time * (1 + (time.monotonic() - next_report)
+                                                  // self.check_time)
 
     def _name(self, count: int) -> str:
         remembered, description = self._recent[count % _REMEMBERED]
@@ -199,7 +201,9 @@ class StallWatch:
     def describe(self, waited: float) -> str:
         where = (f"ringreduce: stall: rank {self.ranks[self.comm.rank]} has waited {waited:.0f} s "
                  f"in collective #{self.begun} {self._name(self.begun)}{self.where}")
-        counts = self.board.read_all(_READ_SECONDS) if self.board is not None else None
+        timeout = min(_READ_SECONDS, self.check_time / 2) if self.check_time > 0 \
+            else _READ_SECONDS
+        counts = self.board.read_all(timeout) if self.board is not None else None
         if counts is None:
             return (where + ", and some rank does not answer at all (stopped, stuck in native "
                     "code, or its process is gone).")

@@ -74,6 +74,14 @@ def test_flags_it_cannot_honour_are_refused(flags, message):
     assert "OK rank" not in result.stdout
 
 
+@pytest.mark.parametrize("count", ["0", "-3", "two"])
+def test_a_process_count_that_is_not_positive_is_refused(count):
+    result = launch(sys.executable, "-np", count, sys.executable, CHECK)
+    assert result.returncode == 2
+    assert f"argument -np/--num-proc: must be a positive integer, got '{count}'" in result.stderr
+    assert "OK rank" not in result.stdout
+
+
 def test_unknown_flag_and_missing_np_are_errors():
     result = launch(sys.executable, "-np", "2", "--bogus", sys.executable, CHECK)
     assert result.returncode == 2 and "unrecognized arguments: --bogus" in result.stderr

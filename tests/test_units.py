@@ -1,5 +1,6 @@
 """Single-process tests of the pure logic: chunking, settings, messages, compression, kernels,
 the engine's ordering."""
+import dataclasses
 import threading
 import time
 import zlib
@@ -41,6 +42,28 @@ def test_settings_keyword_beats_environment(monkeypatch):
     assert config.Settings.load().fusion_threshold == config.Settings().fusion_threshold
     with pytest.raises(TypeError, match="fusion_treshold"):
         config.Settings.load(fusion_treshold=1)
+
+
+_NUMERIC = [f.name for f in dataclasses.fields(config.Settings)
+            if f.type in ("int", "float", int, float)]
+
+
+@pytest.mark.parametrize("name", _NUMERIC)
+def test_every_numeric_setting_is_range_checked(monkeypatch, name):
+    """Below its range (and above, where it has a top), from the environment or init()'s
+    keyword: ValueError naming the variable and the accepted range."""
+    low, high = dataclasses.fields(config.Settings)[
+        [f.name for f in dataclasses.fields(config.Settings)].index(name)].metadata["accepted"]
+    variable = config.Settings.env_name(name)
+    for bad in [low - 1] + ([high + 1] if high != float("inf") else []):
+        monkeypatch.setenv(variable, str(int(bad)))
+        with pytest.raises(ValueError, match=f"{variable}={int(bad)} is out of range: expected"):
+            config.Settings.load()
+        monkeypatch.delenv(variable)
+        with pytest.raises(ValueError, match=f"init\\({name}=.*{variable}.*expected"):
+            config.Settings.load(**{name: bad})
+    monkeypatch.setenv(variable, str(int(low)))
+    assert getattr(config.Settings.load(), name) == low
 
 
 def test_collectives_before_init_raise_clearly():

@@ -104,6 +104,31 @@ if n > 1:
     expect(hvd.MismatchError, ["'async_mm'"], hvd.synchronize, handles[1])
     assert torch.equal(hvd.synchronize(handles[2]), torch.ones(10))
 
+# Any exception on one rank's engine thread (here from a compressor's decompress, after the
+# exchange) fails that collective there with a RingReduceError chaining it; the other ranks
+# get their result, and the engine goes on (a thread that died would hang the next ones).
+class Exploding(hvd.Compression.fp16):
+    raised = None
+
+    @classmethod
+    def decompress(cls, tensor, ctx):
+        if r == n - 1 and cls.raised is not None:
+            raise cls.raised("injected on the engine thread")
+        return super().decompress(tensor, ctx)
+
+
+for error in (KeyboardInterrupt, MemoryError, SystemExit):
+    Exploding.raised = error
+    handle = hvd.allreduce_async(torch.ones(4), name=f"exploding.{error.__name__}", op=hvd.Sum,
+                                 compression=Exploding)
+    if r == n - 1:
+        expect(hvd.RingReduceError, [error.__name__, "injected on the engine thread",
+                                     f"exploding.{error.__name__}"], hvd.synchronize, handle)
+    else:
+        assert torch.equal(hvd.synchronize(handle), torch.full((4,), float(n))), error
+    assert torch.equal(hvd.allreduce_async(torch.ones(2), op=hvd.Sum).wait(),
+                       torch.full((2,), float(n))), f"engine unusable after {error.__name__}"
+
 # Empty and 0-d tensors give correct results in every collective.
 assert hvd.allreduce(torch.ones(0, 3)).shape == (0, 3)
 assert hvd.allgather(torch.ones(0, 2)).shape == (0, 2)

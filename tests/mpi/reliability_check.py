@@ -3,6 +3,9 @@
 leave_end     rank 0 reaches the end of its script while rank 1 waits in an allreduce
 leave_exit    the same through sys.exit(0)
 fewer         rank 0 has fewer batches than the others and finishes first
+recovery      one rank alone runs an extra backward pass, or unfreezes a parameter alone:
+              every rank raises, and after zero_grad() the step redone gives every rank the
+              same parameters as one process would
 optimizer     a parameter unfrozen after wrapping; parameters no rank has a gradient for;
               two DistributedOptimizers in one backward
 checkpoint    load failures and unloadable extras raise the same error on every rank
@@ -134,6 +137,63 @@ def optimizer():
         assert "DistributedOptimizer already" in str(e), e
 
 
+def recovery():
+    """Issue 21 items 1 and 5, with each rank in turn making the mistake alone."""
+    def batch(k, step):
+        return torch.randn(3, 4, generator=torch.Generator().manual_seed(100 * step + k))
+
+    for views in (False, True):
+        for culprit in range(n):
+            torch.manual_seed(4)
+            model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 1))
+            reference = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 1))
+            reference.load_state_dict(model.state_dict())
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           model.named_parameters(), backward_passes_per_step=2,
+                                           gradient_as_bucket_view=views)
+            ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+            what = f"views={views}, extra pass on rank {culprit}"
+            for _ in range(2):
+                model(batch(r, 0)).sum().backward()
+            if r == culprit:
+                expect(hvd.UsageError, "computed 3 times",
+                       lambda: model(batch(r, 0)).sum().backward())
+            expect(hvd.UsageError, [f"skipped on every rank because ranks [{culprit}] broke it",
+                                    "zero_grad()"], opt.step)
+            expect(hvd.UsageError, "skipped on every rank", opt.step)   # still, until zero_grad
+            for step in (1, 2):         # the recipe: zero_grad() and the step again
+                opt.zero_grad()
+                for _ in range(2):
+                    model(batch(r, step)).sum().backward()
+                opt.step()
+                ref_opt.zero_grad()
+                for _ in range(2):
+                    sum(reference(batch(k, step)).sum() for k in range(n)).div(n).backward()
+                ref_opt.step()
+            params_equal(model, what)
+            for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+                assert torch.allclose(p, q, atol=1e-6), f"{what}: {name} differs from one process"
+
+    # a parameter unfrozen on one rank only: MismatchError on every rank naming it; after
+    # zero_grad() and the fix, the step goes through and the ranks agree
+    for culprit in range(n):
+        torch.manual_seed(5)
+        model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 1))
+        model[0].weight.requires_grad_(False)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       model.named_parameters())
+        if r == culprit:
+            model[0].weight.requires_grad_(True)
+        model(batch(r, 3)).sum().backward()
+        expect(hvd.MismatchError, ["'0.weight' only on ranks", f"[{culprit}]", "requires_grad"],
+               opt.step)
+        model[0].weight.requires_grad_(True)
+        opt.zero_grad()
+        model(batch(r, 4)).sum().backward()
+        opt.step()
+        params_equal(model, f"unfrozen on rank {culprit} alone, then everywhere")
+
+
 def checkpoint():
     directory = sys.argv[2]
     model = nn.Linear(2, 2)
@@ -181,7 +241,7 @@ def stall():
     hvd.allreduce(torch.ones(4), name="stalled.here")
 
 
-{"leave_end": leave, "leave_exit": leave, "fewer": fewer,
+{"leave_end": leave, "leave_exit": leave, "fewer": fewer, "recovery": recovery,
  "optimizer": optimizer, "checkpoint": checkpoint, "alltoall": alltoall,
  "stoppable": stoppable, "stall": stall}[mode]()
 print(f"OK rank {r}", flush=True)
