@@ -12,7 +12,7 @@
 #define RR_OP_MAX 4
 #define RR_OP_PRODUCT 5
 
-/* Element types (ringreduce.buffers.DTYPES maps torch dtypes to these). */
+/* Element types (ringreduce.buffers.CODES maps torch dtypes to these). */
 #define RR_U8 0
 #define RR_I8 1
 #define RR_I16 2

@@ -1,6 +1,7 @@
 /* ringreduce CPU kernels: every reduction op on every dtype, for the node's shared-memory
- * allreduce (node.c) and the ring over MPI (ringreduce/kernels.py, through ctypes, which
- * releases the GIL); and the compression casts.
+ * allreduce (node.c), recursive doubling between nodes (p2p.c) and the ring over MPI
+ * (ringreduce/kernels.py, through the C extension's combine and finish, which release the
+ * GIL); the compression casts; and the failure text every rr_* function reports (rr_fail).
  *
  * The 16-bit floats compute in float32 and round once to nearest even, as torch does; out may
  * alias a or b. Sums of float32, bfloat16 and float16 have fused kernels that also divide and
@@ -8,8 +9,10 @@
  * needs no special flags); everything else is one plain loop, then rr_finish. Integer sums and
  * products wrap around, as NumPy's do; Min and Max propagate NaN, as torch.minimum does.
  */
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "constants.h"
@@ -19,6 +22,20 @@
 #include <immintrin.h>
 #define RR_X86 1
 #endif
+
+/* ------------------------------------------------------------------ failures */
+
+static _Thread_local char error[1536];     /* room for MPI's text (MPI_MAX_ERROR_STRING) */
+
+rr_status rr_fail(rr_status status, const char *format, ...) {
+    va_list args;
+    va_start(args, format);
+    vsnprintf(error, sizeof error, format, args);
+    va_end(args);
+    return status;
+}
+
+const char *rr_error(void) { return error; }
 
 /* ------------------------------------------------------------------ 16-bit float conversions */
 
@@ -196,32 +213,47 @@ static void sum_f16(const uint16_t *a, const uint16_t *b, uint16_t *out, size_t 
 /* W: an unsigned type wide enough that sums and products wrap instead of overflowing. */
 #define INTEGER_OPS(T, W)                                                              \
     switch (op) {                                                                      \
-    case RR_OP_SUM: case RR_OP_AVERAGE: LOOP(T, (T)((W)p + (W)q)); return 0;          \
-    case RR_OP_PRODUCT: LOOP(T, (T)((W)p * (W)q)); return 0;                          \
-    case RR_OP_MIN: LOOP(T, MINIMUM(p, q)); return 0;                                 \
-    case RR_OP_MAX: LOOP(T, MAXIMUM(p, q)); return 0;                                 \
-    default: return -1;                                                                \
+    case RR_OP_SUM: case RR_OP_AVERAGE: LOOP(T, (T)((W)p + (W)q)); return RR_OK;      \
+    case RR_OP_PRODUCT: LOOP(T, (T)((W)p * (W)q)); return RR_OK;                      \
+    case RR_OP_MIN: LOOP(T, MINIMUM(p, q)); return RR_OK;                             \
+    case RR_OP_MAX: LOOP(T, MAXIMUM(p, q)); return RR_OK;                             \
+    default: return rr_check(dtype, op);                                               \
     }
 
 #define FLOAT_OPS(T)                                                                   \
     switch (op) {                                                                      \
-    case RR_OP_SUM: case RR_OP_AVERAGE: LOOP(T, p + q); return 0;                     \
-    case RR_OP_PRODUCT: LOOP(T, p * q); return 0;                                     \
-    case RR_OP_MIN: LOOP(T, MINIMUM(p, q)); return 0;                                 \
-    case RR_OP_MAX: LOOP(T, MAXIMUM(p, q)); return 0;                                 \
-    default: return -1;                                                                \
+    case RR_OP_SUM: case RR_OP_AVERAGE: LOOP(T, p + q); return RR_OK;                 \
+    case RR_OP_PRODUCT: LOOP(T, p * q); return RR_OK;                                 \
+    case RR_OP_MIN: LOOP(T, MINIMUM(p, q)); return RR_OK;                             \
+    case RR_OP_MAX: LOOP(T, MAXIMUM(p, q)); return RR_OK;                             \
+    default: return rr_check(dtype, op);                                               \
     }
 
+/* (Sum and Average of the 16-bit floats are rr_combine's fused kernels.) */
 #define HALF_OPS(TO, FROM)                                                             \
     switch (op) {                                                                      \
-    case RR_OP_PRODUCT: LOOP(uint16_t, FROM(TO(p) * TO(q))); return 0;                \
-    case RR_OP_MIN: LOOP(uint16_t, FROM(MINIMUM(TO(p), TO(q)))); return 0;            \
-    case RR_OP_MAX: LOOP(uint16_t, FROM(MAXIMUM(TO(p), TO(q)))); return 0;            \
-    default: return -1;                                                                \
+    case RR_OP_PRODUCT: LOOP(uint16_t, FROM(TO(p) * TO(q))); return RR_OK;            \
+    case RR_OP_MIN: LOOP(uint16_t, FROM(MINIMUM(TO(p), TO(q)))); return RR_OK;        \
+    case RR_OP_MAX: LOOP(uint16_t, FROM(MAXIMUM(TO(p), TO(q)))); return RR_OK;        \
+    default: return rr_check(dtype, op);                                               \
     }
 
-static int combine_plain(int dtype, int op, const void *a, const void *b, void *out,
-                         size_t n) {
+rr_status rr_check(int dtype, int op) {
+    if (rr_dtype_size(dtype) == 0) return rr_fail(RR_BAD_DTYPE, "unknown dtype code %d", dtype);
+    switch (op) {
+    case RR_OP_SUM: case RR_OP_AVERAGE: case RR_OP_PRODUCT: case RR_OP_MIN: case RR_OP_MAX:
+        return RR_OK;
+    case RR_OP_ADASUM:
+        return rr_fail(RR_BAD_OP, "reduction op %d (Adasum) has no elementwise kernel: "
+                       "Adasum runs in ringreduce/adasum.py", op);
+    default:
+        return rr_fail(RR_BAD_OP, "unknown reduction op %d", op);
+    }
+}
+
+/* The unfused kernels: out untouched when (dtype, op) has none (the defaults: rr_check). */
+static rr_status combine_plain(int dtype, int op, const void *a, const void *b, void *out,
+                               size_t n) {
     switch (dtype) {
     case RR_U8: INTEGER_OPS(uint8_t, uint32_t)
     case RR_I8: INTEGER_OPS(int8_t, uint32_t)
@@ -232,28 +264,29 @@ static int combine_plain(int dtype, int op, const void *a, const void *b, void *
     case RR_F64: FLOAT_OPS(double)
     case RR_F16: HALF_OPS(f16_to_f32, f32_to_f16)
     case RR_BF16: HALF_OPS(bf16_to_f32, f32_to_bf16)
-    default: return -1;
+    default: return rr_check(dtype, op);
     }
 }
 
-int rr_combine(int dtype, int op, const void *a, const void *b, void *out, size_t n, int last,
-               double divisor, double scale) {
+rr_status rr_combine(int dtype, int op, const void *a, const void *b, void *out, size_t n,
+                     int last, double divisor, double scale) {
     const int sum = op == RR_OP_SUM || op == RR_OP_AVERAGE;
     const float d = last ? (float)divisor : 1.0f, s = last ? (float)scale : 1.0f;
     if (sum && dtype == RR_F32) {
         sum_f32(a, b, out, n, d, s);
-        return 0;
+        return RR_OK;
     }
     if (sum && dtype == RR_BF16) {
         sum_bf16(a, b, out, n, d, s);
-        return 0;
+        return RR_OK;
     }
     if (sum && dtype == RR_F16) {
         sum_f16(a, b, out, n, d, s);
-        return 0;
+        return RR_OK;
     }
-    if (combine_plain(dtype, op, a, b, out, n) != 0) return -1;
-    return last ? rr_finish(dtype, out, n, divisor, scale) : 0;
+    rr_status status = combine_plain(dtype, op, a, b, out, n);
+    if (status != RR_OK) return status;
+    return last ? rr_finish(dtype, out, n, divisor, scale) : RR_OK;
 }
 
 /* ------------------------------------------------------------------ finishing */
@@ -282,8 +315,9 @@ int rr_combine(int dtype, int op, const void *a, const void *b, void *out, size_
             v[i] = FROM(finish_f32(TO(v[i]), (float)divisor, (float)scale));           \
     } while (0)
 
-int rr_finish(int dtype, void *x, size_t n, double divisor, double scale) {
-    if (divisor == 1.0 && scale == 1.0) return rr_dtype_size(dtype) ? 0 : -1;
+rr_status rr_finish(int dtype, void *x, size_t n, double divisor, double scale) {
+    if (divisor == 1.0 && scale == 1.0)
+        return rr_dtype_size(dtype) ? RR_OK : rr_check(dtype, RR_OP_SUM);
     switch (dtype) {
     case RR_U8: FINISH_INTEGER(uint8_t); break;
     case RR_I8: FINISH_INTEGER(int8_t); break;
@@ -294,9 +328,9 @@ int rr_finish(int dtype, void *x, size_t n, double divisor, double scale) {
     case RR_F64: FINISH_FLOAT(double); break;
     case RR_F16: FINISH_HALF(f16_to_f32, f32_to_f16); break;
     case RR_BF16: FINISH_HALF(bf16_to_f32, f32_to_bf16); break;
-    default: return -1;
+    default: return rr_check(dtype, RR_OP_SUM);
     }
-    return 0;
+    return RR_OK;
 }
 
 size_t rr_dtype_size(int dtype) {

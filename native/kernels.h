@@ -1,22 +1,31 @@
-/* The CPU reduction kernels of kernels.c, for node.c and module.c (and, through ctypes, for
- * ringreduce/kernels.py). dtype and op codes are constants.h's RR_* values. */
+/* The CPU reduction kernels of kernels.c, for node.c, p2p.c and module.c (whose _native.combine,
+ * finish and cast ringreduce/kernels.py calls). dtype and op codes are constants.h's RR_*
+ * values. */
 #ifndef RINGREDUCE_KERNELS_H
 #define RINGREDUCE_KERNELS_H
 #include <stddef.h>
 #include <stdint.h>
 
+#include "status.h"
+
+/* Whether rr_combine has a kernel for (dtype, op): RR_OK, RR_BAD_DTYPE or RR_BAD_OP (Adasum
+ * included: it is no elementwise op). Every entry point that takes a dtype and an op checks
+ * them with this before it writes or publishes anything. */
+rr_status rr_check(int dtype, int op);
+
 /* out = a op b over n elements (out may alias a or b). With `last`, the result is finished as
- * rr_finish does, in the same pass where a fused kernel exists. 0, or -1 for an unknown
- * dtype or op. */
-int rr_combine(int dtype, int op, const void *a, const void *b, void *out, size_t n, int last,
-               double divisor, double scale);
+ * rr_finish does, in the same pass where a fused kernel exists. RR_OK, or rr_check's failure
+ * (out untouched). */
+rr_status rr_combine(int dtype, int op, const void *a, const void *b, void *out, size_t n,
+                     int last, double divisor, double scale);
 
 /* In place: x = x / divisor * scale, each step skipped when its factor is 1. Floats compute in
  * their own precision (float32 for the 16-bit types, rounded once); integers are multiplied by
  * scale / divisor in float64 and truncated toward zero, as Horovod scales them (so Average of
- * integers is the sum times 1/size, truncated). */
-int rr_finish(int dtype, void *x, size_t n, double divisor, double scale);
+ * integers is the sum times 1/size, truncated). RR_OK, or RR_BAD_DTYPE (x untouched). */
+rr_status rr_finish(int dtype, void *x, size_t n, double divisor, double scale);
 
+/* Bytes per element; 0 for an unknown dtype code. */
 size_t rr_dtype_size(int dtype);
 
 /* memcpy with non-temporal stores from RR_STREAM_MIN bytes on (where the CPU has AVX): the

@@ -11,10 +11,29 @@
 #include "kernels.h"
 #include "node.h"
 #include "p2p.h"
+#include "status.h"
 
 #define MAX_DIMS 64
 #define NODE "ringreduce.node"
 #define DETACHED "ringreduce.node (detached)"
+#define PENDING (-1)    /* what mpi_exchange, mpi_test and doubling return for RR_PENDING */
+
+/* The one place a failed rr_status becomes a Python exception: ValueError for what the
+ * caller passed (dtype, op, sizes), MemoryError, else RuntimeError (MPI's failures with MPI's
+ * own text, calls out of order), each naming the _native function and what failed. Returns
+ * NULL for the wrapper to return. */
+static PyObject *raise_status(rr_status status, const char *call) {
+    PyObject *type;
+    switch (status) {
+    case RR_BAD_DTYPE: case RR_BAD_OP: case RR_BAD_ARGUMENT: type = PyExc_ValueError; break;
+    case RR_NO_MEMORY: type = PyExc_MemoryError; break;
+    case RR_BAD_STATE: case RR_MPI_ERROR: type = PyExc_RuntimeError; break;
+    default:
+        return PyErr_Format(PyExc_SystemError, "ringreduce: %s: status %d is no failure", call,
+                            (int)status);
+    }
+    return PyErr_Format(type, "ringreduce: %s: %s", call, rr_error());
+}
 
 static int check_args(Py_ssize_t nargs, Py_ssize_t expected, const char *name) {
     if (nargs == expected) return 0;
@@ -56,12 +75,17 @@ static PyObject *node_attach(PyObject *self, PyObject *const *args, Py_ssize_t n
     for (Py_ssize_t r = 0; addresses != NULL && r < n; r++)
         addresses[r] = (uintptr_t)PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(bases, r));
     rr_node *node = NULL;
+    rr_status status = RR_OK;
     if (addresses != NULL && !PyErr_Occurred())
-        node = rr_node_attach(me, (int)n, addresses, slot_bytes, block_bytes);
+        status = rr_node_attach(me, (int)n, addresses, slot_bytes, block_bytes, &node);
     PyMem_Free(addresses);
     Py_DECREF(bases);
-    if (node == NULL) return PyErr_Occurred() ? NULL : PyErr_NoMemory();
-    return PyCapsule_New(node, NODE, node_capsule_free);
+    if (addresses == NULL) return PyErr_NoMemory();
+    if (PyErr_Occurred()) return NULL;
+    if (RR_FAILED(status)) return raise_status(status, "node_attach");
+    PyObject *capsule = PyCapsule_New(node, NODE, node_capsule_free);
+    if (capsule == NULL) rr_node_detach(node);
+    return capsule;
 }
 
 /* node_detach(node): forget the segments (before the window is freed). */
@@ -84,11 +108,11 @@ static PyObject *node_wait(PyObject *self, PyObject *const *args, Py_ssize_t nar
     rr_node *node = node_of(args[0]);
     double spin = PyFloat_AsDouble(args[1]);
     if (node == NULL || PyErr_Occurred()) return NULL;
-    int ready;
+    rr_status status;
     Py_BEGIN_ALLOW_THREADS
-    ready = rr_node_wait(node, spin);
+    status = rr_node_wait(node, spin);
     Py_END_ALLOW_THREADS
-    return PyBool_FromLong(ready);
+    return PyBool_FromLong(status == RR_OK);
 }
 
 /* headers_begin(node, digest, per_rank, spin_seconds) -> True when every flag is up. */
@@ -98,11 +122,11 @@ static PyObject *headers_begin(PyObject *self, PyObject *const *args, Py_ssize_t
     int64_t digest = PyLong_AsLongLong(args[1]), per_rank = PyLong_AsLongLong(args[2]);
     double spin = PyFloat_AsDouble(args[3]);
     if (node == NULL || PyErr_Occurred()) return NULL;
-    int ready;
+    rr_status status;
     Py_BEGIN_ALLOW_THREADS
-    ready = rr_headers_begin(node, digest, per_rank, spin);
+    status = rr_headers_begin(node, digest, per_rank, spin);
     Py_END_ALLOW_THREADS
-    return PyBool_FromLong(ready);
+    return PyBool_FromLong(status == RR_OK);
 }
 
 /* headers_read(node, digests_address, per_rank_address, stride) -> whether the digests
@@ -113,7 +137,7 @@ static PyObject *headers_read(PyObject *self, PyObject *const *args, Py_ssize_t 
     int64_t *digests = PyLong_AsVoidPtr(args[1]), *per_rank = PyLong_AsVoidPtr(args[2]);
     size_t stride = PyLong_AsSize_t(args[3]);
     if (node == NULL || PyErr_Occurred()) return NULL;
-    return PyBool_FromLong(rr_headers_read(node, digests, per_rank, stride));
+    return PyBool_FromLong(rr_headers_read(node, digests, per_rank, stride) == RR_OK);
 }
 
 /* small_begin(node, src_address, nbytes, digest, spin_seconds) -> True when every flag is up
@@ -126,15 +150,15 @@ static PyObject *small_begin(PyObject *self, PyObject *const *args, Py_ssize_t n
     int64_t digest = PyLong_AsLongLong(args[3]);
     double spin = PyFloat_AsDouble(args[4]);
     if (node == NULL || PyErr_Occurred()) return NULL;
-    int ready;
+    rr_status status;
     Py_BEGIN_ALLOW_THREADS
-    ready = rr_small_begin(node, src, nbytes, digest, spin);
+    status = rr_small_begin(node, src, nbytes, digest, spin);
     Py_END_ALLOW_THREADS
-    return PyBool_FromLong(ready);
+    return PyBool_FromLong(status == RR_OK);
 }
 
 /* small_end(node, dst_address, count, dtype, op, divisor, scale) -> 0, or -1 when the
- * digests differ. */
+ * digests differ (dst untouched); ValueError for an unknown dtype or op (dst untouched). */
 static PyObject *small_end(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (check_args(nargs, 7, "small_end")) return NULL;
     rr_node *node = node_of(args[0]);
@@ -143,16 +167,16 @@ static PyObject *small_end(PyObject *self, PyObject *const *args, Py_ssize_t nar
     int dtype = PyLong_AsLong(args[3]), op = PyLong_AsLong(args[4]);
     double divisor = PyFloat_AsDouble(args[5]), scale = PyFloat_AsDouble(args[6]);
     if (node == NULL || PyErr_Occurred()) return NULL;
-    int status;
+    rr_status status;
     Py_BEGIN_ALLOW_THREADS
     status = rr_small_end(node, dst, count, dtype, op, divisor, scale);
     Py_END_ALLOW_THREADS
-    if (status == -2)
-        return PyErr_Format(PyExc_ValueError, "small_end: unknown dtype %d or op %d", dtype, op);
-    return PyLong_FromLong(status);
+    if (RR_FAILED(status)) return raise_status(status, "small_end");
+    return PyLong_FromLong(status == RR_MISMATCH ? -1 : 0);
 }
 
-/* large_begin(node, src, dst, count, dtype, op, divisor, scale, digest, between_nodes) */
+/* large_begin(node, src, dst, count, dtype, op, divisor, scale, digest, between_nodes);
+ * ValueError for an unknown dtype or op, before anything is published. */
 static PyObject *large_begin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (check_args(nargs, 10, "large_begin")) return NULL;
     rr_node *node = node_of(args[0]);
@@ -164,25 +188,31 @@ static PyObject *large_begin(PyObject *self, PyObject *const *args, Py_ssize_t n
     int64_t digest = PyLong_AsLongLong(args[8]);
     int between_nodes = PyObject_IsTrue(args[9]);
     if (node == NULL || PyErr_Occurred()) return NULL;
-    if (rr_large_begin(node, src, dst, count, dtype, op, divisor, scale, digest,
-                       between_nodes) != 0)
-        return PyErr_Format(PyExc_ValueError, "large_begin: unknown dtype %d", dtype);
+    rr_status status = rr_large_begin(node, src, dst, count, dtype, op, divisor, scale, digest,
+                                      between_nodes);
+    if (RR_FAILED(status)) return raise_status(status, "large_begin");
     Py_RETURN_NONE;
 }
 
 /* large_run(node, spin_seconds) -> 1 done, 0 waiting for peers (wait, then call again), 2 our
  * chunk is reduced on this node (run the ring between nodes on it, then call again), -1 when
- * the digests differ. */
+ * the digests differ; an exception when its kernel fails or no begin succeeded. */
 static PyObject *large_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (check_args(nargs, 2, "large_run")) return NULL;
     rr_node *node = node_of(args[0]);
     double seconds = PyFloat_AsDouble(args[1]);
     if (node == NULL || PyErr_Occurred()) return NULL;
-    int status;
+    rr_status status;
     Py_BEGIN_ALLOW_THREADS
     status = rr_large_run(node, seconds);
     Py_END_ALLOW_THREADS
-    return PyLong_FromLong(status);
+    switch (status) {
+    case RR_OK: return PyLong_FromLong(1);
+    case RR_WAITING: return PyLong_FromLong(0);
+    case RR_BETWEEN_NODES: return PyLong_FromLong(2);
+    case RR_MISMATCH: return PyLong_FromLong(-1);
+    default: return raise_status(status, "large_run");
+    }
 }
 
 /* large_chunk(node) -> (first element, count) of our chunk of the current block */
@@ -240,17 +270,18 @@ static PyObject *mpi_bind(PyObject *self, PyObject *const *args, Py_ssize_t narg
     if (path == NULL || PyErr_Occurred()) return NULL;
     void *library = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
     if (library == NULL)
-        return PyErr_Format(PyExc_RuntimeError, "ringreduce: cannot open %s: %s", path,
-                            dlerror());
-    if (rr_mpi_bind(library, request_size, status_size, byte) != 0)
-        return PyErr_Format(PyExc_RuntimeError, "ringreduce: %s", rr_mpi_error());
+        return raise_status(rr_fail(RR_MPI_ERROR, "cannot open %s: %s", path, dlerror()),
+                            "mpi_bind");
+    rr_status status = rr_mpi_bind(library, request_size, status_size, byte);
+    if (RR_FAILED(status)) return raise_status(status, "mpi_bind");
     Py_RETURN_NONE;     /* the handle stays open: mpi4py keeps the library loaded anyway */
 }
 
-static PyObject *mpi_result(long result) {
-    if (result == RR_MPI_FAILED)
-        return PyErr_Format(PyExc_RuntimeError, "ringreduce: %s", rr_mpi_error());
-    return PyLong_FromLong(result);
+/* An exchange's outcome: the bytes received, PENDING, or the exception. */
+static PyObject *exchange_result(rr_status status, const rr_exchange *x, const char *call) {
+    if (status == RR_OK) return PyLong_FromLong(x->received);
+    if (status == RR_PENDING) return PyLong_FromLong(PENDING);
+    return raise_status(status, call);
 }
 
 /* mpi_exchange(state, comm, partner, tag, send, send_bytes, recv, recv_bytes, spin_seconds)
@@ -267,25 +298,26 @@ static PyObject *mpi_exchange(PyObject *self, PyObject *const *args, Py_ssize_t 
     int recv_bytes = PyLong_AsLong(args[7]);
     double spin_seconds = PyFloat_AsDouble(args[8]);
     if (PyErr_Occurred()) return NULL;
-    long result;
+    rr_status status;
     Py_BEGIN_ALLOW_THREADS
-    result = rr_mpi_exchange(x, comm, partner, tag, send, send_bytes, recv, recv_bytes,
+    status = rr_mpi_exchange(x, comm, partner, tag, send, send_bytes, recv, recv_bytes,
                              spin_seconds);
     Py_END_ALLOW_THREADS
-    return mpi_result(result);
+    return exchange_result(status, x, "mpi_exchange");
 }
 
 /* mpi_test(state) -> bytes received, or -1 while pending. */
 static PyObject *mpi_test(PyObject *self, PyObject *state) {
     rr_exchange *x = PyLong_AsVoidPtr(state);
     if (PyErr_Occurred()) return NULL;
-    return mpi_result(rr_mpi_test(x));
+    return exchange_result(rr_mpi_test(x), x, "mpi_test");
 }
 
 /* doubling(state, comm, tag, rounds, nrounds, resume, nbytes, count, dtype, op, src, dst,
  *          divisor, scale, data, incoming, capacity, gathered, members, spin_seconds)
  * -> 1 (complete, digests agree, dst written), 0, or -1 while pending; nbytes < 0: headers
- * only; spin_seconds < 0: post the first round and return (resume with dst). */
+ * only; spin_seconds < 0: post the first round and return (resume with dst). ValueError for
+ * an unknown dtype or op or inconsistent sizes (before anything is sent). */
 static PyObject *doubling(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (check_args(nargs, 20, "doubling")) return NULL;
     rr_exchange *x = PyLong_AsVoidPtr(args[0]);
@@ -305,13 +337,18 @@ static PyObject *doubling(PyObject *self, PyObject *const *args, Py_ssize_t narg
     int members = PyLong_AsLong(args[18]);
     double spin_seconds = PyFloat_AsDouble(args[19]);
     if (PyErr_Occurred()) return NULL;
-    long result;
+    rr_status status;
     Py_BEGIN_ALLOW_THREADS
-    result = rr_doubling(x, resume, comm, tag, rounds, nrounds,
+    status = rr_doubling(x, resume, comm, tag, rounds, nrounds,
                          reduction.nbytes >= 0 ? &reduction : NULL, incoming, capacity,
                          gathered, members, spin_seconds);
     Py_END_ALLOW_THREADS
-    return mpi_result(result);
+    switch (status) {
+    case RR_OK: return PyLong_FromLong(1);
+    case RR_MISMATCH: return PyLong_FromLong(0);
+    case RR_PENDING: return PyLong_FromLong(PENDING);
+    default: return raise_status(status, "doubling");
+    }
 }
 
 /* combine(dtype, op, a, b, out, count, last, divisor, scale): out = a op b (addresses). */
@@ -324,12 +361,11 @@ static PyObject *combine(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     int last = PyObject_IsTrue(args[6]);
     double divisor = PyFloat_AsDouble(args[7]), scale = PyFloat_AsDouble(args[8]);
     if (PyErr_Occurred()) return NULL;
-    int status;
+    rr_status status;
     Py_BEGIN_ALLOW_THREADS
     status = rr_combine(dtype, op, a, b, out, count, last, divisor, scale);
     Py_END_ALLOW_THREADS
-    if (status != 0)
-        return PyErr_Format(PyExc_ValueError, "combine: unknown dtype %d or op %d", dtype, op);
+    if (RR_FAILED(status)) return raise_status(status, "combine");
     Py_RETURN_NONE;
 }
 
@@ -341,11 +377,11 @@ static PyObject *finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     size_t count = PyLong_AsSize_t(args[2]);
     double divisor = PyFloat_AsDouble(args[3]), scale = PyFloat_AsDouble(args[4]);
     if (PyErr_Occurred()) return NULL;
-    int status;
+    rr_status status;
     Py_BEGIN_ALLOW_THREADS
     status = rr_finish(dtype, x, count, divisor, scale);
     Py_END_ALLOW_THREADS
-    if (status != 0) return PyErr_Format(PyExc_ValueError, "finish: unknown dtype %d", dtype);
+    if (RR_FAILED(status)) return raise_status(status, "finish");
     Py_RETURN_NONE;
 }
 
@@ -363,7 +399,8 @@ static PyObject *cast(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (from == RR_F32 && to == RR_F16) convert = (void (*)(const void *, void *, size_t))rr_f32_to_f16;
     if (from == RR_F16 && to == RR_F32) convert = (void (*)(const void *, void *, size_t))rr_f16_to_f32;
     if (convert == NULL)
-        return PyErr_Format(PyExc_ValueError, "cast: no cast from dtype %d to %d", from, to);
+        return raise_status(rr_fail(RR_BAD_DTYPE, "no cast from dtype code %d to %d", from, to),
+                            "cast");
     Py_BEGIN_ALLOW_THREADS
     convert(src, dst, count);
     Py_END_ALLOW_THREADS
@@ -438,7 +475,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         {"F16", RR_F16}, {"BF16", RR_BF16}, {"F32", RR_F32}, {"F64", RR_F64},
         {"LINE", RR_LINE}, {"PAGE", RR_PAGE}, {"HEADER_WORDS", RR_HEADER_WORDS},
         {"STREAM_MIN", RR_STREAM_MIN}, {"PHASES", RR_PHASES},
-        {"EXCHANGE_BYTES", sizeof(rr_exchange)}, {"PENDING", RR_PENDING}};
+        {"EXCHANGE_BYTES", sizeof(rr_exchange)}, {"PENDING", PENDING}};
     for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++)
         if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0) {
             Py_DECREF(m);

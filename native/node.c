@@ -49,6 +49,7 @@ struct rr_node {
         size_t start;                   /* the current block's first element */
         int phase;
         int between_nodes;              /* stop after reducing our chunk: Python runs the ring */
+        int begun;                      /* a begin checked this job (and no run failed it) */
     } job;
     double seconds[RR_PHASES];          /* time in each phase of large allreduces, summed */
 };
@@ -65,15 +66,22 @@ size_t rr_node_layout(size_t small_bytes, size_t block_bytes, size_t *slot_bytes
 }
 
 /* n >= 2: a rank alone on its node has no window. */
-rr_node *rr_node_attach(int me, int n, const uintptr_t *bases, size_t slot_bytes,
-                        size_t block_bytes) {
+rr_status rr_node_attach(int me, int n, const uintptr_t *bases, size_t slot_bytes,
+                         size_t block_bytes, rr_node **attached) {
+    *attached = NULL;
+    if (n < 2 || me < 0 || me >= n)
+        return rr_fail(RR_BAD_ARGUMENT, "local rank %d of %d: a node's window needs 2 or more "
+                       "ranks, ours among them", me, n);
+    for (int r = 0; r < n; r++)
+        if (bases[r] == 0)
+            return rr_fail(RR_BAD_ARGUMENT, "local rank %d's segment is at address 0", r);
     rr_node *node = calloc(1, sizeof *node);
-    if (node == NULL) return NULL;
+    if (node == NULL) return rr_fail(RR_NO_MEMORY, "no memory for a node of %d ranks", n);
     node->base = malloc(sizeof(char *) * (size_t)n);
     node->shift = calloc((size_t)n, sizeof(size_t));
     if (node->base == NULL || node->shift == NULL) {
         rr_node_detach(node);
-        return NULL;
+        return rr_fail(RR_NO_MEMORY, "no memory for a node of %d ranks", n);
     }
     for (int r = 0; r < n; r++) node->base[r] = (char *)bases[r];
     node->me = me;
@@ -81,7 +89,8 @@ rr_node *rr_node_attach(int me, int n, const uintptr_t *bases, size_t slot_bytes
     node->slot_bytes = slot_bytes;
     node->block_bytes = block_bytes;
     __atomic_store_n((int64_t *)node->base[me], 0, __ATOMIC_SEQ_CST);     /* our flag */
-    return node;
+    *attached = node;
+    return RR_OK;
 }
 
 void rr_node_detach(rr_node *node) {
@@ -134,28 +143,28 @@ static void raise_flag(rr_node *node, int64_t flag) {
     __atomic_store_n(flag_of(node, node->me), flag, __ATOMIC_SEQ_CST);
 }
 
-/* Poll every flag flat out for up to spin_seconds (once when negative): 1 when all are up
- * (and their writes visible), 0 when the caller should wait elsewhere. */
-static int spin_until_ready(rr_node *node, double spin_seconds) {
+/* Poll every flag flat out for up to spin_seconds (once when negative): RR_OK when all are up
+ * (and their writes visible), RR_WAITING when the caller should wait elsewhere. */
+static rr_status spin_until_ready(rr_node *node, double spin_seconds) {
     double deadline = -1.0;
     for (unsigned spins = 0;; spins++) {
         if (rr_node_ready(node)) {
             __atomic_thread_fence(__ATOMIC_SEQ_CST);
-            return 1;
+            return RR_OK;
         }
-        if (spin_seconds < 0) return 0;
+        if (spin_seconds < 0) return RR_WAITING;
         cpu_relax();
         if (spins % 64 == 63) {         /* reading the clock costs more than a poll */
             sched_yield();              /* free at once on an idle core; lets a peer that
                                            shares ours (more ranks than cores) run */
             double t = rr_now();
             if (deadline < 0) deadline = t + spin_seconds;
-            else if (t > deadline) return 0;
+            else if (t > deadline) return RR_WAITING;
         }
     }
 }
 
-int rr_node_wait(rr_node *node, double spin_seconds) {
+rr_status rr_node_wait(rr_node *node, double spin_seconds) {
     return spin_until_ready(node, spin_seconds);
 }
 
@@ -176,27 +185,28 @@ static void publish_header(rr_node *node, int64_t flag, int64_t digest, size_t n
 
 /* ------------------------------------------------------------------------------ headers */
 
-int rr_headers_begin(rr_node *node, int64_t digest, int64_t per_rank, double spin_seconds) {
+rr_status rr_headers_begin(rr_node *node, int64_t digest, int64_t per_rank,
+                           double spin_seconds) {
     int64_t flag = raised(node) + 1;
     publish_header(node, flag, digest, 0, per_rank);
     raise_flag(node, flag);
     return spin_until_ready(node, spin_seconds);
 }
 
-int rr_headers_read(rr_node *node, int64_t *digests, int64_t *per_rank, size_t stride) {
+rr_status rr_headers_read(rr_node *node, int64_t *digests, int64_t *per_rank, size_t stride) {
     int64_t flag = raised(node);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     for (int r = 0; r < node->n; r++) {
         digests[(size_t)r * stride] = header_of(node, r, flag)[0];
         per_rank[(size_t)r * stride] = header_of(node, r, flag)[2];
     }
-    return digests_agree(node, flag);
+    return digests_agree(node, flag) ? RR_OK : RR_MISMATCH;
 }
 
 /* ------------------------------------------------------------------------------ small */
 
-int rr_small_begin(rr_node *node, const void *src, size_t nbytes, int64_t digest,
-                   double spin_seconds) {
+rr_status rr_small_begin(rr_node *node, const void *src, size_t nbytes, int64_t digest,
+                         double spin_seconds) {
     int64_t flag = raised(node) + 1;
     size_t shift = ((uintptr_t)src - (uintptr_t)slot_of(node, node->me, 0)) % RR_PAGE;
     memcpy(slot_of(node, node->me, flag) + shift, src, nbytes);
@@ -205,27 +215,31 @@ int rr_small_begin(rr_node *node, const void *src, size_t nbytes, int64_t digest
     return spin_until_ready(node, spin_seconds);
 }
 
-int rr_small_end(rr_node *node, void *dst, size_t count, int dtype, int op, double divisor,
-                 double scale) {
+rr_status rr_small_end(rr_node *node, void *dst, size_t count, int dtype, int op,
+                       double divisor, double scale) {
     int64_t flag = raised(node);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);   /* peers' slots after their flags */
-    if (!digests_agree(node, flag)) return -1;
-    if (rr_dtype_size(dtype) == 0) return -2;
+    if (!digests_agree(node, flag)) return RR_MISMATCH;
+    rr_status status = rr_check(dtype, op);    /* before dst is written */
+    if (status != RR_OK) return status;
     for (int r = 0; r < node->n; r++) node->shift[r] = (size_t)header_of(node, r, flag)[2];
     const char *first = slot_of(node, 0, flag) + node->shift[0];
-    for (int r = 1; r < node->n; r++)
-        if (rr_combine(dtype, op, r == 1 ? first : dst, slot_of(node, r, flag) + node->shift[r],
-                       dst, count, r == node->n - 1, divisor, scale) != 0)
-            return -2;
-    return 0;
+    for (int r = 1; r < node->n && status == RR_OK; r++)
+        status = rr_combine(dtype, op, r == 1 ? first : dst,
+                            slot_of(node, r, flag) + node->shift[r], dst, count,
+                            r == node->n - 1, divisor, scale);
+    return status;
 }
 
 /* ------------------------------------------------------------------------------ large */
 
-int rr_large_begin(rr_node *node, const void *src, void *dst, size_t count, int dtype, int op,
-                   double divisor, double scale, int64_t digest, int between_nodes) {
+rr_status rr_large_begin(rr_node *node, const void *src, void *dst, size_t count, int dtype,
+                         int op, double divisor, double scale, int64_t digest,
+                         int between_nodes) {
+    node->job.begun = 0;
+    rr_status status = rr_check(dtype, op);    /* before any flag: the peers see nothing */
+    if (status != RR_OK) return status;
     size_t size = rr_dtype_size(dtype);
-    if (size == 0) return -2;
     node->job.src = src;
     node->job.dst = dst;
     node->job.count = count;
@@ -239,7 +253,8 @@ int rr_large_begin(rr_node *node, const void *src, void *dst, size_t count, int 
     node->job.start = 0;
     node->job.phase = COPY_IN;
     node->job.between_nodes = between_nodes;
-    return 0;
+    node->job.begun = 1;
+    return RR_OK;
 }
 
 /* Chunk c of m elements split over the ranks as ring.balanced_counts does: the first m % n
@@ -273,8 +288,11 @@ void rr_large_profile(rr_node *node, double *seconds, int reset) {
     if (reset) memset(node->seconds, 0, sizeof node->seconds);
 }
 
-int rr_large_run(rr_node *node, double spin_seconds) {
+rr_status rr_large_run(rr_node *node, double spin_seconds) {
     const int me = node->me, n = node->n;
+    if (!node->job.begun)
+        return rr_fail(RR_BAD_STATE, "no large allreduce begun (large_begin refused it, or "
+                       "its run failed)");
     __atomic_thread_fence(__ATOMIC_SEQ_CST);   /* resumed after a wait in Python */
     const size_t size = node->job.size;
     double t = rr_now();
@@ -300,14 +318,14 @@ int rr_large_run(rr_node *node, double spin_seconds) {
             raise_flag(node, flag);
             lap(node, RR_PHASE_COPY_IN, &t);
             node->job.phase = REDUCE;
-            int ready = spin_until_ready(node, spin_seconds);
+            rr_status ready = spin_until_ready(node, spin_seconds);
             lap(node, RR_PHASE_WAIT_IN, &t);
-            if (!ready) return 0;
+            if (ready != RR_OK) return ready;
         }   /* fall through */
         case REDUCE: {
             int64_t flag = node->job.flag;
             if (node->job.start == 0) {
-                if (!digests_agree(node, flag)) return -1;
+                if (!digests_agree(node, flag)) return RR_MISMATCH;
                 for (int r = 0; r < n; r++)
                     node->shift[r] = (size_t)header_of(node, r, flag)[2];
             }
@@ -317,15 +335,20 @@ int rr_large_run(rr_node *node, double spin_seconds) {
             for (int r = 0; r < n; r++) {
                 if (r == me) continue;
                 remaining--;
-                rr_combine(node->job.dtype, node->job.op, a,
-                           area_of(node, r, flag) + node->shift[r] + lo * size,
-                           dst + lo * size, hi - lo, remaining == 0, node->job.divisor,
-                           node->job.scale);
+                rr_status status = rr_combine(node->job.dtype, node->job.op, a,
+                                              area_of(node, r, flag) + node->shift[r] +
+                                                  lo * size,
+                                              dst + lo * size, hi - lo, remaining == 0,
+                                              node->job.divisor, node->job.scale);
+                if (status != RR_OK) {      /* the begin's check makes this unreachable */
+                    node->job.begun = 0;
+                    return status;
+                }
                 a = dst + lo * size;
             }
             lap(node, RR_PHASE_REDUCE, &t);
             node->job.phase = PUBLISH;
-            if (node->job.between_nodes) return 2;
+            if (node->job.between_nodes) return RR_BETWEEN_NODES;
         }   /* fall through */
         case PUBLISH: {
             memcpy(area_of(node, me, node->job.flag) + node->shift[me] + lo * size,
@@ -333,9 +356,9 @@ int rr_large_run(rr_node *node, double spin_seconds) {
             raise_flag(node, node->job.flag + 1);
             lap(node, RR_PHASE_PUBLISH, &t);
             node->job.phase = COPY_OUT;
-            int ready = spin_until_ready(node, spin_seconds);
+            rr_status ready = spin_until_ready(node, spin_seconds);
             lap(node, RR_PHASE_WAIT_OUT, &t);
-            if (!ready) return 0;
+            if (ready != RR_OK) return ready;
         }   /* fall through */
         case COPY_OUT:
             for (int c = 0; c < n; c++) {
@@ -350,7 +373,7 @@ int rr_large_run(rr_node *node, double spin_seconds) {
             node->job.start += m;
         }
     }
-    return 1;
+    return RR_OK;
 }
 
 /* FNV-1a, 64 bits, over an allreduce's signature fields: equal across ranks exactly when the

@@ -236,6 +236,203 @@ def test_native_exchange_talks_to_mpi_and_reports_its_errors():
         comm.Free()
 
 
+def test_kernels_refuse_an_unknown_dtype_or_op_and_leave_the_output_alone():
+    """combine, finish and cast (kernels.py's combiner, reducer and finish) name what they
+    cannot reduce; Adasum is no elementwise op."""
+    a, b = np.arange(8, dtype=np.float32), np.ones(8, dtype=np.float32)
+    out = np.full(8, 7, dtype=np.float32)
+    for dtype, op, what in [(42, hvd.Sum, "unknown dtype code 42"),
+                            (_native.F32, 9, "unknown reduction op 9"),
+                            (_native.F16, -1, "unknown reduction op -1"),
+                            (_native.I32, hvd.Adasum, r"reduction op 2 \(Adasum\) has no el")]:
+        with pytest.raises(ValueError, match=f"^ringreduce: combine: {what}"):
+            _native.combine(dtype, op, a.ctypes.data, b.ctypes.data, out.ctypes.data, 8, True,
+                            2.0, 1.0)
+    assert (out == 7).all()
+    with pytest.raises(ValueError, match="^ringreduce: combine: unknown reduction op 9"):
+        kernels.combiner(torch.float32, 9)(a, b, out)
+    with pytest.raises(ValueError, match="^ringreduce: combine: unknown reduction op 9"):
+        kernels.reducer(torch.float32, 9)(out, b)
+    assert (out == 7).all()
+    for divisor in (1.0, 2.0):      # the no-op finish checks the dtype too
+        with pytest.raises(ValueError, match="^ringreduce: finish: unknown dtype code 42"):
+            _native.finish(42, out.ctypes.data, 8, divisor, 1.0)
+    with pytest.raises(ValueError, match="^ringreduce: cast: no cast from dtype code 7 to 3"):
+        _native.cast(_native.F32, _native.I32, a.ctypes.data, out.ctypes.data, 8)
+    assert (out == 7).all()
+
+
+def _two_local_ranks(small_bytes=4096, block_bytes=4096):
+    """Two ranks' node windows in this one process (plain memory for the shared segments):
+    the node protocol, stepped by hand from one thread."""
+    slot, block, segment = _native.node_layout(small_bytes, block_bytes)
+    segments = [np.zeros(segment, dtype=np.uint8) for _ in range(2)]
+    bases = [s.ctypes.data for s in segments]
+    return segments, [_native.node_attach(me, bases, slot, block) for me in range(2)]
+
+
+def test_the_node_protocol_refuses_what_it_cannot_reduce_before_publishing():
+    """large_begin refuses an unknown dtype or op (or Adasum) before raising any flag, and
+    large_run then refuses to run (no stale job runs unreduced); small_end refuses with dst
+    untouched. The same two ranks then reduce correctly, and the return values Python reads
+    (1 done, 0 waiting, 2 between nodes, -1 mismatch) are kept."""
+    segments, nodes = _two_local_ranks()
+    flags = [s[:8].view(np.int64) for s in segments]
+    x = [np.arange(3000, dtype=np.float32) * (r + 1) for r in range(2)]     # three blocks
+    out = [np.zeros_like(v) for v in x]
+
+    def begin(r, dtype=_native.F32, op=hvd.Sum, digest=5, between_nodes=False):
+        _native.large_begin(nodes[r], x[r].ctypes.data, out[r].ctypes.data, x[r].size, dtype,
+                            op, 1.0, 1.0, digest, between_nodes)
+
+    def run_both(expect):
+        results = [None, None]
+        for _ in range(50):
+            for r in range(2):
+                if results[r] is None:
+                    status = _native.large_run(nodes[r], -1.0)
+                    assert status in (0, expect), status
+                    results[r] = None if status == 0 else status
+            if None not in results:
+                return
+        raise AssertionError(f"stuck: {results}")
+
+    try:
+        for me, bases in [(2, [1, 2]), (0, [1]), (1, [1, 0])]:
+            with pytest.raises(ValueError, match="^ringreduce: node_attach: local rank"):
+                _native.node_attach(me, bases, 4096, 4096)
+        with pytest.raises(RuntimeError, match="^ringreduce: large_run: no large allreduce"):
+            _native.large_run(nodes[0], -1.0)
+        for dtype, op, what in [(42, hvd.Sum, "unknown dtype code 42"),
+                                (_native.F32, 9, "unknown reduction op 9"),
+                                (_native.F64, hvd.Adasum, r"reduction op 2 \(Adasum\)")]:
+            with pytest.raises(ValueError, match=f"^ringreduce: large_begin: {what}"):
+                begin(0, dtype, op)
+            with pytest.raises(RuntimeError, match="^ringreduce: large_run: no large allreduce"):
+                _native.large_run(nodes[0], -1.0)
+        assert flags[0][0] == 0 and flags[1][0] == 0 and not out[0].any()
+        begin(0), begin(1)
+        run_both(1)
+        assert all(np.array_equal(o, x[0] + x[1]) for o in out)
+        begin(0, between_nodes=True), begin(1, between_nodes=True)
+        run_both(2)                     # our chunk reduced: the ring between nodes goes next
+        begin(0, digest=5), begin(1, digest=6)
+        run_both(-1)
+
+        small = [np.arange(100, dtype=np.int32) * (r + 1) for r in range(2)]
+        dst = [np.full(100, 9, dtype=np.int32) for _ in range(2)]
+
+        def exchange(digests=(7, 7)):
+            assert not _native.small_begin(nodes[0], small[0].ctypes.data, 400, digests[0],
+                                           -1.0)
+            assert _native.small_begin(nodes[1], small[1].ctypes.data, 400, digests[1], -1.0)
+            assert _native.node_wait(nodes[0], -1.0)
+
+        exchange()
+        for dtype, op, what in [(42, hvd.Sum, "unknown dtype code 42"),
+                                (_native.I32, 9, "unknown reduction op 9"),
+                                (_native.I32, hvd.Adasum, r"reduction op 2 \(Adasum\)")]:
+            with pytest.raises(ValueError, match=f"^ringreduce: small_end: {what}"):
+                _native.small_end(nodes[0], dst[0].ctypes.data, 100, dtype, op, 1.0, 1.0)
+            assert (dst[0] == 9).all()
+        for r in range(2):
+            assert _native.small_end(nodes[r], dst[r].ctypes.data, 100, _native.I32, hvd.Sum,
+                                     1.0, 1.0) == 0
+            assert np.array_equal(dst[r], small[0] + small[1])
+        exchange((7, 8))
+        assert _native.small_end(nodes[0], dst[0].ctypes.data, 100, _native.I32, hvd.Sum,
+                                 1.0, 1.0) == -1
+    finally:
+        for node in nodes:
+            _native.node_detach(node)
+
+
+def _self_exchange(MPI):
+    """native/p2p.c bound, a communicator of this process alone, an exchange state."""
+    crossnode._bind_native_mpi(MPI)
+    return MPI.COMM_SELF.Dup(), np.zeros(_native.EXCHANGE_BYTES, dtype=np.uint8)
+
+
+def _probe(comm, tag, seconds=1.0):
+    """Whether a message with `tag` is waiting for a receive (polled a while: a message to
+    ourselves may take a moment to show)."""
+    deadline = time.monotonic() + seconds
+    while not comm.Iprobe(source=0, tag=tag):
+        if time.monotonic() > deadline:
+            return False
+    return True
+
+
+def test_doubling_refuses_an_unknown_dtype_or_op_before_sending():
+    """Recursive doubling with ourselves as the partner (one round): refused before the data
+    is copied in or a message posted; then a real round reduces the data with itself."""
+    MPI = mpi()
+    comm, state = _self_exchange(MPI)
+    gathered = np.array([[11, 0], [0, 0]], dtype=np.int64)     # ours, theirs (digest, word)
+    outgoing, incoming = np.zeros(16 + 64, dtype=np.uint8), np.zeros(16 + 64, dtype=np.uint8)
+    rounds = np.array([[0, 1, 16, gathered[0].ctypes.data, outgoing.ctypes.data,
+                        gathered[1].ctypes.data]], dtype=np.int64)
+    src, dst = np.arange(10, dtype=np.float32), np.full(10, 5, dtype=np.float32)
+    data = outgoing[16:56].view(np.float32)
+
+    def doubling(nbytes, count, dtype, op):
+        return _native.doubling(state.ctypes.data, MPI._handleof(comm), 4, rounds.ctypes.data,
+                                1, False, nbytes, count, dtype, op, src.ctypes.data,
+                                dst.ctypes.data, 1.0, 1.0, data.ctypes.data,
+                                incoming.ctypes.data, incoming.size, gathered.ctypes.data, 2,
+                                0.5)
+
+    try:
+        for dtype, op, what in [(42, hvd.Sum, "unknown dtype code 42"),
+                                (_native.F32, 9, "unknown reduction op 9"),
+                                (_native.F32, hvd.Adasum, r"reduction op 2 \(Adasum\)")]:
+            with pytest.raises(ValueError, match=f"^ringreduce: doubling: {what}"):
+                doubling(40, 10, dtype, op)
+        with pytest.raises(ValueError, match="^ringreduce: doubling: 40 bytes of data are not "
+                                             "20 elements"):
+            doubling(40, 20, _native.F32, hvd.Sum)
+        with pytest.raises(ValueError, match="larger than the 80 bytes a receive holds"):
+            doubling(80, 20, _native.F32, hvd.Sum)
+        assert not data.any() and (dst == 5).all() and not _probe(comm, 4, 0.05)
+        assert doubling(40, 10, _native.F32, hvd.Sum) == 1
+        assert np.array_equal(dst, src + src) and gathered[1, 0] == 11
+        assert doubling(-1, 0, 0, 0) == 0       # headers only: no result, by convention
+    finally:
+        comm.Free()
+
+
+def test_a_failed_exchange_leaves_no_receive_posted():
+    """MPI_Isend failing after MPI_Irecv was posted (a negative count), and MPI_Testall failing
+    (a truncated message): the error carries MPI's text, and a later message on the same
+    communicator and tag is still there for its own receive, not taken by a stale one."""
+    MPI = mpi()
+    comm, state = _self_exchange(MPI)
+    sent, received = np.arange(40, dtype=np.uint8), np.zeros(64, dtype=np.uint8)
+
+    def exchange(send_bytes, recv_bytes):
+        return _native.mpi_exchange(state.ctypes.data, MPI._handleof(comm), 0, 3,
+                                    sent.ctypes.data, send_bytes, received.ctypes.data,
+                                    recv_bytes, 0.5)
+
+    try:
+        for send_bytes, recv_bytes, failure in [(-1, 64, "MPI_Isend failed .*count"),
+                                                (40, 16, "MPI_Testall failed")]:
+            with pytest.raises(RuntimeError, match=f"^ringreduce: mpi_exchange: {failure}"):
+                exchange(send_bytes, recv_bytes)
+            received[:] = 0
+            marker = np.full(8, 0xAB, dtype=np.uint8)
+            request = comm.Isend(marker, dest=0, tag=3)
+            assert _probe(comm, 3), "a receive left posted took the message"
+            assert not received.any()
+            got = np.zeros(8, dtype=np.uint8)
+            comm.Recv(got, source=0, tag=3)
+            request.Wait()
+            assert (got == 0xAB).all()
+            assert exchange(40, 64) == 40 and (received[:40] == sent).all()   # usable again
+    finally:
+        comm.Free()
+
+
 def _no_settling():
     raise AssertionError("a one-rank engine never settles an order")
 
