@@ -1,5 +1,6 @@
 """Everything GPU: CuPy views of CUDA tensors, streams, CUDA-aware MPI detection, the pinned
-staging pipeline, and our kernels from native/*.cu (compiled at run time by CuPy, cached).
+staging pipeline, and our kernels from the package's cuda_kernels/*.cu (compiled at run time by
+CuPy, cached).
 
 CuPy is imported only when a CUDA tensor shows up, so `import ringreduce` works without it.
 
@@ -11,6 +12,8 @@ The transport picks one of two ways, by `RINGREDUCE_CUDA_AWARE` (detected at ini
   MPI between nodes) while the next piece is copied down and the previous one copied back.
 Either way our work runs on our own stream, which first waits for an event on torch's stream,
 and a reduction returns only once its result is in device memory, so any stream may read it.
+The device scratch, pinned slots and events a reduction uses belong to its process set
+(`DeviceScratch`, one per transport), so sets that reduce at once on one device share none.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import contextlib
 import ctypes
 import functools
 import threading
-from pathlib import Path
+from importlib import resources
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -28,7 +31,10 @@ from . import ring
 from .errors import RingReduceError
 from .kernels import ReduceOp
 
-NATIVE = Path(__file__).resolve().parent.parent / "native"
+# The CUDA sources the GPU path compiles: cuda_kernels/<name>.cu inside the package (package
+# data, so a wheel ships them), each loaded by kernel_source() only.
+KERNEL_DIR = "cuda_kernels"
+KERNEL_MODULES = ("half", "batched_copy")
 STAGING_PIECE_BYTES = 4 << 20   # one piece of the staging pipeline; the same on every rank
 THREADS = 256
 MAX_BLOCKS = 4096
@@ -201,22 +207,33 @@ def _batched_copy(moves: Sequence[tuple[Any, Any]], stream: torch.cuda.Stream) -
 # ---------------------------------------------------------------- kernels
 
 def kernel_source(name: str) -> str:
-    """The CUDA source native/<name>.cu, read from the source tree (an editable install)."""
-    path = NATIVE / f"{name}.cu"
-    if not path.exists():
+    """The text of the CUDA source cuda_kernels/<name>.cu, read from the installed package (for
+    an editable install, the source tree's ringreduce/); the one place that loads kernel text."""
+    if name not in KERNEL_MODULES:
+        raise ValueError(f"ringreduce: {name!r} is not one of ringreduce's CUDA kernel modules "
+                         f"{KERNEL_MODULES}")
+    source = resources.files(__package__).joinpath(KERNEL_DIR).joinpath(f"{name}.cu")
+    if not source.is_file():
         raise RingReduceError(
-            f"ringreduce: the GPU kernel source {path} is missing; the CUDA kernels are read "
-            "from the repository's native/ folder, so install ringreduce from a clone with "
-            "`pip install -e .`")
-    return path.read_text()
+            f"ringreduce: the GPU kernel source {KERNEL_DIR}/{name}.cu is missing from the "
+            f"installed package ({source}): this installation of ringreduce is incomplete or "
+            f"broken (the wheel or sdist it came from lacks the package data ringreduce/"
+            f"{KERNEL_DIR}/*.cu). Reinstall it from the same source: pip install "
+            "--force-reinstall --no-deps <the wheel, sdist or clone>")
+    return source.read_text(encoding="utf-8")
+
+
+def kernel_options() -> tuple[str, ...]:
+    """NVRTC's options for every kernel: the op codes of native/constants.h as -D definitions,
+    taken from ReduceOp (the values the C extension was built with), so no header ships."""
+    return tuple(f"-DRR_OP_{op.name.upper()}={int(op)}" for op in ReduceOp)
 
 
 @functools.lru_cache(maxsize=None)
 def _module(name: str) -> Any:
-    """native/<name>.cu as a CuPy module; CuPy compiles it on first use (with native/ on the
-    include path, for constants.h) and caches the binary on disk, so later runs load it without
-    compiling."""
-    return cupy_module().RawModule(code=kernel_source(name), options=(f"-I{NATIVE}",))
+    """cuda_kernels/<name>.cu as a CuPy module; CuPy compiles it on first use and caches the
+    binary on disk, so later runs load it without compiling."""
+    return cupy_module().RawModule(code=kernel_source(name), options=kernel_options())
 
 
 def _kernel(module: str, function: str) -> Any:
@@ -273,29 +290,75 @@ def _device_reducer(dtype: torch.dtype, op: ReduceOp,
 
 # ---------------------------------------------------------------- device memory we keep
 
-_scratch_blocks: dict[tuple[int, str], Any] = {}
-_pinned_blocks: dict[int, np.ndarray] = {}
-_landed_events: dict[int, list] = {}
+def _device_block(device: int, nbytes: int) -> Any:
+    with cupy_module().cuda.Device(device):
+        return cupy_module().empty(nbytes, dtype=np.uint8)
 
 
-def _scratch(device: int, purpose: str, dtype: Any, count: int) -> Any:
-    """Reusable device scratch, one growing block per device and purpose."""
-    nbytes = count * np.dtype(dtype).itemsize
-    block = _scratch_blocks.get((device, purpose))
-    if block is None or block.nbytes < nbytes:
-        block = _scratch_blocks[(device, purpose)] = cupy_module().empty(max(nbytes, 64),
-                                                                          dtype=np.uint8)
-    return block[:nbytes].view(dtype)
+def _pinned_block(nbytes: int) -> np.ndarray:
+    import cupyx
+
+    return cupyx.empty_pinned((nbytes,), dtype=np.uint8)
 
 
-def _pinned(device: int, nbytes: int) -> np.ndarray:
-    """Pinned host memory for staging, one growing block per device, so steps allocate none."""
-    block = _pinned_blocks.get(device)
-    if block is None or block.nbytes < nbytes:
-        import cupyx
+def _event_pair() -> list:
+    return [torch.cuda.Event(), torch.cuda.Event()]
 
-        block = _pinned_blocks[device] = cupyx.empty_pinned((nbytes,), dtype=np.uint8)
-    return block[:nbytes]
+
+class DeviceScratch:
+    """One process set's GPU memory, owned by its transport as the CPU side's ScratchPool is:
+    device scratch (one growing block per device and purpose: the ring's segments, the small
+    path's gather), pinned host memory for staging (one growing block per device) and the
+    staging slots' events (a pair per device). Made empty, with no CUDA or CuPy touched: each
+    block is allocated when an allreduce on that device first needs it, so steady-state steps
+    allocate none. `free()` drops them all when the set closes (CuPy's pools take the memory
+    back). Only the thread running one of the set's collectives uses it; another set reducing
+    on the same device at the same time has its own.
+
+    The allocators default to CuPy's (device, pinned) and torch's (events); tests hand in
+    others."""
+
+    def __init__(self, device_block: Callable[[int, int], Any] = _device_block,
+                 pinned_block: Callable[[int], np.ndarray] = _pinned_block,
+                 event_pair: Callable[[], list] = _event_pair) -> None:
+        self._device_block, self._pinned_block = device_block, pinned_block
+        self._event_pair = event_pair
+        self._blocks: dict[tuple[int, str], Any] = {}
+        self._pinned: dict[int, np.ndarray] = {}
+        self._events: dict[int, list] = {}
+
+    def device(self, device: int, purpose: str, dtype: Any, count: int) -> Any:
+        """`count` elements of `dtype` of device scratch on `device` for `purpose`."""
+        nbytes = count * np.dtype(dtype).itemsize
+        block = self._blocks.get((device, purpose))
+        if block is None or block.nbytes < nbytes:
+            block = self._blocks[(device, purpose)] = self._device_block(device, max(nbytes, 64))
+        return block[:nbytes].view(dtype)
+
+    def pinned(self, device: int, nbytes: int) -> np.ndarray:
+        """`nbytes` of pinned host memory for staging `device`'s buffers."""
+        block = self._pinned.get(device)
+        if block is None or block.nbytes < nbytes:
+            block = self._pinned[device] = self._pinned_block(nbytes)
+        return block[:nbytes]
+
+    def events(self, device: int) -> list:
+        """The two staging slots' events for `device`."""
+        pair = self._events.get(device)
+        if pair is None:
+            pair = self._events[device] = self._event_pair()
+        return pair
+
+    def held_bytes(self) -> int:
+        """Bytes of device and pinned memory held now."""
+        return sum(b.nbytes for b in self._blocks.values()) + \
+            sum(b.nbytes for b in self._pinned.values())
+
+    def free(self) -> None:
+        """Drop every block and event (the set is closing; no reduction of its is running)."""
+        self._blocks.clear()
+        self._pinned.clear()
+        self._events.clear()
 
 
 # ---------------------------------------------------------------- the staging pipeline
@@ -357,12 +420,12 @@ def staged_allreduce(copies: Any, length: int, piece: int,
 
 def reduce_device(array: Any, dtype: torch.dtype, op: ReduceOp, prescale: float,
                   postscale: float, comm: Any, aware: bool, small_bytes: int, segment_bytes: int,
-                  host: Callable[[np.ndarray], None]) -> None:
+                  host: Callable[[np.ndarray], None], scratch: DeviceScratch) -> None:
     """Allreduce a flat CuPy array in place over `comm`: the ring on device memory when MPI is
     CUDA-aware (`aware`), else piece by piece through pinned host memory, each piece reduced by
-    `host` (which prescales, divides and postscales itself). Starts after the event set by
-    `after`, or else after torch's current stream of this thread; returns with the result in
-    device memory."""
+    `host` (which prescales, divides and postscales itself). Its scratch, pinned slots and
+    events come from `scratch`, the set's own. Starts after the event set by `after`, or else
+    after torch's current stream of this thread; returns with the result in device memory."""
     cp = cupy_module()
     device = array.device.id
     stream = _stream(device)
@@ -372,14 +435,15 @@ def reduce_device(array: Any, dtype: torch.dtype, op: ReduceOp, prescale: float,
     with cp.cuda.Device(device), _cupy_stream(stream):
         if aware or comm.size == 1:
             _reduce_in_device_memory(comm, array, dtype, op, prescale, postscale, stream,
-                                     small_bytes, segment_bytes)
+                                     small_bytes, segment_bytes, scratch)
         else:
-            _reduce_staged(array, stream, host)
+            _reduce_staged(array, stream, host, scratch)
 
 
 def _reduce_in_device_memory(comm: Any, array: Any, dtype: torch.dtype, op: ReduceOp,
                              prescale: float, postscale: float, stream: torch.cuda.Stream,
-                             small_bytes: int, segment_bytes: int) -> None:
+                             small_bytes: int, segment_bytes: int,
+                             scratch: DeviceScratch) -> None:
     """CUDA-aware MPI: the same ring as on the CPU, on device memory, reducing on the GPU."""
     _scale(array, dtype, prescale)
 
@@ -393,21 +457,22 @@ def _reduce_in_device_memory(comm: Any, array: Any, dtype: torch.dtype, op: Redu
         return
     reduce = _device_reducer(dtype, op, stream)
     if array.nbytes <= small_bytes:
-        gathered = _scratch(array.device.id, "gather", array.dtype, comm.size * array.size)
+        gathered = scratch.device(array.device.id, "gather", array.dtype,
+                                  comm.size * array.size)
         ring.gather_allreduce(comm, array, reduce, gathered.reshape(comm.size, -1), finish)
         return
     segment = max(1, segment_bytes // array.itemsize)
     bounds = ring.chunk_bounds(ring.balanced_counts(array.size, comm.size))
-    scratch = _scratch(array.device.id, "ring", array.dtype,
-                       ring.scratch_elements(bounds, segment))
-    ring.ring_allreduce(comm, array, reduce, scratch, segment, finish)
+    segments = scratch.device(array.device.id, "ring", array.dtype,
+                              ring.scratch_elements(bounds, segment))
+    ring.ring_allreduce(comm, array, reduce, segments, segment, finish)
 
 
-def _reduce_staged(array: Any, stream: torch.cuda.Stream,
-                   host: Callable[[np.ndarray], None]) -> None:
+def _reduce_staged(array: Any, stream: torch.cuda.Stream, host: Callable[[np.ndarray], None],
+                   scratch: DeviceScratch) -> None:
     """MPI without CUDA support: pieces go through pinned host memory and the host way."""
     device = array.device.id
     piece = max(1, STAGING_PIECE_BYTES // array.itemsize)
-    slots = _pinned(device, 2 * piece * array.itemsize).view(array.dtype).reshape(2, piece)
-    landed = _landed_events.setdefault(device, [torch.cuda.Event(), torch.cuda.Event()])
+    slots = scratch.pinned(device, 2 * piece * array.itemsize).view(array.dtype).reshape(2, piece)
+    landed = scratch.events(device)
     staged_allreduce(DeviceCopies(array, slots, stream, landed), array.size, piece, host)

@@ -123,6 +123,7 @@ class Transport:
                      if settings.shared_memory and local.size > 1 and homogeneous else None)
         self.one_node = self.node is not None and cross.size == 1
         self.scratch = ScratchPool()
+        self.device_scratch = cuda.DeviceScratch()    # the GPU side's, empty until a GPU is used
         # Recursive doubling between nodes starts from the node's headers and data: gathered
         # in its shared memory, or this rank's alone when it is the only one on its node.
         self.between = (crossnode.BetweenNodes(comm, local, cross, self.node, watch,
@@ -148,6 +149,7 @@ class Transport:
             (None, None))
 
     def free(self) -> None:
+        self.device_scratch.free()
         if self.node is not None:
             self.node.free()
         self.watch.free()
@@ -243,7 +245,7 @@ class Transport:
         cuda.reduce_device(cuda.as_device_array(dst), spec.dtype, spec.op, spec.prescale,
                            spec.postscale, self.comm, bool(self.settings.cuda_aware),
                            self.settings.small_message_bytes, self.settings.segment_bytes,
-                           self._host_pieces(spec))
+                           self._host_pieces(spec), self.device_scratch)
 
     def _host_pieces(self, spec: ReduceSpec) -> Callable[[np.ndarray], None]:
         """How the staged GPU way reduces each piece in pinned host memory: by the host ways,

@@ -2,10 +2,13 @@
 
 Without a device: the staging pipeline's pieces, order and overlap (driven by NumPy buffers
 and queued copies that behave like in-order stream copies), both paths of reduce_device under a
-real mpiexec with NumPy standing in for device memory, every CUDA kernel source compiling with
-nvcc, CUDA-aware detection with the real MPI library and the override, the placement errors,
-and buckets that follow their parameters' device.
+real mpiexec with NumPy standing in for device memory (and two process sets reducing at once
+from two threads, each with its own DeviceScratch), the DeviceScratch bookkeeping with NumPy
+allocators, every CUDA kernel source compiling with nvcc, CUDA-aware detection with the real
+MPI library and the override, the placement errors, and buckets that follow their parameters'
+device.
 """
+import ast
 import os
 import shutil
 import subprocess
@@ -20,8 +23,12 @@ import torch
 from conftest import run_mpi, run_ok
 import ringreduce as hvd
 from ringreduce import config, cuda, fusion
+from ringreduce.mpi import mpi
+from ringreduce.stall import StallWatch
+from ringreduce.transport import Transport
 
 ROOT = Path(__file__).resolve().parent.parent
+KERNELS = ROOT / "ringreduce" / cuda.KERNEL_DIR
 
 
 def _gpu_ready() -> str:
@@ -122,32 +129,122 @@ def test_staging_overlaps_copies_with_mpi_work():
 # ---------------------------------------------------------------- kernels
 
 def test_kernel_sources_define_every_kernel_used():
-    sources = {p.stem: cuda.kernel_source(p.stem) for p in cuda.NATIVE.glob("*.cu")}
-    assert set(sources) == {"half", "batched_copy"}
+    """KERNEL_MODULES names exactly the package's .cu files and every module cuda.py launches
+    from, so the packaging test, which enumerates it, covers every kernel."""
+    assert {p.stem for p in KERNELS.glob("*.cu")} == set(cuda.KERNEL_MODULES)
+    launched = {call.args[0].value for call in ast.walk(ast.parse(Path(cuda.__file__).read_text()))
+                if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "_kernel"}
+    assert launched == set(cuda.KERNEL_MODULES)
+    sources = {name: cuda.kernel_source(name) for name in cuda.KERNEL_MODULES}
     for kind in ("bf16", "fp16"):
         assert f"HALF_KERNELS({kind}," in sources["half"]
     for size in (1, 2, 4, 8):
         assert f"BATCHED_COPY({size}," in sources["batched_copy"]
-    for text in sources.values():   # NVRTC gets native/ as its only include path
-        included = [line.split()[1] for line in text.splitlines() if line.startswith("#include")]
-        assert included in ([], ['"constants.h"']), included
-    assert "#include" not in (cuda.NATIVE / "constants.h").read_text()
+    for text in sources.values():   # the op codes come as -D options: nothing to include
+        assert "#include" not in text
+    assert cuda.kernel_options() == ("-DRR_OP_AVERAGE=0", "-DRR_OP_SUM=1", "-DRR_OP_ADASUM=2",
+                                     "-DRR_OP_MIN=3", "-DRR_OP_MAX=4", "-DRR_OP_PRODUCT=5")
+
+
+def test_a_missing_kernel_source_says_the_install_is_broken(monkeypatch):
+    monkeypatch.setattr(cuda, "KERNEL_DIR", "gone")
+    with pytest.raises(hvd.RingReduceError) as caught:
+        cuda.kernel_source("half")
+    message = str(caught.value)
+    assert "gone/half.cu is missing from the installed package" in message
+    assert "--force-reinstall" in message and "cuda12" not in message
+    with pytest.raises(ValueError, match="'nope' is not one of ringreduce's CUDA kernel"):
+        cuda.kernel_source("nope")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not installed")
-@pytest.mark.parametrize("source", sorted(p.name for p in (ROOT / "native").glob("*.cu")))
-def test_kernel_compiles_with_nvcc(source, tmp_path):
-    """From a copy elsewhere, as NVRTC sees it: constants.h only through the include path."""
-    ptx, copy = tmp_path / "out.ptx", tmp_path / source
-    copy.write_text((ROOT / "native" / source).read_text())
-    done = subprocess.run(["nvcc", "--ptx", "-arch=sm_80", f"-I{ROOT / 'native'}", "-o",
+@pytest.mark.parametrize("name", cuda.KERNEL_MODULES)
+def test_kernel_compiles_with_nvcc(name, tmp_path):
+    """The text kernel_source() gives NVRTC, with kernel_options() and no include path."""
+    ptx, copy = tmp_path / "out.ptx", tmp_path / f"{name}.cu"
+    copy.write_text(cuda.kernel_source(name))
+    done = subprocess.run(["nvcc", "--ptx", "-arch=sm_80", *cuda.kernel_options(), "-o",
                            str(ptx), str(copy)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     entries = {line.split()[-1].rstrip("(") for line in ptx.read_text().splitlines()
                if ".entry" in line}
     expected = ({f"{k}_{f}" for k in ("bf16", "fp16") for f in ("reduce", "scale")}
-                if source == "half.cu" else {f"batched_copy_{n}" for n in (1, 2, 4, 8)})
+                if name == "half" else {f"batched_copy_{n}" for n in (1, 2, 4, 8)})
     assert entries == expected   # extern "C": the names cuda.py asks CuPy for
+    if name == "half":          # without the op codes it refuses to compile, and says why
+        done = subprocess.run(["nvcc", "--ptx", "-arch=sm_80", "-o", str(ptx), str(copy)],
+                              capture_output=True, text=True)
+        assert done.returncode != 0 and "kernel_options()" in done.stderr
+
+
+# ---------------------------------------------------------------- each set's device scratch
+
+class Allocations:
+    """NumPy allocators standing in for CuPy's and torch's, recording each call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def device(self, device, nbytes):
+        self.calls.append(("device", device, nbytes))
+        return np.zeros(nbytes, np.uint8)
+
+    def pinned(self, nbytes):
+        self.calls.append(("pinned", nbytes))
+        return np.zeros(nbytes, np.uint8)
+
+    def events(self):
+        self.calls.append(("events",))
+        return [object(), object()]
+
+
+def test_device_scratch_grows_one_block_per_device_and_purpose():
+    made = Allocations()
+    scratch = cuda.DeviceScratch(made.device, made.pinned, made.events)
+    assert scratch.held_bytes() == 0 and made.calls == []
+    ring = scratch.device(0, "ring", np.float32, 100)
+    assert ring.dtype == np.float32 and ring.size == 100
+    assert np.shares_memory(scratch.device(0, "ring", np.int16, 150), ring)   # reused
+    assert not np.shares_memory(scratch.device(0, "gather", np.float32, 4), ring)
+    assert not np.shares_memory(scratch.device(1, "ring", np.float32, 100), ring)
+    assert made.calls == [("device", 0, 400), ("device", 0, 64), ("device", 1, 400)]
+    assert scratch.device(0, "ring", np.float64, 100).nbytes == 800     # grows
+    assert made.calls[-1] == ("device", 0, 800)
+    slots = scratch.pinned(0, 1000)
+    assert np.shares_memory(scratch.pinned(0, 10), slots) and slots.nbytes == 1000
+    assert scratch.events(0) is scratch.events(0) and scratch.events(1) is not scratch.events(0)
+    assert made.calls[3:] == [("device", 0, 800), ("pinned", 1000), ("events",), ("events",)]
+    assert scratch.held_bytes() == 800 + 64 + 400 + 1000
+    scratch.free()
+    assert scratch.held_bytes() == 0
+    scratch.device(0, "ring", np.float32, 1)       # a later use allocates anew
+    assert made.calls[-1] == ("device", 0, 64)
+
+
+def test_each_transport_owns_its_device_scratch_made_without_cuda(monkeypatch):
+    """Two transports (two process sets, on real MPI communicators of one rank) each own a
+    DeviceScratch, made without importing CuPy or touching CUDA, and free drops it."""
+    monkeypatch.setitem(sys.modules, "cupy", None)      # an import of CuPy would fail
+    monkeypatch.setitem(sys.modules, "cupyx", None)
+    monkeypatch.setattr(torch.cuda, "Event", None)
+    MPI, settings = mpi(), config.Settings.load()
+    transports = []
+    for _ in range(2):
+        comm = MPI.COMM_SELF.Dup()
+        watch = StallWatch(comm, 0, 0, print, [0], "")
+        transports.append(Transport(comm, comm, comm, settings, watch, [0], True))
+    try:
+        a, b = (t.device_scratch for t in transports)
+        assert isinstance(a, cuda.DeviceScratch) and a is not b
+        made = Allocations()
+        a._device_block, a._pinned_block, a._event_pair = made.device, made.pinned, made.events
+        a.device(0, "ring", np.float32, 10), a.pinned(0, 10), a.events(0)
+        assert a.held_bytes() == 64 + 10 and b.held_bytes() == 0
+    finally:
+        for transport in transports:
+            transport.free()
+            transport.comm.Free()
+    assert a.held_bytes() == 0 and a._events == {}
 
 
 # ---------------------------------------------------------------- CUDA-aware MPI
@@ -258,3 +355,10 @@ def test_gpu_allreduce_and_training_on_two_ranks():
            env={"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
                                                              os.environ.get("PYTHONPATH")]))})
 
+
+
+@pytest.mark.skipif(bool(GPU_MISSING), reason=GPU_MISSING)
+def test_two_process_sets_reduce_on_one_gpu_at_once():
+    """The world and {0, 1} from two threads on 3 ranks sharing the GPU, each set with its own
+    device scratch: exact results."""
+    run_ok(3, "gpu_sets_check.py", timeout=240)

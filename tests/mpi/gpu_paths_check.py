@@ -5,10 +5,13 @@ a "device array" is a NumPy array that has `__cuda_array_interface__`, `device` 
 a fake `cupy` runs ufuncs with NumPy, our half kernels with torch, and stream copies with
 memmove; torch's streams and events become no-ops. Everything else is real: the ring over
 MPI, the staging pipeline with its slots and pieces, the host path it calls, the finishing
-arithmetic. Usage: gpu_paths_check.py AWARE(0|1) [STAGING_PIECE_BYTES]
+arithmetic. From 3 ranks on, two process sets (the world and {0, 1}) also reduce on the one
+"device" from two threads at once, each with its own DeviceScratch, and the results are exact.
+Usage: gpu_paths_check.py AWARE(0|1) [STAGING_PIECE_BYTES]
 """
 import ctypes
 import sys
+import threading
 import types
 
 import numpy as np
@@ -108,7 +111,7 @@ torch.cuda.current_stream = lambda device=None: TorchStream()
 import ringreduce as hvd  # noqa: E402
 from ringreduce import cuda  # noqa: E402
 from ringreduce.buffers import as_array, as_tensor  # noqa: E402
-from ringreduce.process_sets import global_set  # noqa: E402
+from ringreduce.process_sets import active, global_set  # noqa: E402
 from ringreduce.transport import ReduceSpec  # noqa: E402
 
 aware = sys.argv[1] == "1"
@@ -145,7 +148,8 @@ for dtype in (torch.uint8, torch.int32, torch.float16, torch.bfloat16, torch.flo
             # as Transport._device does for a CUDA tensor (this "device" memory is NumPy's)
             cuda.reduce_device(array, dtype, op, pre, post, transport.comm, aware,
                                settings.small_message_bytes, settings.segment_bytes,
-                               transport._host_pieces(ReduceSpec(dtype, op, pre, post)))
+                               transport._host_pieces(ReduceSpec(dtype, op, pre, post)),
+                               transport.device_scratch)
             got = as_tensor(np.asarray(array), dtype)
             want = reference(length, dtype, op, pre, post)
             what = f"{dtype} {op.name} length {length}"
@@ -154,5 +158,55 @@ for dtype in (torch.uint8, torch.int32, torch.float16, torch.bfloat16, torch.flo
                 assert torch.allclose(got.double(), want.double(), rtol=1e-2), what
             else:
                 assert torch.equal(got, want), f"{what}: got {got[:5]} want {want[:5]}"
+
+
+def reduce_on(held, label, failures):
+    """A few allreduces on set `held`, as its transport runs them (under its engine), checked
+    exactly against the sum or max of its members' inputs. The ring's scratch, the small path's
+    gather and the staging slots all come from the set's DeviceScratch."""
+    transport = held.transport
+
+    def data(rank, i, length, dtype):
+        g = torch.Generator().manual_seed(7919 * rank + 31 * i + length + held.id)
+        return torch.randint(-8, 9, (length,), generator=g).to(dtype)
+
+    try:
+        for i in range(2):
+            for dtype in (torch.int32, torch.float32, torch.bfloat16):
+                for op, length in ((hvd.Sum, 12_001), (hvd.Max, 777), (hvd.Sum, 777)):
+                    array = on_device(as_array(data(r, i, length, dtype)))
+                    spec = ReduceSpec(dtype, op)
+                    held.engine.run(f"{label}.{i}.{dtype}.{op.name}.{length}", lambda: (
+                        cuda.reduce_device(array, dtype, op, 1.0, 1.0, transport.comm, aware,
+                                           settings.small_message_bytes,
+                                           settings.segment_bytes,
+                                           transport._host_pieces(spec),
+                                           transport.device_scratch)))
+                    xs = torch.stack([data(k, i, length, dtype) for k in held.ranks])
+                    want = xs.sum(0).to(dtype) if op == hvd.Sum else xs.amax(0)
+                    got = as_tensor(np.asarray(array), dtype)
+                    if not torch.equal(got, want):
+                        failures.append(f"{label} {i} {dtype} {op.name} {length}: got "
+                                        f"{got[:5]} want {want[:5]}")
+    except BaseException as exc:    # reported by the main thread
+        failures.append(f"{label}: {exc!r}")
+
+
+if n >= 3:
+    pair = hvd.add_process_set([0, 1])
+    sets = [global_set("test")] + ([active(pair, "test")] if r < 2 else [])
+    scratches = [held.transport.device_scratch for held in sets]
+    assert len({id(s) for s in scratches}) == len(sets), "two sets share a DeviceScratch"
+    failures = []
+    threads = [threading.Thread(target=reduce_on, args=(held, f"set{held.id}", failures))
+               for held in sets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, "\n".join(failures)
+    assert all(s.held_bytes() > 0 for s in scratches), [s.held_bytes() for s in scratches]
+    hvd.remove_process_set(pair)
+    assert scratches[-1].held_bytes() == (0 if r < 2 else scratches[0].held_bytes())
 hvd.shutdown()
 print(f"OK rank {r}", flush=True)

@@ -1,8 +1,11 @@
 // Reduction and scaling of 16-bit floats held as unsigned short storage (CuPy has no bfloat16).
 // Each value is widened to float, combined, and rounded back once to nearest even, as torch
-// computes these dtypes. No CUDA headers: NVRTC compiles this with native/ as its only include
-// path, for the op codes of constants.h (ringreduce.ReduceOp's values).
-#include "constants.h"
+// computes these dtypes. No headers at all: cuda.py compiles this with the op codes of
+// native/constants.h as -D options (kernel_options(), from ringreduce.ReduceOp, whose values
+// the C extension was built with), so the installed package needs nothing but this file.
+#if !defined(RR_OP_MIN) || !defined(RR_OP_MAX) || !defined(RR_OP_PRODUCT)
+#error "compile with ringreduce.cuda.kernel_options(): the RR_OP_* codes come as -D options"
+#endif
 
 __device__ float bf16_to_float(unsigned short h) {
     return __uint_as_float(((unsigned int)h) << 16);
