@@ -118,47 +118,74 @@ def _allreduce_spec(t: torch.Tensor, op: ReduceOp, pre: float, post: float,
     return ReduceSpec(t.dtype, op, pre, post, digest(signature), signature)
 
 
-def _small_allreduce(tensor: Any, name: Optional[str], op: Any, postscale: float,
-                     in_place: bool, process_set: ProcessSet) -> Optional[torch.Tensor]:
-    """The most frequent latency-bound call, a small synchronous allreduce of a plain CPU
-    tensor with the set's members on one node (or on several, by the small way between
-    nodes), with a minimum of checks and straight to the transport; None when the call is not
-    that case (or the set's engine is busy), and the general path takes it. Same name counter,
-    signature digest and bits as the general path, which a peer may take for the same
-    collective, and which this call takes too if the members' next collectives differ (the
-    engine then settles their order). Every line here costs a visible share of a 4 KiB call:
-    one lookup per table."""
-    ps = active(process_set, "allreduce_()" if in_place else "allreduce()")
-    transport = ps.transport
+def _fast_case(tensor: Any, op: Any, limit: int) -> Optional[tuple]:
+    """The op's (name, ReduceOp) and the dtype's (code, name) when the call can take the small
+    way: a plain contiguous CPU tensor of at most `limit` bytes (the transport's
+    `fast_small_bytes`: the ways whose exchange carries the signature with the data) and an op
+    other than Adasum; else None. One lookup per table: every line shows in a 4 KiB call."""
     op_named = _FAST_OPS.get(Average if op is None else op)
     if (op_named is None or tensor.__class__ is not _Tensor or not tensor.is_cpu
-            or tensor.layout is not _STRIDED
-            or (dtype_named := _FAST_DTYPES.get(torch_dtype := tensor.dtype)) is None
-            or not tensor.is_contiguous()
-            or tensor.nbytes > transport.fast_small_bytes
-            or not ps.engine.claim_idle(name)):
+            or tensor.layout is not _STRIDED or not tensor.is_contiguous()
+            or tensor.nbytes > limit):
+        return None
+    dtype_named = _FAST_DTYPES.get(tensor.dtype)
+    return None if dtype_named is None else (op_named, dtype_named)
+
+
+def _fast_work(ps: ActiveSet, tensor: torch.Tensor, name: str, case: tuple, postscale: float,
+               in_place: bool) -> Callable[[], torch.Tensor]:
+    """The small way's whole collective, straight to the transport: the same name counter,
+    signature digest and bits as the general path, which a peer may take for the same
+    collective. Its ReduceSpec is made only where one is needed (a mismatch, a join, a stall
+    report), and keeps no reference to the tensor."""
+    (op_name, op), (code, dtype) = case
+    transport, torch_dtype, shape = ps.transport, tensor.dtype, tensor.shape
+    digest = _native.allreduce_digest(name, op_name, dtype, shape, 1.0, float(postscale))
+
+    def make_spec() -> ReduceSpec:
+        return ReduceSpec(torch_dtype, op, 1.0, postscale, digest, {
+            "collective": "allreduce", "name": name, "op": op_name, "prescale": 1.0,
+            "postscale": postscale, "dtype": dtype, "shape": tuple(shape)})
+
+    return lambda: transport.small_allreduce(tensor, in_place, code, op, postscale, digest,
+                                             make_spec)
+
+
+def _small_allreduce(tensor: Any, name: Optional[str], op: Any, postscale: float,
+                     in_place: bool, process_set: ProcessSet) -> Optional[torch.Tensor]:
+    """The most frequent latency-bound call, a small synchronous allreduce, run at once on
+    this thread when the set's engine is idle; None when the call is not that case (or the
+    engine is busy), and the general path takes it. If the members' next collectives differ,
+    the engine settles their order and this call waits its turn."""
+    ps = active(process_set, "allreduce_()" if in_place else "allreduce()")
+    case = _fast_case(tensor, op, ps.transport.fast_small_bytes)
+    if case is None or not ps.engine.claim_idle(name):
         return None
     try:
         if name is None:
             name = ps.auto_name("allreduce")
-        op_name, op = op_named
-        code, dtype = dtype_named
-        shape = tensor.shape
-        digest = _native.allreduce_digest(name, op_name, dtype, shape, 1.0, float(postscale))
-
-        def make_spec() -> ReduceSpec:     # the general path's, made only where needed (and
-            return ReduceSpec(torch_dtype, op, 1.0, postscale, digest, {    # no tensor kept)
-                "collective": "allreduce", "name": name, "op": op_name, "prescale": 1.0,
-                "postscale": postscale, "dtype": dtype, "shape": tuple(shape)})
-
-        return transport.small_allreduce(tensor, in_place, code, op, postscale, digest,
-                                         make_spec)
+        work = _fast_work(ps, tensor, name, case, postscale, in_place)
+        return work()
     except OutOfOrder:
-        handle = ps.engine.reorder(name, _allreduce_work(
-            tensor, None, name, op, 1.0, postscale, Compression.none, in_place, process_set)[2])
+        handle = ps.engine.reorder(name, work)
     finally:
         ps.engine.release_idle()
     return handle.wait()
+
+
+def _allreduce_async_work(tensor: torch.Tensor, average: Optional[bool], name: Optional[str],
+                          op: Any, pre: float, post: float, compression: type[Compressor],
+                          in_place: bool, process_set: ProcessSet) -> Work:
+    """An asynchronous allreduce's work: the small way's where the call qualifies (a handle
+    costs enough already), else the general one."""
+    if average is None and pre == 1.0 and compression is Compression.none:
+        ps = active(process_set, "allreduce_async_()" if in_place else "allreduce_async()")
+        case = _fast_case(tensor, op, ps.transport.fast_small_bytes)
+        if case is not None:
+            name = ps.auto_name("allreduce") if name is None else name
+            return ps, name, _fast_work(ps, tensor, name, case, post, in_place)
+    return _allreduce_work(tensor, average, name, op, pre, post, compression, in_place,
+                           process_set)
 
 
 def _allreduce_work(tensor: torch.Tensor, average: Optional[bool], name: Optional[str], op: Any,
@@ -260,8 +287,8 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
                     postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
                     compression: type[Compressor] = Compression.none) -> Handle:
     """Start an allreduce of `tensor`; `synchronize(handle)` returns a new reduced tensor."""
-    return _submit(_allreduce_work(tensor, average, name, op, prescale_factor, postscale_factor,
-                                   compression, False, process_set))
+    return _submit(_allreduce_async_work(tensor, average, name, op, prescale_factor,
+                                         postscale_factor, compression, False, process_set))
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
@@ -269,8 +296,8 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
                      postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place allreduce; `tensor` is overwritten when the handle completes."""
-    return _submit(_allreduce_work(tensor, average, name, op, prescale_factor, postscale_factor,
-                                   Compression.none, True, process_set))
+    return _submit(_allreduce_async_work(tensor, average, name, op, prescale_factor,
+                                         postscale_factor, Compression.none, True, process_set))
 
 
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,

@@ -22,11 +22,16 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from typing import Any, Callable, Optional
 
 from .errors import RingReduceError
 
 _IDLE_POKE_SECONDS = 0.05
+_AWAKE_SECONDS = 1.0       # after a submission, the engine thread looks for more this long
+_PICKUP_SECONDS = 0.0002   # this often, so that a submission need not wake it (which costs
+                           # more than a small allreduce); a waiter runs it meanwhile
+_CALLBACKS = threading.Lock()     # a handle's callbacks are added and taken under it
 _FIRST_PAUSE, _LONGEST_PAUSE = 0.0002, 0.01   # between settling rounds that found no agreement
 
 # One settling of the order: takes this rank's pending names, oldest first; returns those to
@@ -42,23 +47,51 @@ class OutOfOrder(Exception):
 
 
 class Handle:
-    """A future for one collective: `done()` polls, `wait()` returns its result or raises."""
+    """A future for one collective: `done()` polls, `wait()` returns its result or raises,
+    `add_done_callback(fn)` calls `fn(handle)` once it is done (on the thread that finished
+    it, or at once if it is done already)."""
 
-    def __init__(self, name: str, work: Callable[[], Any]) -> None:
+    def __init__(self, name: str, work: Callable[[], Any],
+                 engine: Optional["Engine"] = None) -> None:
         self.name = name
         self._work: Optional[Callable[[], Any]] = work
-        self._done = threading.Event()
+        self._engine = engine
+        self._finished = False
+        self._pending = threading.Lock()     # held until done: cheaper than an Event
+        self._pending.acquire()
         self._result: Any = None
         self._error: Optional[BaseException] = None
+        self._callbacks: list[Callable[["Handle"], Any]] = []
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._finished
 
     def wait(self) -> Any:
-        self._done.wait()
+        """The result. A caller that finds the engine idle runs the queue up to this handle
+        itself instead of waiting for the engine thread to wake (tens of microseconds)."""
+        if not self._finished:
+            if self._engine is not None:
+                self._engine._run_up_to(self)
+            with self._pending:     # until done
+                pass
         if self._error is not None:
             raise self._error
         return self._result
+
+    def add_done_callback(self, callback: Callable[["Handle"], Any]) -> None:
+        with _CALLBACKS:
+            if not self._finished:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def _set_done(self) -> None:
+        with _CALLBACKS:
+            self._finished = True
+            self._pending.release()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
 
     def _run(self) -> None:
         """Run the work and keep its result or error; OutOfOrder passes (the work runs again
@@ -119,6 +152,8 @@ class Engine:
         self._in_flight: set[str] = set()
         self._inline: Optional[str] = None
         self._stopping = False
+        self._dozing = True             # the engine thread sleeps long: a submission wakes it
+        self._last_submission = self._last_poke = 0.0
         self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
         self._thread.start()
 
@@ -129,10 +164,12 @@ class Engine:
 
     def _enqueue(self, name: str, work: Callable[[], Any]) -> Handle:
         """Under the condition's lock: queue `work` and wake the engine thread."""
-        handle = Handle(name, work)
+        handle = Handle(name, work, self)
         self._claim_name(name)
         self._queue.append(handle)
-        self._cv.notify_all()
+        self._last_submission = time.monotonic()
+        if self._dozing:
+            self._cv.notify_all()
         return handle
 
     def run(self, name: str, work: Callable[[], Any]) -> Any:
@@ -184,7 +221,7 @@ class Engine:
         """By the holder of the engine, whose inline collective `name` met OutOfOrder: settle
         the order with the other members. Returns the collective's handle: done, or first in
         the queue for the engine thread (wait for it after letting go of the engine)."""
-        handle = Handle(name, work)
+        handle = Handle(name, work, self)
         with self._cv:
             self._in_flight.add(name)
         if not self._settled(handle):
@@ -246,7 +283,22 @@ class Engine:
     def _complete(self, handle: Handle) -> None:
         """Its name is free before it is done: a caller woken by wait() may reuse the name."""
         self._release_name(handle.name)
-        handle._done.set()
+        handle._set_done()
+
+    def _run_up_to(self, handle: Handle) -> None:
+        """On a thread waiting for `handle`: while the engine is free, run the queue in order
+        until `handle` is done, as the engine thread would."""
+        while not handle.done() and self._running.acquire(False):
+            try:
+                with self._cv:
+                    if not self._queue:
+                        return
+                    first = self._queue.popleft()
+                if not self._execute(first):
+                    with self._cv:
+                        self._queue.appendleft(first)
+            finally:
+                self._running.release()
 
     def _settle(self, first: Handle) -> None:
         """`first` met OutOfOrder: rounds with the other members until some names are pending
@@ -283,8 +335,13 @@ class Engine:
         while True:
             with self._cv:
                 while not self._queue and not self._stopping:
-                    if not self._cv.wait(timeout=_IDLE_POKE_SECONDS):
+                    now = time.monotonic()
+                    self._dozing = now - self._last_submission > _AWAKE_SECONDS
+                    if self._dozing or now - self._last_poke > _IDLE_POKE_SECONDS:
+                        self._last_poke = now
                         self._poke_if_idle()
+                    self._cv.wait(_IDLE_POKE_SECONDS if self._dozing else _PICKUP_SECONDS)
+                self._dozing = False
                 if not self._queue:
                     return
             self._running.acquire()         # after a synchronous call in progress

@@ -87,7 +87,8 @@ class ActiveSet:
     """A registered set as one of its members holds it: its communicator, topology, transport
     and engine, and the counter of its automatic collective names."""
 
-    def __init__(self, set_id: int, ranks: Sequence[int], comm: Any, settings: Settings,
+    def __init__(self, set_id: Union[int, str], ranks: Sequence[int], comm: Any,
+                 settings: Settings,
                  abort: Callable[[str], None], node_of: Optional[Callable[[int], int]]) -> None:
         self.id, self.ranks, self.comm = set_id, list(ranks), comm
         self.rank, self.size = comm.rank, comm.size
@@ -97,7 +98,8 @@ class ActiveSet:
             self.local = comm.Split_type(mpi().COMM_TYPE_SHARED, key=comm.rank)
         self.cross = comm.Split(color=self.local.rank, key=comm.rank)
         self.homogeneous = len(set(comm.allgather(self.local.size))) == 1
-        where = "" if set_id == 0 else f" on process set {set_id} (ranks {self.ranks})"
+        where = ("" if set_id == 0 else f" on {set_id} (ranks {self.ranks})"
+                 if isinstance(set_id, str) else f" on process set {set_id} (ranks {self.ranks})")
         watch = StallWatch(comm, settings.stall_check_time, settings.stall_shutdown_time, abort,
                            self.ranks, where)
         self.transport = Transport(comm, self.local, self.cross, settings, watch, self.ranks,
@@ -174,8 +176,9 @@ class _Job:
     settings: Settings
     abort: Callable[[str], None]
     node_of: Optional[Callable[[int], int]]
-    sets: dict[int, ProcessSet]         # every registered set, by id (the same on every rank)
-    active: dict[int, ActiveSet]        # the sets this rank belongs to
+    sets: dict[Union[int, str], ProcessSet]     # every registered set, by id (the same on every
+    active: dict[Union[int, str], ActiveSet]    # rank; open_group's on members); ours
+    groups_comm: Any = None             # where open_group makes sets by their members alone
     next_id: int = 1
 
 
@@ -195,7 +198,8 @@ def start(comm: Any, settings: Settings, abort: Callable[[str], None],
     """Open the global set on `comm` (ours to keep); returns it."""
     global _job
     ranks = list(range(comm.size))
-    job = _Job(comm, comm.rank, comm.size, settings, abort, node_of, {0: global_process_set}, {})
+    job = _Job(comm, comm.rank, comm.size, settings, abort, node_of, {0: global_process_set}, {},
+               comm.Dup())
     job.active[0] = ActiveSet(0, ranks, comm, settings, abort, node_of)
     global_process_set.ranks = ranks
     _job = job
@@ -208,8 +212,11 @@ def stop() -> None:
     job, _job = _job, None
     if job is None:
         return
-    for set_id in sorted(job.active, reverse=True):
+    groups = [k for k in job.active if isinstance(k, str)]    # open_group's, newest last
+    for set_id in groups[::-1] + sorted((k for k in job.active if isinstance(k, int)),
+                                        reverse=True):
         job.active[set_id].close()
+    job.groups_comm.Free()
     for set_id, process_set in job.sets.items():
         if set_id != 0:
             process_set._invalidate()
@@ -248,8 +255,8 @@ def _checked_ranks(ranks: Sequence[int], job: _Job, what: str) -> tuple[int, ...
 
 
 def _existing(job: _Job, ranks: Sequence[int]) -> Optional[int]:
-    for set_id, process_set in job.sets.items():
-        if list(process_set.ranks) == list(ranks):
+    for set_id, process_set in job.sets.items():   # (open_group's are the members' own)
+        if isinstance(set_id, int) and list(process_set.ranks) == list(ranks):
             return set_id
     return None
 
@@ -371,6 +378,40 @@ def register_at_init(process_sets: Union[None, str, Iterable[ProcessSet]]) -> No
                          "or 'dynamic'")
     if wanted:
         _register(_state("init()"), wanted, "init")
+
+
+def open_group(ranks: Sequence[int], label: str) -> ProcessSet:
+    """A process set of global `ranks` made by those ranks alone (collective over them only,
+    in the same order on each), for front ends whose groups are made that way
+    (torch.distributed's new_group calls its backend on the members only). Its id is `label`
+    (unique, the same on every member), which also names it in messages; collectives take it
+    as `process_set=` like any set. Held until `close_group()`, or closed at shutdown."""
+    job = _state(label)
+    ranks = _checked_ranks(sorted(ranks), job, label)
+    if job.rank not in ranks or label in job.sets:
+        raise ValueError(f"ringreduce: {label}: rank {job.rank} cannot open it for ranks "
+                         f"{list(ranks)} (not one of them, or the label is taken)")
+    everyone = job.groups_comm.Get_group()
+    members = everyone.Incl(list(ranks))
+    try:
+        comm = job.groups_comm.Create_group(members)
+    finally:
+        members.Free()
+        everyone.Free()
+    process_set = ProcessSet(ranks)
+    process_set.process_set_id = label
+    job.sets[label] = process_set
+    job.active[label] = ActiveSet(label, ranks, comm, job.settings, job.abort, job.node_of)
+    return process_set
+
+
+def close_group(process_set: ProcessSet) -> None:
+    """Close a set from `open_group` (collective over its members)."""
+    job = _job
+    label = process_set.process_set_id
+    if job is not None and isinstance(label, str) and label in job.active:
+        job.active.pop(label).close()
+        job.sets.pop(label)._invalidate()
 
 
 def global_set(what: str) -> ActiveSet:

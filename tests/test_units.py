@@ -532,3 +532,24 @@ def test_settling_runs_the_agreed_names_first_and_requeues_the_rest():
         assert rounds[0][0] == "a" and set(rounds[1]) == {"a", "b", "c", "d"}, rounds
     finally:
         e.shutdown()
+
+
+def test_done_callbacks_run_once_and_a_waiter_gets_the_result():
+    """add_done_callback runs each callback once, after the result is set (at once when the
+    handle is done already); wait() returns it whichever thread ran the work."""
+    e = engine.Engine("test-engine", 0, lambda: None, _no_settling)
+    try:
+        seen = []
+        gate = threading.Event()
+        blocker = e.submit("blocker", gate.wait)
+        handles = [e.submit(f"h{i}", lambda i=i: i * i) for i in range(5)]
+        for h in handles:
+            h.add_done_callback(lambda h: seen.append((h.name, h.wait())))
+        gate.set()
+        blocker.wait()
+        assert [h.wait() for h in handles] == [0, 1, 4, 9, 16]
+        handles[0].add_done_callback(lambda h: seen.append(("late", h.wait())))
+        assert sorted(seen) == sorted([(f"h{i}", i * i) for i in range(5)] + [("late", 0)])
+        assert all(h.done() for h in handles)
+    finally:
+        e.shutdown()

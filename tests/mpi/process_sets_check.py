@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 import ringreduce as hvd
 from checks import check_equal, expect, per_setting
+from ringreduce.process_sets import close_group, open_group
 from models import Net
 
 world = MPI.COMM_WORLD
@@ -42,6 +43,11 @@ LENGTHS = [0, 17, 70_001, 300_007]     # empty, small, blocks, several blocks
 
 def member_comm(ps):
     """A plain mpi4py communicator of the set's members, to check results independently."""
+    if isinstance(ps.process_set_id, str):      # open_group's: made by the members alone
+        members = world.Get_group().Incl(ps.ranks)
+        comm = world.Create_group(members)
+        members.Free()
+        return comm
     comm = world.Split(ps.process_set_id if r in ps.ranks else MPI.UNDEFINED, r)
     return comm if comm != MPI.COMM_NULL else None
 
@@ -315,6 +321,26 @@ def stall():
         hvd.allreduce(torch.ones(4), name="set_stall", process_set=low)
 
 
+def check_groups():
+    """A set made by its members alone (open_group, torch.distributed's subgroups): every
+    collective on it, a mismatch naming it, closing it; a set of the same ranks registered by
+    every rank afterwards is a set of its own."""
+    ends = [0, n - 1]
+    if r in ends:
+        group = open_group(ends, "group 'ends'")
+        assert group.ranks == ends and group.included()
+        check_collectives(group, "group 'ends'")
+        expect(hvd.MismatchError, ["'g.mm'", "'shape'", f"rank 0: (3,); rank {n - 1}: (4,)"],
+               hvd.allreduce, torch.ones(3 + (r == n - 1)), name="g.mm", process_set=group)
+        close_group(group)
+        assert group.process_set_id is None
+    if n > 2:       # (at 2 ranks these are every rank: the global set)
+        registered = hvd.add_process_set(ends)
+        if r in ends:
+            assert hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=registered).item() == 2
+        assert hvd.remove_process_set(registered)
+
+
 def check_all():
     check_registration()
     check_collectives(hvd.global_process_set, "global")
@@ -328,6 +354,7 @@ def check_all():
     check_errors()
     check_add_and_remove()
     check_independence()
+    check_groups()
     hvd.barrier()
 
 
