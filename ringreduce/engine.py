@@ -290,15 +290,23 @@ class Engine:
         until `handle` is done, as the engine thread would."""
         while not handle.done() and self._running.acquire(False):
             try:
-                with self._cv:
-                    if not self._queue:
-                        return
-                    first = self._queue.popleft()
-                if not self._execute(first):
-                    with self._cv:
-                        self._queue.appendleft(first)
+                if not self._run_next():
+                    return
             finally:
                 self._running.release()
+
+    def _run_next(self) -> bool:
+        """By the holder of `_running`: run the queue's first handle (back to the front if
+        others ran first); False when the queue is empty (a settling on another thread, or a
+        waiter, ran what was there)."""
+        with self._cv:
+            if not self._queue:
+                return False
+            first = self._queue.popleft()
+        if not self._execute(first):
+            with self._cv:
+                self._queue.appendleft(first)
+        return True
 
     def _settle(self, first: Handle) -> None:
         """`first` met OutOfOrder: rounds with the other members until some names are pending
@@ -346,13 +354,7 @@ class Engine:
                     return
             self._running.acquire()         # after a synchronous call in progress
             try:
-                with self._cv:
-                    if not self._queue:     # a settling on another thread ran it
-                        continue
-                    handle = self._queue.popleft()
-                if not self._execute(handle):
-                    with self._cv:
-                        self._queue.appendleft(handle)
+                self._run_next()
             finally:
                 self._running.release()
 
