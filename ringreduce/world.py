@@ -87,30 +87,37 @@ def shutdown() -> None:
 
 
 def is_initialized() -> bool:
+    """Whether init() has run (and shutdown() has not since)."""
     return is_running()
 
 
 def size() -> int:
+    """The number of ranks in the job (init()'s communicator)."""
     return global_set("size()").size
 
 
 def rank() -> int:
+    """This process's rank in the job, 0 to size() - 1."""
     return global_set("rank()").rank
 
 
 def local_size() -> int:
+    """The number of ranks on this node (or this simulated node)."""
     return global_set("local_size()").local.size
 
 
 def local_rank() -> int:
+    """This process's rank among the ranks on its node: the GPU to use."""
     return global_set("local_rank()").local.rank
 
 
 def cross_size() -> int:
+    """The number of nodes holding a rank with this local rank."""
     return global_set("cross_size()").cross.size
 
 
 def cross_rank() -> int:
+    """This node's index among the nodes holding this local rank."""
     return global_set("cross_rank()").cross.rank
 
 
@@ -123,6 +130,7 @@ def is_homogeneous() -> bool:
 # our own CUDA path when CuPy and a CUDA build of torch are present, none of the others.
 
 def mpi_built() -> bool:
+    """True: ringreduce runs on MPI (Horovod's build query)."""
     return True
 
 
@@ -138,10 +146,12 @@ def mpi_threads_supported() -> bool:
 
 
 def gloo_built() -> bool:
+    """False: there is no Gloo controller (Horovod's build query)."""
     return False
 
 
 def gloo_enabled() -> bool:
+    """False: there is no Gloo controller (Horovod's query)."""
     return False
 
 
@@ -151,14 +161,17 @@ def nccl_built() -> int:
 
 
 def ddl_built() -> bool:
+    """False: no IBM DDL support (Horovod's build query)."""
     return False
 
 
 def ccl_built() -> bool:
+    """False: no oneCCL support (Horovod's build query)."""
     return False
 
 
 def rocm_built() -> bool:
+    """False: no ROCm support (Horovod's build query)."""
     return False
 
 
@@ -183,7 +196,8 @@ def check_extension(ext_name: str, ext_env_var: str, pkg_path: str, *args: Any) 
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Start writing this rank's timeline to `file_path` (see `timeline.rank_path`); a running
+    """Start writing this rank's timeline to `file_path` ('{rank}' in it is replaced by the
+    rank, else '.rank<r>' goes before the extension); a running
     one is stopped first. Every rank must call it for a complete picture, but it is not
     collective. `mark_cycles` is accepted for Horovod and ignored: ringreduce has no background
     negotiation cycles to mark (each collective is negotiated when it runs)."""
@@ -209,8 +223,12 @@ def abort(message: str, code: int = 1) -> None:
     The launcher tears the job down as soon as MPI_Abort reaches it, and can drop what this
     rank wrote just before; so wait a moment first: the message is the one thing the user needs.
     """
-    sys.stderr.write(message if message.endswith("\n") else message + "\n")
-    sys.stderr.flush()
+    # The process's own stderr: an excepthook that wraps ours may have redirected sys.stderr
+    # to collect what we print (torch.distributed's prefixes each line with the rank), and
+    # it would never get to print it, since we do not return.
+    stderr = sys.__stderr__ or sys.stderr
+    stderr.write(message if message.endswith("\n") else message + "\n")
+    stderr.flush()
     sys.stdout.flush()
     time.sleep(_ABORT_GRACE_SECONDS)
     mpi().COMM_WORLD.Abort(code)
