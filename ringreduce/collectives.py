@@ -680,6 +680,17 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     ps.engine.run(name, lambda: ps.transport.barrier({"collective": "barrier", "name": name}))
 
 
+def barrier_async(name: Optional[str] = None,
+                  process_set: ProcessSet = global_process_set) -> Handle:
+    """Start a barrier; its handle completes once every member has reached it (after the
+    collectives each submitted before it). For front ends whose barrier returns a handle, such
+    as torch.distributed's `barrier(async_op=True)`."""
+    ps = active(process_set, "barrier_async()")
+    name = ps.auto_name("barrier") if name is None else name
+    return _submit((ps, name,
+                    lambda: ps.transport.barrier({"collective": "barrier", "name": name})))
+
+
 # ---------------------------------------------------------------- handles
 
 def poll(handle: Handle) -> bool:

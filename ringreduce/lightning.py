@@ -25,6 +25,9 @@ What the strategy does, in Lightning's terms:
   read gradients (clip) between `manual_backward` and `step`, as with Horovod;
 - reduce / all_gather / broadcast / barrier for metrics (`self.log(..., sync_dist=True)`) and
   callbacks; checkpoints are written by rank 0 only;
+- torch.distributed's default group, on the "ringreduce" backend (ringreduce.distributed),
+  started at setup unless one runs already, so that torchmetrics' `Metric` objects sync over
+  our transport too;
 - `Trainer(sync_batchnorm=True)` swaps BatchNorm layers for our `SyncBatchNorm` while fitting.
 """
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from . import world
+from . import distributed, world
 from .collectives import Average, Max, Min, Product, Sum, allgather, allreduce, barrier
 from .compression import Compression, Compressor
 from .errors import UsageError
@@ -152,6 +155,10 @@ def strategy_classes(package: str) -> SimpleNamespace:
         def setup_environment(self) -> None:
             reset_seed()          # the seed seed_everything() chose, as the DDP strategy does
             self.set_world_ranks()
+            if not torch.distributed.is_initialized():
+                # torchmetrics' Metric objects (and libraries like it) sync through
+                # torch.distributed's default group: ours, on the ringreduce backend.
+                distributed.init_process_group()
             super().setup_environment()
 
         def model_to_device(self) -> None:

@@ -130,6 +130,17 @@ class ActiveSet:
             counter = self._names.setdefault(kind, itertools.count())
         return f"{kind}.noname.{next(counter)}"
 
+    def duplicate_comm(self, name: str) -> Any:
+        """A duplicate of the set's communicator, for the caller to own and free: a channel
+        whose messages never match the set's own (torch.distributed's send/recv). Collective
+        over the members: it runs on the set's engine, in order with the set's collectives,
+        after a signature check named `name`."""
+        def work() -> Any:
+            self.transport.check({"collective": "duplicate_comm", "name": name})
+            return self.comm.Dup()
+
+        return self.engine.run(name, work)
+
     def join(self, device: Optional[Any]) -> int:
         """Horovod's join on this set (collective; see Transport.join): returns the global rank
         that joined last. Members that joined early ran fewer unnamed collectives, so every

@@ -1,0 +1,571 @@
+"""A torch.distributed ProcessGroup on a ringreduce process set: how torch's collectives
+become ours (ringreduce/distributed.py registers it as the backend "ringreduce").
+
+- Collectives. Each becomes one of ringreduce's public collectives on the group's set
+  (`allreduce_async_`, `grouped_allreduce_async_`, `broadcast_async_`, `allgather_async`,
+  `reducescatter_async`, `alltoall_async`, `barrier_async`, ...), so it takes the same
+  transport, signature check (MismatchError on every rank), stall report and bitwise-identical
+  results as the Horovod-style API. torch's calls carry no names: each gets the set's next
+  automatic name of its kind ('dist.allreduce.noname.7'), so members pair them in call order.
+  Gathers go as one row per rank (the signature then holds the whole shape), reduce-scatters
+  as one row per rank, reduce as an allreduce whose root keeps the result, gather as an
+  allgather, scatter as an all-to-all in which only the root sends.
+- Work. A `CollectiveWork` wraps the collective's `Handle`: `wait()` waits for it (running the
+  set's queue on the caller's thread when the engine is idle, as `synchronize()` does), then
+  copies the result into torch's output tensors where it is not written in place;
+  `get_future()` is completed from the handle's done-callback (`Future.set_result`, or
+  `set_exception` with our error). A synchronous `all_reduce` (torch's `asyncOp` false) runs
+  as ringreduce's synchronous `allreduce_`, on the caller's thread when the engine is idle.
+- send/recv: MPI point-to-point on a communicator of the group's own (point_to_point.py).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from . import world
+from .collectives import (Average, Max, Min, Product, Sum, allgather_async, allreduce_,
+                          allreduce_async, allreduce_async_, alltoall_async, barrier_async,
+                          broadcast_async_, grouped_allgather_async, grouped_allreduce_async_,
+                          grouped_reducescatter_async, reducescatter_async)
+from .engine import Handle
+from .errors import RingReduceError, UnsupportedError
+from .kernels import ReduceOp
+from .point_to_point import Channel
+from .process_sets import ProcessSet, active, close_group, global_process_set
+
+BACKEND = "ringreduce"
+_RedOpType = dist.ReduceOp.RedOpType
+_OPS = {_RedOpType.SUM: Sum, _RedOpType.AVG: Average, _RedOpType.PRODUCT: Product,
+        _RedOpType.MIN: Min, _RedOpType.MAX: Max}
+_KINDS: dict[str, str] = {}     # a kind of collective -> the prefix of its automatic names
+_FUTURES = threading.Lock()     # a work's future is made once
+
+
+# ---------------------------------------------------------------- Work
+
+class Finished:
+    """The handle of a collective that ran to completion on the caller's thread."""
+
+    def wait(self) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
+
+    def add_done_callback(self, callback: Callable[[Any], Any]) -> None:
+        callback(self)
+
+
+FINISHED = Finished()
+
+
+class CollectiveWork(dist.Work):
+    """torch's Work for one of our collectives: `handle` is its ringreduce Handle, `value`
+    what its future yields (torch's output tensors), `finish` what turns the handle's result
+    into them (copies; None when the collective writes them itself). `finish` runs once, on
+    whichever thread first sees the handle done, before `wait()` returns or the future
+    completes."""
+
+    _error: Optional[BaseException] = None
+    _future: Optional[Future] = None
+
+    def __init__(self, handle: Handle, value: list,
+                 finish: Optional[Callable[[Any], None]] = None) -> None:
+        super().__init__()
+        self._handle, self._value, self._finish = handle, value, finish
+        if finish is not None:
+            self._finishing = threading.Lock()
+
+    def _settle(self) -> None:
+        """Wait for the handle and run `finish` once; raise the collective's error."""
+        if self._finish is None:
+            self._handle.wait()
+            return
+        result = self._handle.wait()
+        with self._finishing:
+            finish, self._finish = self._finish, None
+            if finish is not None:
+                try:
+                    with torch.no_grad():
+                        finish(result)
+                except BaseException as exc:
+                    self._error = exc
+        if self._error is not None:
+            raise self._error
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block until the collective is done and the outputs are written; raises its error
+        (MismatchError, ShutDownError ...). torch's timeout is not used: a stalled peer gets
+        ringreduce's stall report (RINGREDUCE_STALL_CHECK_TIME) instead."""
+        if self._finish is None and self._error is None:
+            self._handle.wait()         # (the most frequent case, in short)
+        else:
+            self._settle()
+        return True
+
+    def get_future(self) -> Future:
+        with _FUTURES:
+            if self._future is not None:
+                return self._future
+            self._future = future = Future()
+        self._handle.add_done_callback(self._complete)
+        return future
+
+    def _complete(self, handle: Handle) -> None:
+        try:
+            self._settle()
+        except BaseException as exc:
+            self._future.set_exception(exc)
+            return
+        self._future.set_result(self._value)
+
+    def is_completed(self) -> bool:
+        return self._handle.done()
+
+    def is_success(self) -> bool:
+        if not self._handle.done():
+            return False
+        try:
+            self._settle()
+        except BaseException:
+            return False
+        return True
+
+    def exception(self) -> Optional[BaseException]:
+        try:
+            self._settle()
+        except BaseException as exc:
+            return exc
+        return None
+
+    def result(self) -> list:
+        self._settle()
+        return self._value
+
+
+# ---------------------------------------------------------------- argument checks
+
+def _reduction(op: Any, what: str) -> tuple[ReduceOp, float]:
+    """Our op and prescale factor for torch's ReduceOp (PREMUL_SUM: Sum, prescaled)."""
+    kind = op.op if isinstance(op, dist.ReduceOp) else op
+    ours = _OPS.get(kind)
+    if ours is not None:
+        return ours, 1.0
+    if kind == _RedOpType.PREMUL_SUM:
+        factor = op.factor
+        if isinstance(factor, torch.Tensor):
+            if factor.numel() != 1:
+                raise UnsupportedError(f"ringreduce backend: {what}: PREMUL_SUM takes one "
+                                       "factor, not a tensor of several")
+            factor = factor.item()
+        return Sum, float(factor)
+    name = getattr(kind, "name", str(kind))
+    raise UnsupportedError(f"ringreduce backend: {what} with ReduceOp.{name} is not supported "
+                           "(supported: SUM, AVG, PRODUCT, MIN, MAX, PREMUL_SUM)")
+
+
+def _one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise UnsupportedError(f"ringreduce backend: {what} takes one tensor per call, got "
+                               f"{len(tensors)} (one process per device)")
+    return tensors[0]
+
+
+def _same_size(got: torch.Tensor, want: torch.Tensor, what: str, which: str) -> None:
+    if got.numel() != want.numel() or got.dtype != want.dtype:
+        raise ValueError(f"ringreduce backend: {what}: {which} is {got.dtype} "
+                         f"{tuple(got.shape)}, but the input is {want.dtype} "
+                         f"{tuple(want.shape)}; they must have the same dtype and size")
+
+
+def _copy_flat(target: torch.Tensor, source: torch.Tensor) -> None:
+    """`target` (any layout) takes `source`'s elements in order."""
+    if target.is_contiguous():
+        target.view(-1).copy_(source.reshape(-1))
+    else:
+        target.copy_(source.reshape(target.shape))
+
+
+# ---------------------------------------------------------------- the process group
+
+class RingReduceGroup(dist.ProcessGroup):
+    """A torch.distributed process group on a ringreduce process set: `process_set` holds
+    the group's ranks in group-rank order, `channel` its point-to-point messages."""
+
+    def __init__(self, rank: int, size: int, process_set: ProcessSet, channel: Channel,
+                 label: str) -> None:
+        super().__init__(rank, size)
+        self._process_set, self._channel, self._label = process_set, channel, label
+        self._closed = False
+
+    # -------------------------------------------------- identity
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def name(self) -> str:
+        return BACKEND
+
+    def __repr__(self) -> str:
+        return f"RingReduceGroup({self._label}, rank {self.rank()} of {self.size()})"
+
+    # torch keeps a group's name and description in its backends; a Python group keeps them
+    # itself (C++ callers reach these through the trampoline, Python ones the properties).
+    _group_name = _group_desc = ""
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    group_name = property(getGroupName)
+    group_desc = property(getGroupDesc)
+
+    def _names(self, kind: str) -> tuple[ProcessSet, str]:
+        """The set to run on and the call's automatic name ('dist.<kind>.noname.<k>')."""
+        if self._closed:
+            raise RingReduceError(f"ringreduce backend: {kind} on {self._label}, which was "
+                                  "destroyed (destroy_process_group)")
+        prefixed = _KINDS.get(kind)
+        if prefixed is None:
+            prefixed = _KINDS.setdefault(kind, f"dist.{kind}")
+        return self._process_set, active(self._process_set, kind).auto_name(prefixed)
+
+    def _global(self, group_rank: int, what: str) -> int:
+        ranks = self._process_set.ranks
+        if not 0 <= group_rank < len(ranks):
+            raise ValueError(f"ringreduce backend: {what}: rank {group_rank} is not a rank of "
+                             f"{self._label} (0..{len(ranks) - 1})")
+        return ranks[group_rank]
+
+    # -------------------------------------------------- reductions
+
+    def allreduce(self, tensors: list, opts: Any = None) -> CollectiveWork:
+        """(DDP's every bucket, and small ones cost what this adds to our collective: the
+        common case takes the fewest steps.)"""
+        op = Sum if opts is None else _OPS.get(opts.reduceOp.op)
+        pre = 1.0
+        if op is None:
+            op, pre = _reduction(opts.reduceOp, "allreduce")
+        tensor = tensors[0] if len(tensors) == 1 else _one(tensors, "allreduce")
+        ps, name = self._names("allreduce")
+        if opts is not None and not opts.asyncOp:
+            # dist.all_reduce(t) waits at once: the synchronous call runs on this thread when
+            # the set's engine is idle (the handle's queue costs as much as a small allreduce)
+            allreduce_(tensor, name=name, op=op, prescale_factor=pre, process_set=ps)
+            return CollectiveWork(FINISHED, tensors)
+        return CollectiveWork(allreduce_async_(tensor, name=name, op=op, prescale_factor=pre,
+                                               process_set=ps), tensors)
+
+    def allreduce_coalesced(self, tensors: list, opts: Any = None) -> CollectiveWork:
+        op, pre = (_reduction(opts.reduceOp, "allreduce_coalesced") if opts is not None
+                   else (Sum, 1.0))
+        ps, name = self._names("allreduce_coalesced")
+        return CollectiveWork(grouped_allreduce_async_(list(tensors), name=name, op=op,
+                                                       prescale_factor=pre, process_set=ps),
+                              tensors)
+
+    def reduce(self, tensors: list, opts: Any) -> CollectiveWork:
+        """An allreduce whose result only the root keeps."""
+        tensor = _one(tensors, "reduce")
+        op, pre = _reduction(opts.reduceOp, "reduce")
+        root = opts.rootRank
+        self._global(root, "reduce")
+        ps, name = self._names("reduce")
+        handle = allreduce_async(tensor, name=name, op=op, prescale_factor=pre, process_set=ps)
+
+        def finish(result: torch.Tensor) -> None:
+            if self.rank() == root:
+                tensor.copy_(result)
+
+        return CollectiveWork(handle, tensors, finish)
+
+    def reduce_scatter(self, output_tensors: list, input_tensors: list,
+                       opts: Any) -> CollectiveWork:
+        output, inputs = _one(output_tensors, "reduce_scatter"), _one(input_tensors,
+                                                                      "reduce_scatter")
+        if len(inputs) != self.size():
+            raise ValueError(f"ringreduce backend: reduce_scatter takes {self.size()} input "
+                             f"tensors (one per rank of {self._label}), got {len(inputs)}")
+        for i, t in enumerate(inputs):
+            _same_size(t, output, "reduce_scatter", f"input {i}")
+        stacked = torch.stack([t.detach().reshape(-1) for t in inputs])
+        return self._reduce_scatter(output, stacked, opts, "reduce_scatter", output_tensors)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Any) -> CollectiveWork:
+        if input.numel() != output.numel() * self.size() or input.dtype != output.dtype:
+            raise ValueError(f"ringreduce backend: reduce_scatter_tensor: the input "
+                             f"({input.dtype}, {input.numel()} elements) must hold "
+                             f"{self.size()} times the output ({output.dtype}, "
+                             f"{output.numel()} elements)")
+        rows = input.detach().reshape(self.size(), -1)
+        return self._reduce_scatter(output, rows, opts, "reduce_scatter_tensor", [output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def _reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor, opts: Any, kind: str,
+                        value: list) -> CollectiveWork:
+        """Row r of `rows` reduced over the group lands in rank r's `output`."""
+        op, pre = _reduction(opts.reduceOp, kind)
+        ps, name = self._names(kind)
+        handle = reducescatter_async(rows, name=name, op=op, prescale_factor=pre,
+                                     process_set=ps)
+        return CollectiveWork(handle, value, lambda mine: _copy_flat(output, mine))
+
+    def reduce_scatter_single_coalesced(self, outputs: list, inputs: list,
+                                        opts: Any) -> CollectiveWork:
+        what = "reduce_scatter_tensor_coalesced"
+        if len(outputs) != len(inputs):
+            raise ValueError(f"ringreduce backend: {what}: {len(outputs)} outputs for "
+                             f"{len(inputs)} inputs")
+        for output, input in zip(outputs, inputs):
+            if input.numel() != output.numel() * self.size():
+                raise ValueError(f"ringreduce backend: {what}: an input must hold "
+                                 f"{self.size()} times its output")
+        op, pre = _reduction(opts.reduceOp, what)
+        ps, name = self._names(what)
+        handle = grouped_reducescatter_async(
+            [i.detach().reshape(self.size(), -1) for i in inputs], name=name, op=op,
+            prescale_factor=pre, process_set=ps)
+
+        def finish(mine: list) -> None:
+            for output, part in zip(outputs, mine):
+                _copy_flat(output, part)
+
+        return CollectiveWork(handle, list(outputs), finish)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -------------------------------------------------- gathers and broadcasts
+
+    def broadcast(self, tensors: list, opts: Any) -> CollectiveWork:
+        tensor = _one(tensors, "broadcast")
+        root = self._global(opts.rootRank, "broadcast")
+        ps, name = self._names("broadcast")
+        return CollectiveWork(broadcast_async_(tensor, root, name=name, process_set=ps),
+                              tensors)
+
+    def allgather(self, output_tensors: list, input_tensors: list,
+                  opts: Any = None) -> CollectiveWork:
+        outputs, tensor = _one(output_tensors, "allgather"), _one(input_tensors, "allgather")
+        if len(outputs) != self.size():
+            raise ValueError(f"ringreduce backend: allgather takes {self.size()} output "
+                             f"tensors (one per rank of {self._label}), got {len(outputs)}")
+        for i, out in enumerate(outputs):
+            _same_size(out, tensor, "allgather", f"output {i}")
+        return self._gather_rows(tensor, "allgather", output_tensors, outputs)
+
+    def gather(self, output_tensors: list, input_tensors: list, opts: Any) -> CollectiveWork:
+        """Every rank's tensor, kept by the root (an allgather)."""
+        tensor, root = _one(input_tensors, "gather"), opts.rootRank
+        self._global(root, "gather")
+        outputs = []
+        if self.rank() == root:
+            outputs = _one(output_tensors, "gather")
+            if len(outputs) != self.size():
+                raise ValueError(f"ringreduce backend: gather takes {self.size()} output "
+                                 f"tensors on the root, got {len(outputs)}")
+            for i, out in enumerate(outputs):
+                _same_size(out, tensor, "gather", f"output {i}")
+        return self._gather_rows(tensor, "gather", output_tensors, outputs)
+
+    def _gather_rows(self, tensor: torch.Tensor, kind: str, value: list,
+                     outputs: list) -> CollectiveWork:
+        """Each rank's `tensor` as one row (the signature then holds its whole shape, so a
+        rank with another shape is a MismatchError everywhere); row r goes to outputs[r]."""
+        ps, name = self._names(kind)
+        handle = allgather_async(tensor.detach().unsqueeze(0), name=name, process_set=ps)
+
+        def finish(rows: torch.Tensor) -> None:
+            for out, row in zip(outputs, rows):
+                _copy_flat(out, row)
+
+        return CollectiveWork(handle, value, finish)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: Any = None) -> CollectiveWork:
+        if output.numel() != input.numel() * self.size() or output.dtype != input.dtype:
+            raise ValueError(f"ringreduce backend: all_gather_into_tensor: the output "
+                             f"({output.dtype}, {output.numel()} elements) must hold "
+                             f"{self.size()} times the input ({input.dtype}, "
+                             f"{input.numel()} elements)")
+        ps, name = self._names("all_gather_into_tensor")
+        handle = allgather_async(input.detach().unsqueeze(0), name=name, process_set=ps)
+        return CollectiveWork(handle, [output], lambda rows: _copy_flat(output, rows))
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: list, inputs: list,
+                                    opts: Any = None) -> CollectiveWork:
+        what = "all_gather_into_tensor_coalesced"
+        if len(outputs) != len(inputs):
+            raise ValueError(f"ringreduce backend: {what}: {len(outputs)} outputs for "
+                             f"{len(inputs)} inputs")
+        for output, input in zip(outputs, inputs):
+            if output.numel() != input.numel() * self.size():
+                raise ValueError(f"ringreduce backend: {what}: an output must hold "
+                                 f"{self.size()} times its input")
+        ps, name = self._names(what)
+        handle = grouped_allgather_async([i.detach().unsqueeze(0) for i in inputs], name=name,
+                                         process_set=ps)
+
+        def finish(gathered: list) -> None:
+            for output, rows in zip(outputs, gathered):
+                _copy_flat(output, rows)
+
+        return CollectiveWork(handle, list(outputs), finish)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather_coalesced(self, output_lists: list, inputs: list,
+                            opts: Any = None) -> CollectiveWork:
+        """Rank r's inputs[i] lands in output_lists[r][i]."""
+        if len(output_lists) != self.size() or any(len(o) != len(inputs)
+                                                   for o in output_lists):
+            raise ValueError(f"ringreduce backend: allgather_coalesced takes {self.size()} "
+                             f"output lists of {len(inputs)} tensors")
+        ps, name = self._names("allgather_coalesced")
+        handle = grouped_allgather_async([i.detach().unsqueeze(0) for i in inputs], name=name,
+                                         process_set=ps)
+
+        def finish(gathered: list) -> None:
+            for i, rows in enumerate(gathered):
+                for r, row in enumerate(rows):
+                    _copy_flat(output_lists[r][i], row)
+
+        return CollectiveWork(handle, output_lists, finish)
+
+    def scatter(self, output_tensors: list, input_tensors: list, opts: Any) -> CollectiveWork:
+        """The root's inputs[r] lands in rank r's output: an all-to-all in which only the
+        root sends (one row to each rank)."""
+        output, root = _one(output_tensors, "scatter"), opts.rootRank
+        self._global(root, "scatter")
+        shape = tuple(output.shape)
+        if self.rank() == root:
+            inputs = _one(input_tensors, "scatter")
+            if len(inputs) != self.size():
+                raise ValueError(f"ringreduce backend: scatter takes {self.size()} input "
+                                 f"tensors on the root, got {len(inputs)}")
+            for i, t in enumerate(inputs):
+                _same_size(t, output, "scatter", f"input {i}")
+            rows = torch.stack([t.detach().reshape(shape) for t in inputs])
+            splits = [1] * self.size()
+        else:
+            rows, splits = output.new_empty((0, *shape)), [0] * self.size()
+        ps, name = self._names("scatter")
+        handle = alltoall_async(rows, splits, name=name, process_set=ps)
+        return CollectiveWork(handle, output_tensors,
+                              lambda result: _copy_flat(output, result[0]))
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: list, input_split_sizes: list,
+                          opts: Any = None) -> CollectiveWork:
+        what = "all_to_all_single"
+        n = self.size()
+        if input_split_sizes:
+            splits = list(input_split_sizes)
+        elif input.dim() > 0 and input.shape[0] % n == 0:
+            splits = [input.shape[0] // n] * n
+        else:
+            raise ValueError(f"ringreduce backend: {what}: dimension 0 of the input "
+                             f"({tuple(input.shape)}) does not divide by the {n} ranks; pass "
+                             "input_split_sizes")
+        ps, name = self._names(what)
+        handle = alltoall_async(input.detach(), splits, name=name, process_set=ps)
+        wanted = list(output_split_sizes) if output_split_sizes else None
+
+        def finish(result: tuple) -> None:
+            out, received = result
+            if wanted is not None and received.tolist() != wanted:
+                raise ValueError(f"ringreduce backend: {what} on rank {self.rank()}: "
+                                 f"output_split_sizes {wanted}, but the ranks sent "
+                                 f"{received.tolist()} rows")
+            if out.numel() != output.numel():
+                raise ValueError(f"ringreduce backend: {what} on rank {self.rank()}: "
+                                 f"{out.numel()} elements arrived for an output of "
+                                 f"{output.numel()}")
+            _copy_flat(output, out)
+
+        return CollectiveWork(handle, [output], finish)
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors: list, input_tensors: list,
+                 opts: Any = None) -> CollectiveWork:
+        """inputs[r] goes to rank r; rank r's lands in outputs[r] (flattened on the way)."""
+        n = self.size()
+        if len(output_tensors) != n or len(input_tensors) != n:
+            raise ValueError(f"ringreduce backend: all_to_all takes {n} input and {n} output "
+                             "tensors")
+        flat = torch.cat([t.detach().reshape(-1) for t in input_tensors])
+        ps, name = self._names("all_to_all")
+        handle = alltoall_async(flat, [t.numel() for t in input_tensors], name=name,
+                                process_set=ps)
+
+        def finish(result: tuple) -> None:
+            out, received = result
+            counts = received.tolist()
+            if counts != [t.numel() for t in output_tensors]:
+                raise ValueError(f"ringreduce backend: all_to_all on rank {self.rank()}: the "
+                                 f"ranks sent {counts} elements for outputs of "
+                                 f"{[t.numel() for t in output_tensors]}")
+            for target, part in zip(output_tensors, out.split(counts)):
+                _copy_flat(target, part)
+
+        return CollectiveWork(handle, output_tensors, finish)
+
+    def barrier(self, opts: Any = None) -> CollectiveWork:
+        ps, name = self._names("barrier")
+        return CollectiveWork(barrier_async(name=name, process_set=ps), [])
+
+    # -------------------------------------------------- point to point
+
+    def send(self, tensors: list, dst: int, tag: int) -> Any:
+        return self._channel.send(_one(tensors, "send"), dst, tag)
+
+    def recv(self, tensors: list, src: int, tag: int) -> Any:
+        return self._channel.recv(_one(tensors, "recv"), src, tag)
+
+    def recv_anysource(self, tensors: list, tag: int) -> Any:
+        return self._channel.recv(_one(tensors, "recv"), None, tag)
+
+    # -------------------------------------------------- what is not supported
+
+    def monitored_barrier(self, *args: Any, **kwargs: Any) -> None:
+        raise UnsupportedError("ringreduce backend: monitored_barrier is gloo's; use barrier() "
+                               "(a stalled rank gets ringreduce's stall report, "
+                               "RINGREDUCE_STALL_CHECK_TIME)")
+
+    def _start_coalescing(self, *args: Any) -> None:
+        raise UnsupportedError("ringreduce backend: coalescing managers are not supported; "
+                               "use allreduce_coalesced, or issue the calls one by one")
+
+    _end_coalescing = _start_coalescing
+
+    # -------------------------------------------------- the end
+
+    def shutdown(self) -> None:
+        """destroy_process_group: free the point-to-point communicator and close a subgroup's
+        set (collective over its members). The default group's set, ringreduce's global one,
+        stays for the Horovod-style API; ringreduce.shutdown() (or the interpreter's exit)
+        ends it."""
+        if self._closed:
+            return
+        self._closed = True
+        if world.is_initialized():
+            self._channel.free()
+            if self._process_set is not global_process_set:
+                close_group(self._process_set)

@@ -1,0 +1,473 @@
+"""torch.distributed on the "ringreduce" backend (ringreduce/distributed.py) under a real mpiexec.
+
+Usage: distributed_check.py [lightning]
+
+Every collective against gloo's result on a gloo group of the same launch (reductions, within
+float tolerance) or a reference built from every rank's inputs (data movement, exact), with
+our results bitwise identical across ranks; subgroups; send/recv; the errors; DDP (plain,
+find_unused_parameters, no_sync with accumulation, fp16_compress_hook) against one process on
+the whole batch; FSDP (fully_shard) against DDP; torchmetrics syncing to the whole-data value.
+With `lightning` (2 ranks): first our Lightning strategy, which starts torch.distributed's
+default group on our backend (torchmetrics syncs through it), then Lightning's own DDP
+strategy with process_group_backend="ringreduce", which starts it by env:// (torch's
+init_process_group), then a stalled rank's report. Each case prints "CASE <name> ok rank <r>".
+"""
+import os
+import sys
+import time
+import warnings
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ringreduce as hvd
+import ringreduce.distributed as rrd
+from checks import check_equal, expect, run_cases
+from models import Net
+
+warnings.filterwarnings("ignore")
+torch.set_num_threads(1)
+LIGHTNING = "lightning" in sys.argv[1:]
+hvd.init(stall_check_time=1.0 if LIGHTNING else 60.0)
+r, n = hvd.rank(), hvd.size()
+SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
+
+
+# ---------------------------------------------------------------- helpers
+
+def rand(*shape, seed=0, rank=None):
+    """Rank `rank`'s (default: this rank's) input: the same on every call."""
+    g = torch.Generator().manual_seed(1000 * seed + (r if rank is None else rank))
+    return torch.randn(*shape, generator=g)
+
+
+def close(got, want, what, rtol=1e-5, atol=1e-6):
+    assert got.dtype == want.dtype and got.shape == want.shape, \
+        f"{what}: got {got.dtype}{tuple(got.shape)}, want {want.dtype}{tuple(want.shape)}"
+    assert torch.allclose(got, want, rtol=rtol, atol=atol), \
+        f"{what}: off by {(got - want).abs().max().item():.3g}"
+
+
+def everywhere(t, what):
+    """Bitwise identical on every rank."""
+    hvd.check_consistency([(what, t)])
+
+
+def against_gloo(fn, what, rtol=1e-5):
+    """fn(group) on our default group and on gloo's: close, ours identical everywhere."""
+    ours, theirs = fn(None), fn(GLOO)
+    close(ours, theirs, what, rtol=rtol)
+    everywhere(ours, what)
+    return ours
+
+
+def reduced(x, op=SUM, group=None, async_op=False):
+    x = x.clone()
+    work = dist.all_reduce(x, op=op, group=group, async_op=async_op)
+    if async_op:
+        assert work.get_future().wait()[0] is x
+        work.wait()
+    return x
+
+
+# ---------------------------------------------------------------- collectives
+
+def case_all_reduce():
+    x, positive = rand(37), 1 + 0.1 * rand(37, seed=1)
+    for op, t in ((SUM, x), (dist.ReduceOp.PRODUCT, positive), (dist.ReduceOp.MIN, x),
+                  (dist.ReduceOp.MAX, x)):
+        against_gloo(lambda g: reduced(t, op, g), f"all_reduce {op}")
+    total = reduced(x, SUM, GLOO)
+    close(reduced(x, AVG), total / n, "all_reduce AVG")
+    close(reduced(x, dist._make_nccl_premul_sum(0.5)), total * 0.5, "all_reduce PREMUL_SUM")
+    close(reduced(x, SUM, async_op=True), total, "all_reduce async_op")
+    big = rand(300_000, seed=2)          # the node's blocks, not its slots
+    against_gloo(lambda g: reduced(big, SUM, g), "all_reduce 1.2 MB")
+    ints = torch.arange(10, dtype=torch.int64) * (r + 1)
+    check_equal(reduced(ints), torch.arange(10) * (n * (n + 1) // 2), "all_reduce int64")
+    strided = rand(8, 6, seed=3).t()     # not contiguous: reduced, written back in place
+    against_gloo(lambda g: reduced(strided, SUM, g), "all_reduce transposed")
+
+
+def case_all_reduce_coalesced():
+    def run(group):
+        tensors = [rand(5, seed=4), rand(2, 3, seed=5)]
+        dist.all_reduce_coalesced(tensors, group=group)
+        return torch.cat([t.reshape(-1) for t in tensors])
+    against_gloo(run, "all_reduce_coalesced")
+
+
+def case_broadcast():
+    for src in range(n):
+        x = rand(5, 3, seed=6)
+        dist.broadcast(x, src=src)
+        check_equal(x, rand(5, 3, seed=6, rank=src), f"broadcast from {src}")
+
+
+def case_all_gather():
+    outputs = [torch.empty(4, 2) for _ in range(n)]
+    dist.all_gather(outputs, rand(4, 2, seed=7))
+    for k in range(n):
+        check_equal(outputs[k], rand(4, 2, seed=7, rank=k), f"all_gather from {k}")
+    want = torch.cat([rand(3, seed=8, rank=k) for k in range(n)])
+    for shape in ((3 * n,), (n, 3)):
+        out = torch.empty(shape)
+        work = dist.all_gather_into_tensor(out, rand(3, seed=8), async_op=True)
+        work.wait()
+        check_equal(out.reshape(-1), want, f"all_gather_into_tensor {shape}")
+
+
+def case_reduce_scatter():
+    def listed(group, op=SUM):
+        out = torch.empty(4)
+        dist.reduce_scatter(out, [rand(4, seed=10 + k) for k in range(n)], op=op, group=group)
+        return out
+
+    def tensor(group, op=SUM):
+        out = torch.empty(2, 3)
+        dist.reduce_scatter_tensor(out, rand(2 * n, 3, seed=20), op=op, group=group)
+        return out
+
+    for run in (listed, tensor):
+        ours, theirs = run(None), run(GLOO)
+        close(ours, theirs, f"reduce_scatter ({run.__name__})")
+        close(run(None, AVG), theirs / n, f"reduce_scatter AVG ({run.__name__})")
+
+
+def case_all_to_all():
+    counts = [[(a + b) % 3 + 1 for b in range(n)] for a in range(n)]     # rows a sends b
+
+    def rows(k):
+        return 100 * k + torch.arange(sum(counts[k]), dtype=torch.float32).unsqueeze(1) \
+            * torch.ones(1, 2)
+
+    def mine_from(k):
+        start = sum(counts[k][:r])
+        return rows(k)[start:start + counts[k][r]]
+
+    out = torch.empty(sum(counts[k][r] for k in range(n)), 2)
+    dist.all_to_all_single(out, rows(r), [counts[k][r] for k in range(n)], counts[r])
+    check_equal(out, torch.cat([mine_from(k) for k in range(n)]), "all_to_all_single uneven")
+    even = torch.empty(2 * n)
+    dist.all_to_all_single(even, 10 * r + torch.arange(2.0 * n))
+    want = torch.cat([10 * k + torch.arange(2.0 * r, 2.0 * r + 2) for k in range(n)])
+    check_equal(even, want, "all_to_all_single even")
+    outputs = [torch.empty(counts[k][r]) for k in range(n)]
+    dist.all_to_all(outputs, [torch.full((counts[r][k],), float(r)) for k in range(n)])
+    for k in range(n):
+        check_equal(outputs[k], torch.full((counts[k][r],), float(k)), f"all_to_all from {k}")
+
+
+def case_reduce_gather_scatter():
+    root = n - 1
+    x = rand(6, seed=30)
+    ours, theirs = x.clone(), x.clone()
+    dist.reduce(ours, dst=root)
+    dist.reduce(theirs, dst=root, group=GLOO)
+    if r == root:
+        close(ours, theirs, "reduce")
+    gathered = [torch.empty(6) for _ in range(n)] if r == 0 else None
+    dist.gather(x, gathered, dst=0)
+    if r == 0:
+        for k in range(n):
+            check_equal(gathered[k], rand(6, seed=30, rank=k), f"gather from {k}")
+    out = torch.empty(2, 2)
+    pieces = [torch.full((2, 2), 10.0 * k) for k in range(n)] if r == 1 % n else None
+    dist.scatter(out, pieces, src=1 % n)
+    check_equal(out, torch.full((2, 2), 10.0 * r), "scatter")
+    dist.barrier()
+    dist.barrier(async_op=True).wait()
+
+
+def case_send_recv():
+    right, left = (r + 1) % n, (r - 1) % n
+    got = torch.empty(3, 2)
+    works = [dist.isend(rand(3, 2, seed=40), right, tag=7), dist.irecv(got, left, tag=7)]
+    for work in works:
+        work.wait()
+    check_equal(got, rand(3, 2, seed=40, rank=left), "isend/irecv ring")
+    got = torch.empty(4)
+    ops = [dist.P2POp(dist.isend, torch.full((4,), float(r)), right),
+           dist.P2POp(dist.irecv, got, left)]
+    for work in dist.batch_isend_irecv(ops):
+        work.get_future().wait()
+    check_equal(got, torch.full((4,), float(left)), "batch_isend_irecv")
+    if r == 0:
+        anywhere = torch.empty(2)
+        assert dist.recv(anywhere, tag=9) == n - 1
+        check_equal(anywhere, torch.full((2,), 5.0), "recv from any source")
+    elif r == n - 1:
+        dist.send(torch.full((2,), 5.0), 0, tag=9)
+    if r == 0:
+        dist.send(torch.ones(3), 1, tag=11)
+    elif r == 1:
+        expect(hvd.RingReduceError, ["12 bytes arrived", "16 bytes"], dist.recv, torch.ones(4),
+               0, tag=11)
+    objects = [None] * n
+    dist.all_gather_object(objects, {"rank": r, "pad": "x" * 10 * r})
+    assert objects == [{"rank": k, "pad": "x" * 10 * k} for k in range(n)], objects
+    box = [f"from {n - 1}"] if r == n - 1 else [None]
+    dist.broadcast_object_list(box, src=n - 1)
+    assert box == [f"from {n - 1}"], box
+
+
+def case_subgroup():
+    ends = [0, n - 1]
+    ours, gloo = dist.new_group(ends), dist.new_group(ends, backend="gloo")
+    if r in ends:
+        assert dist.get_backend(ours) == "ringreduce"
+        x = rand(9, seed=50)
+        close(reduced(x, SUM, ours), reduced(x, SUM, gloo), "all_reduce on [0, n-1]")
+        outputs = [torch.empty(9) for _ in ends]
+        dist.all_gather(outputs, x, group=ours)
+        for k, global_rank in enumerate(ends):
+            check_equal(outputs[k], rand(9, seed=50, rank=global_rank), "subgroup all_gather")
+        y = x.clone()
+        dist.broadcast(y, src=n - 1, group=ours)
+        check_equal(y, rand(9, seed=50, rank=n - 1), "subgroup broadcast")
+        if r == 0:
+            dist.send(torch.full((2,), 3.0), n - 1, group=ours)
+        else:
+            got = torch.empty(2)
+            dist.recv(got, 0, group=ours)
+            check_equal(got, torch.full((2,), 3.0), "subgroup send/recv")
+        dist.destroy_process_group(ours)        # (members only)
+        dist.destroy_process_group(gloo)
+    again = dist.new_group(ends)                # a new set under a new label
+    if r in ends:
+        check_equal(reduced(torch.ones(2), SUM, again), torch.full((2,), 2.0), "group again")
+        dist.destroy_process_group(again)
+
+
+def case_errors():
+    shaped = torch.ones(3 if r == 0 else 4)
+    expect(hvd.MismatchError, ["shape", "(3,)", "(4,)"], dist.all_reduce, shaped)
+    typed = torch.ones(3, dtype=torch.float32 if r == 0 else torch.float64)
+    expect(hvd.MismatchError, ["dtype", "float32", "float64"], dist.all_reduce, typed)
+    expect(hvd.MismatchError, "shape", dist.all_gather_into_tensor,
+           torch.empty(n * shaped.numel()), shaped)
+    check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
+    expect(hvd.UnsupportedError, "ReduceOp.BAND", dist.all_reduce,
+           torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.BAND)
+    group = dist.group.WORLD
+    expect(hvd.UnsupportedError, "one tensor per call", group.allreduce,
+           [torch.ones(1), torch.ones(1)], dist.AllreduceOptions())
+    expect(ValueError, "GLOO", dist.monitored_barrier)
+
+
+# ---------------------------------------------------------------- DDP, FSDP, torchmetrics
+
+BATCH = 24          # divides by 1, 2, 3 (and each half by 2 and 3)
+
+
+def data(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, 1, 8, 8, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+
+
+def shard(t):
+    per = t.shape[0] // n
+    return t[r * per:(r + 1) * per]
+
+
+class WithUnused(nn.Module):
+    """Net with a layer the forward never uses (find_unused_parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net, self.unused = Net(), nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def train(make, wrap=None, steps=3, accumulate=1):
+    """SGD with momentum; `wrap` makes the distributed model (then each rank takes its
+    shard of every micro-batch), None trains one process on the whole batch."""
+    torch.manual_seed(0)
+    model = make()
+    stepper = wrap(model) if wrap is not None else model
+    opt = torch.optim.SGD(stepper.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y = data(step)
+        opt.zero_grad()
+        for k, (mx, my) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
+            if wrap is not None:
+                mx, my = shard(mx), shard(my)
+            last = k == accumulate - 1
+            sync = stepper.no_sync() if wrap is not None and not last else nullcontext()
+            with sync:
+                F.cross_entropy(stepper(mx), my).backward()
+        opt.step()
+    return model
+
+
+def same_model(got, want, what, rtol=1e-6, atol=1e-7):
+    for (name, p), q in zip(got.named_parameters(), want.parameters()):
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        close(full.detach(), q.detach(), f"{what}: {name}", rtol=rtol, atol=atol)
+        everywhere(full.detach(), f"{what}: {name}")
+
+
+def case_ddp():
+    reference = train(Net)
+    same_model(train(Net, DDP), reference, "DDP")
+    same_model(train(Net, lambda m: DDP(m, bucket_cap_mb=0.002)), reference, "DDP small buckets")
+    unused = train(WithUnused, lambda m: DDP(m, find_unused_parameters=True))
+    same_model(unused, train(WithUnused), "DDP find_unused_parameters")
+    same_model(train(Net, DDP, accumulate=2), train(Net, accumulate=2), "DDP no_sync")
+
+    def hooked(model):
+        ddp = DDP(model)
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return ddp
+
+    same_model(train(Net, hooked), reference, "DDP fp16_compress_hook", rtol=1e-3, atol=1e-4)
+
+
+def mlp():
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16),
+                         nn.ReLU(), nn.Linear(16, 10))
+
+
+def case_fsdp():
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded(model):
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        return fully_shard(model)
+
+    same_model(train(mlp, sharded), train(mlp, DDP), "FSDP (fully_shard) against DDP")
+
+
+def case_torchmetrics():
+    from torchmetrics import MeanMetric
+    from torchmetrics.classification import MulticlassAccuracy
+
+    g = torch.Generator().manual_seed(7)
+    values, logits = torch.randn(30, generator=g), torch.randn(30, 4, generator=g)
+    labels = torch.randint(0, 4, (30,), generator=g)
+    mean, accuracy = MeanMetric(), MulticlassAccuracy(num_classes=4, average="micro")
+    mean.update(shard(values))
+    accuracy.update(shard(logits), shard(labels))
+    close(mean.compute(), values.mean(), "MeanMetric")
+    whole = (logits.argmax(1) == labels).float().mean()
+    close(accuracy.compute(), whole, "MulticlassAccuracy")
+
+
+# ---------------------------------------------------------------- Lightning (2 ranks)
+
+def lightning_module(pl, torchmetrics):
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Linear(6, 3)
+            self.accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=3,
+                                                                           average="micro")
+
+        def training_step(self, batch, index):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def validation_step(self, batch, index):
+            x, y = batch
+            self.accuracy.update(self.net(x), y)
+
+        def on_validation_epoch_end(self):
+            self.log("accuracy", self.accuracy.compute())      # synced through torch.distributed
+            self.accuracy.reset()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.2)
+
+    return Module()
+
+
+LX = torch.randn(32, 6, generator=torch.Generator().manual_seed(3))
+LY = LX[:, :3].argmax(1)
+
+
+def fit(strategy, label):
+    """A Trainer fit on 2 ranks: 4 steps of 4 rows per rank, then validation; returns the
+    module, and checks the parameters and the synced accuracy."""
+    import lightning.pytorch as pl
+    import torchmetrics
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    module = lightning_module(pl, torchmetrics)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=n, max_epochs=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    loader = DataLoader(TensorDataset(LX, LY), batch_size=4)
+    trainer.fit(module, loader, loader)
+    assert dist.is_initialized() and dist.get_backend() == "ringreduce", dist.get_backend()
+    # One process: Lightning's DistributedSampler shuffles (seed 0, epoch 0) and gives rank k
+    # order[k::n], so the ranks' batch b together is order[4 * n * b:4 * n * (b + 1)].
+    order = list(DistributedSampler(range(len(LX)), num_replicas=1, rank=0, seed=0))
+    reference = lightning_module(pl, torchmetrics).net
+    opt = torch.optim.SGD(reference.parameters(), lr=0.2)
+    for b in range(len(LX) // (4 * n)):
+        batch = order[4 * n * b:4 * n * (b + 1)]
+        opt.zero_grad()
+        F.cross_entropy(reference(LX[batch]), LY[batch]).backward()
+        opt.step()
+    same_model(module.net, reference, f"{label} fit", rtol=1e-5, atol=1e-6)
+    whole = (module.net(LX).argmax(1) == LY).float().mean()
+    close(trainer.callback_metrics["accuracy"], whole, f"{label}: torchmetrics accuracy")
+
+
+def case_lightning_ringreduce_strategy():
+    import ringreduce.lightning  # noqa: F401  (registers strategy="ringreduce")
+
+    assert not dist.is_initialized()
+    fit("ringreduce", "strategy='ringreduce'")    # it starts the default group, ours
+    dist.destroy_process_group()
+
+
+def case_lightning_ddp():
+    from lightning.pytorch.strategies import DDPStrategy
+
+    assert not dist.is_initialized()
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)      # Lightning's MPIEnvironment picks them
+    fit(DDPStrategy(process_group_backend="ringreduce"), "DDPStrategy")
+
+
+def case_stall():
+    """A rank that comes 2.5 s late: the other logs our stall report (the test reads it)."""
+    if r == 1:
+        time.sleep(2.5)
+    check_equal(reduced(torch.ones(3)), torch.full((3,), float(n)), "all_reduce after a stall")
+
+
+# ---------------------------------------------------------------- run
+
+def announced(case):
+    def run():
+        case()
+        print(f"CASE {case.__name__} ok rank {r}", flush=True)
+
+    run.__name__ = case.__name__
+    return run
+
+
+first = [case_lightning_ringreduce_strategy, case_lightning_ddp] if LIGHTNING else []
+run_cases([announced(case) for case in first], r)
+if not dist.is_initialized():
+    rrd.init_process_group()
+assert dist.get_backend() == "ringreduce" and dist.get_world_size() == n
+GLOO = dist.new_group(backend="gloo")
+cases = [case_all_reduce, case_all_reduce_coalesced, case_broadcast, case_all_gather,
+         case_reduce_scatter, case_all_to_all, case_reduce_gather_scatter, case_send_recv,
+         case_subgroup, case_errors, case_ddp, case_fsdp, case_torchmetrics]
+run_cases([announced(case) for case in cases + ([case_stall] if LIGHTNING else [])], r)
+dist.destroy_process_group()
+print(f"OK rank {r}", flush=True)

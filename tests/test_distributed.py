@@ -1,0 +1,57 @@
+"""The torch.distributed backend "ringreduce" (ringreduce/distributed.py) under a real mpiexec:
+the cases are in tests/mpi/distributed_check.py, one launch per rank count (at 2 ranks with
+Lightning's strategies and a stalled rank too)."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import run_ok
+
+pytest.importorskip("torchmetrics", reason="the test extra is not installed "
+                    "(pip install -e '.[test]')")
+
+CASES = ("case_all_reduce", "case_all_reduce_coalesced", "case_broadcast", "case_all_gather",
+         "case_reduce_scatter", "case_all_to_all", "case_reduce_gather_scatter",
+         "case_send_recv", "case_subgroup", "case_errors", "case_ddp", "case_fsdp",
+         "case_torchmetrics")
+AT_TWO = ("case_lightning_ringreduce_strategy", "case_lightning_ddp", "case_stall")
+
+
+def expect_cases(output: str, cases, n: int) -> None:
+    for case in cases:
+        for rank in range(n):
+            assert f"CASE {case} ok rank {rank}" in output, f"{case} on rank {rank}:\n" \
+                + output[-4000:]
+
+
+def test_backend_at_two_ranks_with_lightning_and_a_stall():
+    pytest.importorskip("lightning", reason="the lightning extra is not installed")
+    output = run_ok(2, "distributed_check.py", "lightning", timeout=240).output
+    expect_cases(output, CASES + AT_TWO, 2)
+    stall = [line for line in output.splitlines() if "ringreduce: stall: rank 0" in line]
+    assert any("allreduce 'dist.allreduce.noname." in line
+               and "which ranks [1] have not submitted" in line for line in stall), \
+        output[-4000:]
+
+
+def test_backend_at_three_ranks():
+    expect_cases(run_ok(3, "distributed_check.py", timeout=240).output, CASES, 3)
+
+
+def test_core_package_leaves_torch_distributed_alone_until_asked():
+    """`import ringreduce` registers no backend; `import ringreduce.distributed` registers
+    "ringreduce" (cpu and cuda) without changing which backend a device gets by default."""
+    probe = ("import sys, ringreduce, torch.distributed as dist\n"
+             "assert 'ringreduce.distributed' not in sys.modules\n"
+             "assert 'ringreduce' not in dist.Backend.backend_list, dist.Backend.backend_list\n"
+             "defaults = dict(dist.Backend.default_device_backend_map)\n"
+             "import ringreduce.distributed\n"
+             "assert 'ringreduce' in dist.Backend.backend_list\n"
+             "assert dist.Backend.RINGREDUCE == 'ringreduce'\n"
+             "assert dist.Backend.backend_capability['ringreduce'] == ['cpu', 'cuda']\n"
+             "assert dist.Backend.default_device_backend_map == defaults\n"
+             "print('registered')\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "registered" in result.stdout, result.stderr[-2000:]
