@@ -37,11 +37,9 @@ class MessageWork(dist.Work):
     message has gone (or arrived, checked and copied in) or raises why not."""
 
     def __init__(self, request: Any, what: str, arrived: Optional[Callable[[Any], None]] = None,
-                 tensor: Optional[torch.Tensor] = None, group_rank: Callable[[int], int] = int
-                 ) -> None:
+                 tensor: Optional[torch.Tensor] = None) -> None:
         super().__init__()
-        self._request, self._what, self._arrived = request, what, arrived
-        self._tensor, self._group_rank = tensor, group_rank
+        self._request, self._what, self._arrived, self._tensor = request, what, arrived, tensor
         self._status = mpi().Status()
         self._lock = threading.Lock()      # MPI forbids two threads testing one request
         self._done = False
@@ -107,9 +105,10 @@ class MessageWork(dist.Work):
             return self._future
 
     def source_rank(self) -> int:
-        """The group rank a receive from any source got its message from."""
+        """The group rank a receive from any source got its message from (the channel's
+        communicator ranks the group's members as the group does)."""
         self.wait()
-        return self._group_rank(self._status.Get_source())
+        return self._status.Get_source()
 
     _source_rank = source_rank
 

@@ -7,9 +7,10 @@ become ours (ringreduce/distributed.py registers it as the backend "ringreduce")
   transport, signature check (MismatchError on every rank), stall report and bitwise-identical
   results as the Horovod-style API. torch's calls carry no names: each gets the set's next
   automatic name of its kind ('dist.allreduce.noname.7'), so members pair them in call order.
-  Gathers go as one row per rank (the signature then holds the whole shape), reduce-scatters
-  as one row per rank, reduce as an allreduce whose root keeps the result, gather as an
-  allgather, scatter as an all-to-all in which only the root sends.
+  Gathers send one row per rank (so the signature holds the whole shape: another shape on
+  some rank is a MismatchError everywhere) and gather is an allgather whose root keeps the
+  rows; reduce-scatters reduce one row per rank; reduce is an allreduce whose root keeps the
+  result; scatter is an all-to-all in which only the root sends.
 - Work. A `CollectiveWork` wraps the collective's `Handle`: `wait()` waits for it (running the
   set's queue on the caller's thread when the engine is idle, as `synchronize()` does), then
   copies the result into torch's output tensors where it is not written in place;

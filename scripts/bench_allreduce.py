@@ -8,7 +8,8 @@ Run it under MPI, one process per rank, e.g.
 
 Options: --sizes (bytes per rank, K/M/G = powers of 1024; default 4K,64K,1M,16M,64M,256M),
 --dtypes (float32,bfloat16), --iters (default: adapts to the size, 1000 for small messages and
-about 5 for 256M), --json FILE, --plot FILE.png, --no-gloo (skip torch.distributed),
+about 5 for 256M), --json FILE, --plot FILE.png, --no-gloo (skip gloo's row),
+--no-dist (skip torch.distributed altogether: the dist_rr and gloo rows),
 --profile (the in-place allreduce's time per phase, see bench_profile).
 
 Methods, each reducing (Sum) a buffer of SIZE bytes on every rank:
@@ -23,7 +24,10 @@ Methods, each reducing (Sum) a buffer of SIZE bytes on every rank:
     mpi_x     the same on the cross communicator (one rank per node, all such communicators
               at once), when the job spans nodes (RINGREDUCE_SIMULATED_NODES counts): MPI's
               own allreduce between nodes, of the whole SIZE
-    gloo      torch.distributed.all_reduce with the gloo backend, over loopback TCP
+    dist_rr   torch.distributed.all_reduce(t, async_op=True).wait() on the "ringreduce" backend
+              (ringreduce.distributed: the default group, our global set), in place
+    gloo      torch.distributed.all_reduce with the gloo backend, over loopback TCP (a gloo
+              group of every rank next to that default group)
     memcpy    glibc's memcpy (np.copyto) of SIZE bytes, on rank 0 alone (the other ranks idle at
               a sleeping barrier) and on every rank at once
     stream    the same with our non-temporal-store copy (native/kernels.c rr_copy_stream)
@@ -44,14 +48,15 @@ Columns (nccl-tests definitions, GB/s = 1e9 bytes/s):
                 comparable across rank counts and to hardware bandwidth
     bus/copy    busbw / the yardstick copy bandwidth of the same size (every rank at once)
     bus/alone   busbw / the fastest copy on rank 0 alone (the memory bandwidth one core gets)
-    xMPI, xMPIx, xgloo  speedup of ours over mpi, mpi_x, gloo = their time / our time (>1: ours
-                is faster)
+    xMPI, xMPIx, xgloo  speedup of ours (and dist_rr) over mpi, mpi_x, gloo = their time / our
+                time (>1: ours is faster)
 
 The environment is left alone (e.g. OMP_NUM_THREADS); torch.get_num_threads() is reported.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -65,13 +70,13 @@ from ringreduce.process_sets import global_set
 hvd.init()
 from mpi4py import MPI  # noqa: E402
 
-from bench_common import (cross_comm, init_gloo, metadata as common_metadata,  # noqa: E402
+from bench_common import (cross_comm, metadata as common_metadata,  # noqa: E402
                           sleeping_barrier, slowest, time_interleaved, time_it, write_results)
 
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-METHODS = ["ours", "ours_", "bucket", "set_", "mpi", "mpi_x", "gloo"]
+METHODS = ["ours", "ours_", "bucket", "dist_rr", "set_", "mpi", "mpi_x", "gloo"]
 # Ranks with the same local rank, one per node (as ringreduce sees nodes, simulated or not):
 # MPI's Allreduce between nodes, the part of a hierarchical allreduce that crosses them.
 CROSS = cross_comm(hvd.local_rank()) if hvd.cross_size() > 1 else None
@@ -138,11 +143,40 @@ def mpi_allreduce(comm):
     return prepare
 
 
+GLOO = None    # torch.distributed's gloo group of every rank (init_torch_distributed)
+
+
+def init_torch_distributed(gloo: bool) -> None:
+    """torch.distributed's default group on the ringreduce backend (ringreduce.distributed),
+    and a gloo group of every rank beside it (over loopback: one host)."""
+    global GLOO
+    import torch.distributed as dist
+
+    import ringreduce.distributed
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    ringreduce.distributed.init_process_group()
+    if gloo:
+        GLOO = dist.new_group(backend="gloo")
+
+
+def prepare_dist_rr(nbytes: int, dtype: torch.dtype):
+    """What DDP does with a bucket: an asynchronous all_reduce on our backend, then wait."""
+    import torch.distributed as dist
+
+    t = torch.ones(nbytes // dtype.itemsize, dtype=dtype)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True).wait()
+    assert torch.all(t == NRANKS), "all_reduce on the ringreduce backend returned a wrong sum"
+    t.zero_()
+    return (lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True).wait(),
+            WORLD_BARRIER)
+
+
 def prepare_gloo(nbytes: int, dtype: torch.dtype):
     import torch.distributed as dist
 
     t = torch.zeros(nbytes // dtype.itemsize, dtype=dtype)
-    return lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM), WORLD_BARRIER
+    return lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=GLOO), WORLD_BARRIER
 
 
 def bench_methods(prepare: dict, nbytes: int, dtype: torch.dtype, iters: int) -> dict:
@@ -283,6 +317,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     parser.add_argument("--no-gloo", action="store_true")
+    parser.add_argument("--no-dist", action="store_true")
     parser.add_argument("--profile", action="store_true",
                         help="after each size and dtype: the in-place allreduce's time per "
                              "phase on this node (sizes above the small-message switch, 512K)")
@@ -298,8 +333,9 @@ def main() -> None:
             import matplotlib  # noqa: F401  (fail now, not after the whole run)
         except ImportError:
             parser.error("--plot needs matplotlib: pip install -e '.[bench]'")
-    if not args.no_gloo:
-        init_gloo()
+    args.no_gloo |= args.no_dist
+    if not args.no_dist:
+        init_torch_distributed(gloo=not args.no_gloo)
 
     meta = metadata(args)
     if RANK == 0:
@@ -310,6 +346,7 @@ def main() -> None:
         print(HEADER, flush=True)
 
     bench = {"ours": prepare_ours, "ours_": prepare_ours_inplace, "bucket": prepare_bucket,
+             "dist_rr": None if args.no_dist else prepare_dist_rr,
              "set_": prepare_set if PAIR is not None else None, "mpi": mpi_allreduce(COMM),
              "mpi_x": mpi_allreduce(CROSS) if CROSS is not None else None,
              "gloo": None if args.no_gloo else prepare_gloo}
@@ -340,7 +377,7 @@ def main() -> None:
                      "algbw_GBps": algbw, "busbw_GBps": busbw,
                      "busbw_over_copy": busbw / best["bw_GBps"] if busbw else None,
                      "busbw_over_alone": busbw / alone["bw_GBps"] if busbw else None}
-                if method.startswith("ours"):
+                if method.startswith("ours") or method == "dist_rr":
                     for other in ("mpi", "mpi_x", "gloo"):
                         theirs = times[other]
                         r[f"speedup_vs_{other}"] = theirs / seconds if theirs else None
@@ -357,7 +394,7 @@ def main() -> None:
         write_results({"meta": meta, "copies": every_copy, "results": results,
                        "profiles": profiles}, args.json, args.plot,
                       lambda png: plot(png, results, every_copy, meta))
-    if not args.no_gloo:
+    if not args.no_dist:
         import torch.distributed as dist
 
         dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""Training-throughput benchmark: ringreduce against DDP (gloo), one flat MPI Allreduce, and none.
+"""Training throughput: ringreduce, DDP over ringreduce and over gloo, one MPI Allreduce, none.
 
 Run it under MPI, one process per rank, e.g.
 
@@ -27,7 +27,11 @@ Methods, measured one after another in this process (default order, by expected 
     ringreduce       hvd.DistributedOptimizer: buckets are reduced while backward runs
     allreduce_after  after backward: concatenate all grads into one flat buffer, one
                      comm.Allreduce (mpi4py, in place, NumPy views), divide by size, copy back
-    ddp              torch.nn.parallel.DistributedDataParallel, gloo backend over loopback TCP
+    ddp_rr           torch.nn.parallel.DistributedDataParallel on torch.distributed's default
+                     group, on the "ringreduce" backend (ringreduce.distributed): DDP's buckets
+                     reduced by our transport
+    ddp              torch.nn.parallel.DistributedDataParallel on a gloo group of every rank
+                     (loopback TCP)
                      (defaults: 25 MB buckets, broadcast_buffers=True, which for the cnn also
                      broadcasts the BatchNorm buffers from rank 0 at each forward)
 
@@ -38,7 +42,8 @@ backward, optimizer step (which waits for the reduction).
 Columns:
     samples/s   ranks * batch * steps / time, median over the repetitions (the whole job)
     x none      samples/s / samples/s of none: the fraction of the no-communication ceiling
-    x ddp       samples/s / samples/s of ddp (>1: faster than DDP)
+    x ddp       samples/s / samples/s of ddp (>1: faster than DDP over gloo)
+    x rr        samples/s / samples/s of ringreduce (DistributedOptimizer)
     step(ms)    time of one step (1000 * time / steps, the same median repetition)
     sync        whether all ranks hold the same parameters afterwards (checksums of the
                 parameters agree to 1e-6 relative; "-" for none, whose ranks diverge)
@@ -61,6 +66,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import os
 import resource
 import statistics
 import time
@@ -74,11 +80,12 @@ import ringreduce as hvd  # before mpi4py.MPI, so MPI starts with the thread lev
 hvd.init()
 from mpi4py import MPI  # noqa: E402
 
-from bench_common import init_gloo, metadata as common_metadata, write_results  # noqa: E402
+from bench_common import metadata as common_metadata, write_results  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
-METHODS = ["none", "ringreduce_view", "ringreduce", "allreduce_after", "ddp"]
+METHODS = ["none", "ringreduce_view", "ringreduce", "allreduce_after", "ddp_rr", "ddp"]
+GLOO = None     # torch.distributed's gloo group of every rank (init_torch_distributed)
 MODELS = ["mlp", "cnn", "mlp10m"]
 IMAGE = (3, 64, 64)
 CLASSES = 1000
@@ -127,6 +134,19 @@ BUILD = {"mlp": lambda: mlp(1580), "mlp10m": lambda: mlp(714), "cnn": resnet18}
 
 # ---------------------------------------------------------------------------- methods
 
+def init_torch_distributed() -> None:
+    """torch.distributed's default group on the ringreduce backend, and a gloo group of every
+    rank beside it (over loopback: one host)."""
+    global GLOO
+    import torch.distributed as dist
+
+    import ringreduce.distributed
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    ringreduce.distributed.init_process_group()
+    GLOO = dist.new_group(backend="gloo")
+
+
 def setup(method: str, model: nn.Module, lr: float):
     """(module to call, optimizer, hook run between backward and step) for one method."""
     sgd = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -137,8 +157,10 @@ def setup(method: str, model: nn.Module, lr: float):
         opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
                                        gradient_as_bucket_view=method == "ringreduce_view")
         return model, opt, None
-    if method == "ddp":
+    if method == "ddp_rr":
         return nn.parallel.DistributedDataParallel(model), sgd, None
+    if method == "ddp":
+        return nn.parallel.DistributedDataParallel(model, process_group=GLOO), sgd, None
     if method == "allreduce_after":
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -250,14 +272,16 @@ def fmt(value, spec: str, width: int) -> str:
     return f"{'n/a' if value is None else format(value, spec):>{width}}"
 
 
-HEADER = (f"{'method':>16} {'samples/s':>10} {'x none':>7} {'x ddp':>7} {'step(ms)':>9} "
+HEADER = (f"{'method':>16} {'samples/s':>10} {'x none':>7} {'x ddp':>7} {'x rr':>6} "
+          f"{'step(ms)':>9} "
           f"{'sync':>5} {'peakRSS':>8} {'+peak':>7}")
 
 
 def row(r: dict) -> str:
     sync = {None: "-", True: "yes", False: "NO"}[r["params_in_sync"]]
     return (f"{r['method']:>16} {r['samples_per_s']:>10.1f} {fmt(r['vs_none'], '.3f', 7)} "
-            f"{fmt(r['vs_ddp'], '.3f', 7)} {r['step_ms']:>9.1f} {sync:>5} "
+            f"{fmt(r['vs_ddp'], '.3f', 7)} {fmt(r['vs_ringreduce'], '.3f', 6)} "
+            f"{r['step_ms']:>9.1f} {sync:>5} "
             f"{max(r['peak_rss_mib_per_rank']):>8.0f} "
             f"{max(r['peak_rss_increase_mib_per_rank']):>7.0f}"
             f"{' (cumulative)' if r['peak_rss_cumulative'] else ''}")
@@ -312,8 +336,8 @@ def main() -> None:
         except ImportError:
             parser.error("--plot needs matplotlib: pip install -e '.[bench]'")
     torch.set_num_threads(1)
-    if "ddp" in methods:
-        init_gloo()
+    if {"ddp", "ddp_rr"} & set(methods):
+        init_torch_distributed()
 
     meta = metadata(args)
     if RANK == 0:
@@ -344,6 +368,8 @@ def main() -> None:
         for r in rows:
             r["vs_none"] = r["samples_per_s"] / base["none"] if "none" in base else None
             r["vs_ddp"] = r["samples_per_s"] / base["ddp"] if "ddp" in base else None
+            r["vs_ringreduce"] = (r["samples_per_s"] / base["ringreduce"]
+                                  if "ringreduce" in base else None)
             if RANK == 0:
                 print(row(r), flush=True)
         results += rows
@@ -351,7 +377,7 @@ def main() -> None:
     if RANK == 0:
         write_results({"meta": meta, "models": model_info, "results": results}, args.json,
                       args.plot, lambda png: plot(png, results, model_info, meta))
-    if "ddp" in methods:
+    if {"ddp", "ddp_rr"} & set(methods):
         import torch.distributed as dist
 
         dist.destroy_process_group()
