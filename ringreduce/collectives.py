@@ -60,7 +60,8 @@ def _tensor(tensor: Any, what: str, name: str, ps: ActiveSet) -> torch.Tensor:
     return tensor.detach().contiguous()
 
 
-def _op(op: Any, average: Optional[bool], what: str, adasum_ok: bool = False) -> ReduceOp:
+def reduce_op(op: Any, average: Optional[bool], what: str,
+              adasum_ok: bool = False) -> ReduceOp:
     """The reduction op; Adasum only where `adasum_ok` (allreduces), as in Horovod."""
     if average is not None:
         warnings.warn("ringreduce: average= is deprecated; use op=ringreduce.Average or "
@@ -95,7 +96,9 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.is_contiguous() and b.is_contiguous()
 
 
-def _submit(work: Work) -> Handle:
+def submit(work: Work) -> Handle:
+    """Queue a collective's work on its set's engine (and the timeline's "submitted" event);
+    the optimizer submits its buckets and step agreement through here too."""
     ps, name, fn = work
     handle = ps.engine.submit(name, fn)
     timeline.record(name, "submitted")
@@ -199,7 +202,7 @@ def _allreduce_work(tensor: torch.Tensor, average: Optional[bool], name: Optiona
                                                     compression, in_place, kind, process_set)
         return ps, name, lambda: grouped()[0]
     ps = active(process_set, f"{kind}()")
-    op = _op(op, average, kind, adasum_ok=True)
+    op = reduce_op(op, average, kind, adasum_ok=True)
     name = ps.auto_name(kind) if name is None else name
     t = _tensor(tensor, kind, name, ps)
     if op == Adasum:
@@ -224,7 +227,7 @@ def _grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str]
                             compression: type[Compressor], in_place: bool, kind: str,
                             process_set: ProcessSet) -> Work:
     ps = active(process_set, f"{kind}()")
-    op = _op(op, average, kind, adasum_ok=True)
+    op = reduce_op(op, average, kind, adasum_ok=True)
     name = ps.auto_name(kind) if name is None else name
     checked = [_tensor(t, kind, f"{name}[{i}]" if len(tensors) > 1 else name, ps)
                for i, t in enumerate(tensors)]
@@ -287,7 +290,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
                     postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
                     compression: type[Compressor] = Compression.none) -> Handle:
     """Start an allreduce of `tensor`; `synchronize(handle)` returns a new reduced tensor."""
-    return _submit(_allreduce_async_work(tensor, average, name, op, prescale_factor,
+    return submit(_allreduce_async_work(tensor, average, name, op, prescale_factor,
                                          postscale_factor, compression, False, process_set))
 
 
@@ -296,7 +299,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
                      postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place allreduce; `tensor` is overwritten when the handle completes."""
-    return _submit(_allreduce_async_work(tensor, average, name, op, prescale_factor,
+    return submit(_allreduce_async_work(tensor, average, name, op, prescale_factor,
                                          postscale_factor, Compression.none, True, process_set))
 
 
@@ -334,7 +337,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
                             process_set: ProcessSet = global_process_set,
                             compression: type[Compressor] = Compression.none) -> Handle:
     """Start one fused allreduce of several tensors; the handle yields a list of results."""
-    return _submit(_grouped_allreduce_work(list(tensors), name, op, average, prescale_factor,
+    return submit(_grouped_allreduce_work(list(tensors), name, op, average, prescale_factor,
                                            postscale_factor, compression, False,
                                            "grouped_allreduce", process_set))
 
@@ -343,7 +346,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
                              name: Optional[str] = None, op: Any = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> Handle:
-    return _submit(_grouped_allreduce_work(list(tensors), name, op, average, prescale_factor,
+    return submit(_grouped_allreduce_work(list(tensors), name, op, average, prescale_factor,
                                            postscale_factor, Compression.none, True,
                                            "grouped_allreduce_", process_set))
 
@@ -400,7 +403,7 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start concatenating every member's `tensor` along dimension 0 (sizes may differ
     there)."""
-    return _submit(_first(_allgather_work([tensor], name, process_set)))
+    return submit(_first(_allgather_work([tensor], name, process_set)))
 
 
 def allgather(tensor: torch.Tensor, name: Optional[str] = None,
@@ -415,7 +418,7 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None,
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                             process_set: ProcessSet = global_process_set) -> Handle:
     """Start allgathers of several tensors as one collective; the handle yields a list."""
-    return _submit(_allgather_work(list(tensors), name, process_set, "grouped_allgather"))
+    return submit(_allgather_work(list(tensors), name, process_set, "grouped_allgather"))
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
@@ -460,12 +463,12 @@ def _broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
-    return _submit(_broadcast_work(tensor, root_rank, name, False, "broadcast", process_set))
+    return submit(_broadcast_work(tensor, root_rank, name, False, "broadcast", process_set))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Handle:
-    return _submit(_broadcast_work(tensor, root_rank, name, True, "broadcast_", process_set))
+    return submit(_broadcast_work(tensor, root_rank, name, True, "broadcast_", process_set))
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -519,7 +522,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start an all-to-all: rows splits[i] go to member i; rows from every member come back in
     member order. Without splits, dimension 0 is divided equally."""
-    return _submit(_alltoall_work(tensor, splits, name, process_set, splits is not None))
+    return submit(_alltoall_work(tensor, splits, name, process_set, splits is not None))
 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
@@ -539,7 +542,7 @@ def _reducescatter_work(tensors: Sequence[torch.Tensor], name: Optional[str], op
     """Reduce each tensor over the set; set rank r keeps the r-th block of rows of each (lower
     ranks get the extra rows). The result is the list of this rank's blocks."""
     ps = active(process_set, f"{kind}()")
-    op = _op(op, None, kind)
+    op = reduce_op(op, None, kind)
     names = _group_name(ps, name, kind, len(tensors))
     runs = []
     for tensor, each in zip(tensors, names):
@@ -577,7 +580,7 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: An
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start a reduce-scatter: reduce over the set's ranks, and set rank r keeps the r-th block
     of rows (dimension 0 divided as evenly as possible, lower ranks getting the extra rows)."""
-    return _submit(_first(_reducescatter_work([tensor], name, op, prescale_factor,
+    return submit(_first(_reducescatter_work([tensor], name, op, prescale_factor,
                                               postscale_factor, Compression.none, process_set)))
 
 
@@ -600,7 +603,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[
                                 prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> Handle:
     """Start reduce-scatters of several tensors as one collective; the handle yields a list."""
-    return _submit(_reducescatter_work(list(tensors), name, op, prescale_factor,
+    return submit(_reducescatter_work(list(tensors), name, op, prescale_factor,
                                        postscale_factor, Compression.none, process_set,
                                        "grouped_reducescatter"))
 
@@ -631,7 +634,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
     MismatchError naming the tensor and each rank's shape."""
     ps = active(process_set, "sparse_allreduce_async()")
     name = ps.auto_name("sparse_allreduce") if name is None else name
-    op = _op(op, None, "sparse_allreduce_async")
+    op = reduce_op(op, None, "sparse_allreduce_async")
     if op not in (Sum, Average):
         raise ValueError(f"ringreduce: sparse_allreduce_async of tensor '{name}' on rank "
                          f"{ps.ranks[ps.rank]}: op must be Sum or Average, not {op.name}")
@@ -653,7 +656,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
             values = values / ps.size
         return torch.sparse_coo_tensor(indices.t(), values, dense_shape, check_invariants=False)
 
-    submitted = _submit((ps, name, work))
+    submitted = submit((ps, name, work))
 
     def handle() -> torch.Tensor:
         return submitted.wait()
@@ -687,7 +690,7 @@ def barrier_async(name: Optional[str] = None,
     as torch.distributed's `barrier(async_op=True)`."""
     ps = active(process_set, "barrier_async()")
     name = ps.auto_name("barrier") if name is None else name
-    return _submit((ps, name,
+    return submit((ps, name,
                     lambda: ps.transport.barrier({"collective": "barrier", "name": name})))
 
 
@@ -810,7 +813,7 @@ class _ReducescatterFunction(torch.autograd.Function):
     def forward(ctx, args, *tensors):
         name, compression, op, process_set, pre, post, kind = args
         ps = active(process_set, f"{kind}()")
-        op = _op(op, None, kind)
+        op = reduce_op(op, None, kind)
         ctx.process_set, ctx.size, ctx.compression = process_set, ps.size, compression
         ctx.sum, ctx.pre, ctx.post = op == Sum, pre, post
         return tuple(_run(_reducescatter_work(list(tensors), name, op, pre, post, compression,

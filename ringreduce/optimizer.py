@@ -31,7 +31,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from . import adasum, cuda, fusion, timeline
-from .collectives import Adasum, Average, Max, Sum, _op, _submit, sparse_allreduce_async
+from .collectives import (Adasum, Average, Max, Sum, reduce_op, sparse_allreduce_async,
+                          submit)
 from .compression import Compression, Compressor
 from .engine import Handle
 from .errors import UnsupportedError, UsageError
@@ -100,7 +101,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                                                named_parameters)
         self._names = {id(p): n for n, p in self._named}
         _check_passes(backward_passes_per_step)
-        op = _op(op, None, "DistributedOptimizer", adasum_ok=True)
+        op = reduce_op(op, None, "DistributedOptimizer", adasum_ok=True)
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("ringreduce: gradient_predivide_factor only applies to op=Average "
                              f"(got op={op.name}); drop the factor or use Average")
@@ -265,7 +266,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     gradient = self._direct_gradient(bucket)
                 else:
                     ready = self._pack(bucket)
-            self._handles.append(_submit(
+            self._handles.append(submit(
                 (self._set, bucket.name, self._reduce_work(bucket, ready, gradient))))
             self._next_bucket += 1
 
@@ -334,9 +335,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         agreement = None
         if self._agrees:
             self._present_marks[-1] = self._broken is not None
-            agreement = self._set.engine.submit(f"{self._prefix}presence", lambda: (
+            agreement = submit((self._set, f"{self._prefix}presence", lambda: (
                 self._set.transport.allreduce(self._present, self._present,
-                                              self._presence_spec)))
+                                              self._presence_spec))))
         failures: list[BaseException] = []
 
         def wait(outcome: Callable[[], Any]) -> Any:
@@ -706,7 +707,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                      num_groups, groups, sparse_as_dense, process_set, gradient_as_bucket_view,
                      fusion_threshold, first_bucket_bytes)
     ps = active(process_set, "DistributedOptimizer()")
-    adasum_op = op is not None and _op(op, None, "DistributedOptimizer", True) == Adasum
+    adasum_op = (op is not None
+                 and reduce_op(op, None, "DistributedOptimizer", adasum_ok=True) == Adasum)
     if adasum_op and ps.size > 1:
         if gradient_predivide_factor != 1.0:
             raise ValueError("ringreduce: gradient_predivide_factor is not supported with "
