@@ -11,142 +11,36 @@ become ours (ringreduce/distributed.py registers it as the backend "ringreduce")
   some rank is a MismatchError everywhere) and gather is an allgather whose root keeps the
   rows; reduce-scatters reduce one row per rank; reduce is an allreduce whose root keeps the
   result; scatter is an all-to-all in which only the root sends.
-- Work. A `CollectiveWork` wraps the collective's `Handle`: `wait()` waits for it (running the
-  set's queue on the caller's thread when the engine is idle, as `synchronize()` does), then
-  copies the result into torch's output tensors where it is not written in place;
-  `get_future()` is completed from the handle's done-callback (`Future.set_result`, or
-  `set_exception` with our error). A synchronous `all_reduce` (torch's `asyncOp` false) runs
-  as ringreduce's synchronous `allreduce_`, on the caller's thread when the engine is idle.
+- Work. Each call returns a `CollectiveWork` on the collective's handle (torch_work.py), with
+  what turns the handle's result into torch's outputs. A synchronous `all_reduce` (torch's
+  `asyncOp` false) runs as ringreduce's synchronous `allreduce_`, on the caller's thread when
+  the engine is idle.
 - send/recv: MPI point-to-point on a communicator of the group's own (point_to_point.py).
 """
 from __future__ import annotations
 
-import threading
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.futures import Future
 
 from . import world
 from .collectives import (Average, Max, Min, Product, Sum, allgather_async, allreduce_,
                           allreduce_async, allreduce_async_, alltoall_async, barrier_async,
                           broadcast_async_, grouped_allgather_async, grouped_allreduce_async_,
                           grouped_reducescatter_async, reducescatter_async)
-from .engine import Handle
 from .errors import RingReduceError, UnsupportedError
 from .kernels import ReduceOp
 from .point_to_point import Channel
 from .process_sets import ProcessSet, active, close_group, global_process_set
+from .torch_work import FINISHED, CollectiveWork
 
 BACKEND = "ringreduce"
 _RedOpType = dist.ReduceOp.RedOpType
+_SUM = _RedOpType.SUM
 _OPS = {_RedOpType.SUM: Sum, _RedOpType.AVG: Average, _RedOpType.PRODUCT: Product,
         _RedOpType.MIN: Min, _RedOpType.MAX: Max}
 _KINDS: dict[str, str] = {}     # a kind of collective -> the prefix of its automatic names
-_FUTURES = threading.Lock()     # a work's future is made once
-
-
-# ---------------------------------------------------------------- Work
-
-class Finished:
-    """The handle of a collective that ran to completion on the caller's thread."""
-
-    def wait(self) -> None:
-        return None
-
-    def done(self) -> bool:
-        return True
-
-    def add_done_callback(self, callback: Callable[[Any], Any]) -> None:
-        callback(self)
-
-
-FINISHED = Finished()
-
-
-class CollectiveWork(dist.Work):
-    """torch's Work for one of our collectives: `handle` is its ringreduce Handle, `value`
-    what its future yields (torch's output tensors), `finish` what turns the handle's result
-    into them (copies; None when the collective writes them itself). `finish` runs once, on
-    whichever thread first sees the handle done, before `wait()` returns or the future
-    completes."""
-
-    _error: Optional[BaseException] = None
-    _future: Optional[Future] = None
-
-    def __init__(self, handle: Handle, value: list,
-                 finish: Optional[Callable[[Any], None]] = None) -> None:
-        super().__init__()
-        self._handle, self._value, self._finish = handle, value, finish
-        if finish is not None:
-            self._finishing = threading.Lock()
-
-    def _settle(self) -> None:
-        """Wait for the handle and run `finish` once; raise the collective's error."""
-        if self._finish is None:
-            self._handle.wait()
-            return
-        result = self._handle.wait()
-        with self._finishing:
-            finish, self._finish = self._finish, None
-            if finish is not None:
-                try:
-                    with torch.no_grad():
-                        finish(result)
-                except BaseException as exc:
-                    self._error = exc
-        if self._error is not None:
-            raise self._error
-
-    def wait(self, timeout: Any = None) -> bool:
-        """Block until the collective is done and the outputs are written; raises its error
-        (MismatchError, ShutDownError ...). torch's timeout is not used: a stalled peer gets
-        ringreduce's stall report (RINGREDUCE_STALL_CHECK_TIME) instead."""
-        if self._finish is None and self._error is None:
-            self._handle.wait()         # (the most frequent case, in short)
-        else:
-            self._settle()
-        return True
-
-    def get_future(self) -> Future:
-        with _FUTURES:
-            if self._future is not None:
-                return self._future
-            self._future = future = Future()
-        self._handle.add_done_callback(self._complete)
-        return future
-
-    def _complete(self, handle: Handle) -> None:
-        try:
-            self._settle()
-        except BaseException as exc:
-            self._future.set_exception(exc)
-            return
-        self._future.set_result(self._value)
-
-    def is_completed(self) -> bool:
-        return self._handle.done()
-
-    def is_success(self) -> bool:
-        if not self._handle.done():
-            return False
-        try:
-            self._settle()
-        except BaseException:
-            return False
-        return True
-
-    def exception(self) -> Optional[BaseException]:
-        try:
-            self._settle()
-        except BaseException as exc:
-            return exc
-        return None
-
-    def result(self) -> list:
-        self._settle()
-        return self._value
 
 
 # ---------------------------------------------------------------- argument checks
@@ -256,9 +150,9 @@ class RingReduceGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list, opts: Any = None) -> CollectiveWork:
         """(DDP's every bucket, and small ones cost what this adds to our collective: the
         common case takes the fewest steps.)"""
-        op = Sum if opts is None else _OPS.get(opts.reduceOp.op)
-        pre = 1.0
-        if op is None:
+        if opts is None or opts.reduceOp == _SUM:     # (ReduceOp == RedOpType: the cheapest
+            op, pre = Sum, 1.0                          # test torch's bindings offer)
+        else:
             op, pre = _reduction(opts.reduceOp, "allreduce")
         tensor = tensors[0] if len(tensors) == 1 else _one(tensors, "allreduce")
         ps, name = self._names("allreduce")

@@ -1,0 +1,121 @@
+"""torch.distributed's Work for ringreduce's collectives (the backend's groups return these).
+
+A `CollectiveWork` wraps a collective's `Handle`: `wait()` waits for it (running the set's
+queue on the caller's thread when the engine is idle, as `synchronize()` does), then copies
+the result into torch's output tensors where the collective does not write them in place;
+`get_future()` is completed from the handle's done-callback (`Future.set_result`, or
+`set_exception` with our error), so DDP's reducer and FSDP chain on it. `FINISHED` stands for
+the handle of a collective that already ran on the caller's thread (a synchronous all_reduce).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from .engine import Handle
+
+_FUTURES = threading.Lock()     # a work's future is made once
+
+
+class Finished:
+    """The handle of a collective that ran to completion on the caller's thread."""
+
+    def wait(self) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
+
+    def add_done_callback(self, callback: Callable[[Any], Any]) -> None:
+        callback(self)
+
+
+FINISHED = Finished()
+
+
+class CollectiveWork(dist.Work):
+    """torch's Work for one of our collectives: `handle` is its ringreduce Handle, `value`
+    what its future yields (torch's output tensors), `finish` what turns the handle's result
+    into them (copies; None when the collective writes them itself). `finish` runs once, on
+    whichever thread first sees the handle done, before `wait()` returns or the future
+    completes."""
+
+    _error: Optional[BaseException] = None
+    _future: Optional[Future] = None
+
+    def __init__(self, handle: Handle, value: list,
+                 finish: Optional[Callable[[Any], None]] = None) -> None:
+        super().__init__()
+        self._handle, self._value, self._finish = handle, value, finish
+        if finish is not None:
+            self._finishing = threading.Lock()
+
+    def _settle(self) -> None:
+        """Wait for the handle and run `finish` once; raise the collective's error."""
+        if self._finish is None:
+            self._handle.wait()
+            return
+        result = self._handle.wait()
+        with self._finishing:
+            finish, self._finish = self._finish, None
+            if finish is not None:
+                try:
+                    with torch.no_grad():
+                        finish(result)
+                except BaseException as exc:
+                    self._error = exc
+        if self._error is not None:
+            raise self._error
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block until the collective is done and the outputs are written; raises its error
+        (MismatchError, ShutDownError ...). torch's timeout is not used: a stalled peer gets
+        ringreduce's stall report (RINGREDUCE_STALL_CHECK_TIME) instead."""
+        if self._finish is None and self._error is None:
+            self._handle.wait()         # (the most frequent case, in short)
+        else:
+            self._settle()
+        return True
+
+    def get_future(self) -> Future:
+        with _FUTURES:
+            if self._future is not None:
+                return self._future
+            self._future = future = Future()
+        self._handle.add_done_callback(self._complete)
+        return future
+
+    def _complete(self, handle: Handle) -> None:
+        try:
+            self._settle()
+        except BaseException as exc:
+            self._future.set_exception(exc)
+            return
+        self._future.set_result(self._value)
+
+    def is_completed(self) -> bool:
+        return self._handle.done()
+
+    def is_success(self) -> bool:
+        if not self._handle.done():
+            return False
+        try:
+            self._settle()
+        except BaseException:
+            return False
+        return True
+
+    def exception(self) -> Optional[BaseException]:
+        try:
+            self._settle()
+        except BaseException as exc:
+            return exc
+        return None
+
+    def result(self) -> list:
+        self._settle()
+        return self._value
