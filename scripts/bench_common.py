@@ -1,10 +1,15 @@
-"""What the benchmark scripts share: starting torch.distributed's gloo next to MPI, the
-metadata that makes a result file reproducible, and writing the results."""
+"""What the benchmark scripts share: timing, starting torch.distributed's gloo next to MPI, the
+metadata that says which run a result file is from (commit, machine, versions, environment),
+and writing the results."""
+from __future__ import annotations
+
 import datetime
 import json
 import os
+import platform
 import socket
 import statistics
+import subprocess
 import sys
 import time
 
@@ -91,22 +96,93 @@ def init_gloo(comm=MPI.COMM_WORLD) -> None:
                             world_size=comm.size, timeout=datetime.timedelta(minutes=5))
 
 
+# Environment variables that change what a benchmark measures: thread counts, ringreduce's and
+# Horovod's settings, the MPI libraries' own tuning knobs, and which GPUs are visible.
+ENVIRONMENT_PREFIXES = ("RINGREDUCE_", "HOROVOD_", "MPIR_CVAR_", "OMPI_MCA_", "UCX_", "FI_")
+ENVIRONMENT_NAMES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                     "CUDA_VISIBLE_DEVICES")
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def environment() -> dict:
+    """The settings in this process's environment that bear on a measurement."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith(ENVIRONMENT_PREFIXES) or k in ENVIRONMENT_NAMES}
+
+
+def git_state(repository: str = REPOSITORY) -> dict:
+    """The commit the benchmark's code is at and whether the working tree differs from it
+    (tracked files only; `dirty_files` names up to 20 of them). Empty outside a git checkout
+    or without git."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", repository, *args], capture_output=True,
+                              text=True, timeout=30, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no")
+                   .splitlines() if line.strip()]
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"commit": commit, "dirty": bool(changed), "dirty_files": changed[:20]}
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name as the OS reports it (Linux: /proc/cpuinfo), else what `platform`
+    knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model", "cpu model") and value.strip():
+                    return " ".join(value.split())
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def usable_cpus() -> int | None:
+    """The CPUs this process may run on (its affinity mask), which a launcher may narrow."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count()
+
+
 def metadata(comm=MPI.COMM_WORLD, **extra) -> dict:
-    """Where and with what a benchmark ran (collective: every rank must call it)."""
+    """Where and with what a benchmark ran (collective: every rank must call it): the date, the
+    machine (hosts, CPU model and count), the software (MPI library, mpi4py, torch, NumPy,
+    Python, ringreduce and the git commit of this checkout, with whether its tracked files
+    were modified), the environment variables that bear on the measurement (`environment()`)
+    and the command line. Rank 0's view, plus every host's CPUs when the job spans hosts;
+    `extra` adds the script's own parameters."""
+    import numpy
     import torch
 
     import ringreduce
 
+    host = {"hostname": socket.gethostname(), "cpu_model": cpu_model(),
+            "cpu_count": os.cpu_count(), "cpus_usable": usable_cpus()}
+    hosts = {h["hostname"]: h for h in comm.allgather(host)}
+    repository = git_state() if comm.rank == 0 else None
     return {
         "ranks": comm.size,
         "mpi_library": MPI.Get_library_version().strip(),
+        "mpi_vendor": "{} {}".format(MPI.get_vendor()[0],
+                                     ".".join(map(str, MPI.get_vendor()[1]))),
         "mpi4py": __import__("mpi4py").__version__,
         "torch": torch.__version__,
         "torch_num_threads": torch.get_num_threads(),
+        "numpy": numpy.__version__,
         "ringreduce": ringreduce.__version__,
-        "hostname": socket.gethostname(),
-        "hosts": sorted(set(comm.allgather(socket.gethostname()))),
-        "cpu_count": os.cpu_count(),
+        **comm.bcast(repository, root=0),
+        "hostname": host["hostname"],
+        "hosts": sorted(hosts),
+        "cpu_model": host["cpu_model"],
+        "cpu_count": host["cpu_count"],
+        "cpus_usable": host["cpus_usable"],
+        **({"host_cpus": [hosts[h] for h in sorted(hosts)]} if len(hosts) > 1 else {}),
+        "environment": environment(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "python": sys.version.split()[0],
         "argv": sys.argv,
