@@ -1,24 +1,33 @@
-"""The Performance page's tables, generated from the benchmarks' JSON files in docs/figures/.
+"""The Performance page's tables, and the README's headline figures, generated from the
+benchmarks' JSON files in docs/figures/.
 
-    python scripts/docs_figures.py            # write docs/figures/NAME.md for each NAME.json
-    python scripts/docs_figures.py --check    # exit 1 if any NAME.md is missing or stale
+    python scripts/docs_figures.py            # write docs/figures/NAME.md for each NAME.json,
+                                              # and the README's figures block
+    python scripts/docs_figures.py --check    # exit 1 if anything it writes is missing or stale
+    python scripts/docs_figures.py --dir /tmp/figs   # another folder (the README is left alone)
 
 Each JSON file is one benchmark run, checked in as the benchmark wrote it (`--json`); this
-script turns it into a markdown table that docs/performance.md includes
-(`--8<-- "figures/NAME.md"`, pymdownx.snippets). A table says which run it is from: the date,
-host, CPU count, rank count, MPI library, torch, ringreduce version, commit (when the file
-records one) and the command line, as far as the file carries them.
+script turns it into markdown that docs/performance.md includes with pymdownx.snippets: the
+whole file (`--8<-- "figures/NAME.md"`) or one section of it (`--8<-- "figures/NAME.md:dist"`).
+Every table says which run it is from (a "Run:" line: date, machine, ranks, MPI, torch,
+ringreduce, commit, environment, command line, as far as the file records them) and names its
+yardstick.
 
 Recognised files, by their shape:
-    scripts/bench_allreduce.py --json   {"meta", "copies", "results", "profiles"}: one table
-        per dtype (latency below 1 MiB, busbw from 1 MiB, against the copy yardstick), and one
-        per --profile entry (where the time of a large node allreduce goes)
-    scripts/bench_train.py --json       {"meta", "models", "results"}: samples/s per model and
-        method, against no communication and DDP, and peak RSS
-    scripts/bench_kernels.py --json     [{"kernel", "implementation", "gbps"}]: GB/s per kernel
+    scripts/bench_allreduce.py --json   {"meta", "copies", "results", "profiles"}: section
+        `tables`, one table per dtype (latency below 1 MiB, busbw from 1 MiB, against the copy
+        yardstick) and one per --profile entry; section `dist`, torch.distributed's all_reduce
+        on the "ringreduce" backend (`dist_rr`) beside gloo, MPI and our own calls
+    scripts/bench_train.py --json       {"meta", "models", "results"}: section `tables`,
+        samples/s per model and method against no communication and DDP on gloo, step time and
+        peak RSS; section `dist`, DDP on the "ringreduce" backend (`ddp_rr`) beside DDP on gloo
+        and DistributedOptimizer
+    scripts/bench_kernels.py --json     [{"kernel", "implementation", "gbps"}] (or {"meta",
+        "kernels": [...]}): GB/s per kernel
     scripts/cost_model.py --json        {"machine", "rows"}: predicted times at 2-1,024 nodes
-To refresh a figure, rerun its benchmark with `--json docs/figures/NAME.json` and then this
-script; performance.md names the command of each.
+The README's block between `<!-- figures:start -->` and `<!-- figures:end -->` is made from
+allreduce-2ranks.json and train-2ranks.json. To refresh a figure, rerun its benchmark with
+`--json docs/figures/NAME.json` and then this script; performance.md names the command of each.
 """
 from __future__ import annotations
 
@@ -27,7 +36,10 @@ import json
 import sys
 from pathlib import Path
 
-FIGURES = Path(__file__).resolve().parents[1] / "docs" / "figures"
+ROOT = Path(__file__).resolve().parents[1]
+FIGURES = ROOT / "docs" / "figures"
+README = ROOT / "README.md"
+README_START, README_END = "<!-- figures:start -->", "<!-- figures:end -->"
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 LATENCY_BELOW = MIB          # allreduce sizes below this are shown as latency, the rest as busbw
 
@@ -35,17 +47,22 @@ ALLREDUCE_METHODS = {
     "ours_": "ringreduce `allreduce_` (in place)",
     "ours": "ringreduce `allreduce` (new output tensor)",
     "bucket": "ringreduce, optimizer bucket (`allreduce_async_` on the engine thread)",
+    "dist_rr": "torch.distributed `all_reduce` on the `\"ringreduce\"` backend (`dist_rr`)",
     "set_": "ringreduce `allreduce_` on a 2-rank process set inside the job",
     "mpi": "MPI `Allreduce`",
     "mpi_x": "MPI `Allreduce` between nodes only (`mpi_x`)",
-    "gloo": "torch.distributed gloo",
+    "gloo": "torch.distributed `all_reduce` on gloo",
 }
+# The rows of the torch.distributed section: the backend, what it runs on (our asynchronous
+# path, as DDP's buckets take it, and the synchronous one), and the yardsticks.
+DIST_ALLREDUCE_METHODS = ("dist_rr", "bucket", "ours_", "mpi", "gloo")
 TRAIN_METHODS = {
     "none": "no communication (ceiling)",
-    "ringreduce": "ringreduce",
+    "ringreduce": "ringreduce `DistributedOptimizer`",
     "ringreduce_view": "ringreduce, bucket views",
     "allreduce_after": "one MPI `Allreduce` after backward",
-    "ddp": "DDP gloo",
+    "ddp_rr": "DDP on `\"ringreduce\"`",
+    "ddp": "DDP on gloo",
 }
 TRAIN_MODELS = {"mlp": "MLP", "cnn": "ResNet-18-sized CNN", "mlp10m": "MLP"}
 PHASES = {
@@ -58,6 +75,10 @@ PHASES = {
 }
 COST_SIZES = (4 * KIB, MIB, 64 * MIB, GIB)
 COST_NODES = (2, 16, 128, 1024)
+YARDSTICK = ("Yardstick: the fastest single-thread copy of the same size (glibc's `memcpy` or "
+             "our streaming copy) running on every rank at once, measured in the same run; "
+             "`× copy` is busbw divided by its bandwidth. Latencies are compared with MPI's "
+             "`Allreduce` time (`× MPI`: below 1, ours is faster).")
 
 
 # ---------------------------------------------------------------------------- formatting
@@ -98,21 +119,54 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def section(name: str, body: str) -> str:
+    """`body` as a pymdownx.snippets section, for `--8<-- "figures/NAME.md:name"`."""
+    return f"<!-- --8<-- [start:{name}] -->\n{body.rstrip()}\n<!-- --8<-- [end:{name}] -->\n"
+
+
+def machine(meta: dict) -> str:
+    """The hosts, with their CPU model and count as far as the file records them."""
+    hosts = meta.get("host_cpus") or [meta]
+    described = []
+    for h in hosts:
+        name = h.get("hostname") or ", ".join(meta.get("hosts") or ["?"])
+        cpus = []
+        if h.get("cpu_count"):
+            cpus.append(f"{h['cpu_count']} CPUs")
+        if h.get("cpu_model"):
+            cpus.append(h["cpu_model"])
+        if h.get("cpus_usable") and h["cpus_usable"] != h.get("cpu_count"):
+            cpus.append(f"{h['cpus_usable']} usable")
+        described.append(f"`{name}`" + (f" ({', '.join(cpus)})" if cpus else ""))
+    return ", ".join(described)
+
+
+def commit(meta: dict) -> str:
+    if not meta.get("commit"):
+        return "commit not recorded"
+    text = f"commit `{meta['commit'][:12]}`"
+    if meta.get("dirty"):
+        files = meta.get("dirty_files") or []
+        text += (" with uncommitted changes" + (" to " + ", ".join(f"`{f}`" for f in files)
+                                                if files else ""))
+    return text
+
+
 def provenance(meta: dict | None, source: str) -> str:
-    """One line naming the run: what the file records of date, machine, ranks and versions."""
+    """One line naming the run: what the file records of date, machine, ranks, versions,
+    commit, environment and command line."""
     if not meta:
-        return (f"Run: `{source}` records no metadata (no date, machine, versions or "
+        return (f"Run: `{source}` records no metadata (no date, machine, versions, commit or "
                 "command line).")
     parts = []
     if meta.get("date"):
         parts.append(meta["date"].replace("T", " "))
-    where = ", ".join(meta.get("hosts") or [meta.get("hostname", "?")])
-    if meta.get("cpu_count"):
-        where += f" ({meta['cpu_count']} CPUs)"
-    parts.append(f"on `{where}`")
+    parts.append(f"on {machine(meta)}")
     if meta.get("ranks"):
         parts.append(f"{meta['ranks']} rank{'s' * (meta['ranks'] != 1)}")
-    if meta.get("mpi_library"):
+    if meta.get("mpi_vendor"):
+        parts.append(meta["mpi_vendor"])
+    elif meta.get("mpi_library"):
         parts.append(" ".join(meta["mpi_library"].splitlines()[0].split()))
     if meta.get("torch"):
         threads = meta.get("torch_num_threads")
@@ -122,65 +176,69 @@ def provenance(meta: dict | None, source: str) -> str:
         parts.append(f"Python {meta['python']}")
     if meta.get("ringreduce"):
         parts.append(f"ringreduce {meta['ringreduce']}")
-    parts.append(f"commit `{meta['commit'][:12]}`" if meta.get("commit")
-                 else "commit not recorded")
-    environment = {k: v for k, v in (meta.get("environment") or {}).items()
-                   if k.startswith(("RINGREDUCE_", "HOROVOD_"))}
-    if environment:
-        parts.append("with " + " ".join(f"`{k}={v}`" for k, v in sorted(environment.items())))
+    parts.append(commit(meta))
+    if "environment" not in meta:
+        parts.append("environment not recorded")
+    elif meta["environment"]:
+        parts.append("with " + " ".join(f"`{k}={v}`"
+                                        for k, v in sorted(meta["environment"].items())))
+    else:
+        parts.append("no thread or `RINGREDUCE_*` variables set")
     line = "Run: " + ", ".join(parts) + f". Data: `{source}`."
     if meta.get("argv"):
         line += f" Command: `{' '.join(str(a) for a in meta['argv'])}`."
     return line
 
 
-# ---------------------------------------------------------------------------- one kind each
+# ---------------------------------------------------------------------------- allreduce
 
-def allreduce(data: dict, source: str) -> str:
+def fastest_copy(copies: list, nbytes: int, where: str) -> dict | None:
+    rows = [c for c in copies if c["size_bytes"] == nbytes and c["where"] == where
+            and c["copy"] in ("memcpy", "stream")]
+    return max(rows, key=lambda c: c["bw_GBps"]) if rows else None
+
+
+def allreduce_cell(r: dict | None, nbytes: int) -> str:
+    if r is None or r["time_s"] in (None, 0):
+        return "n/a"
+    if nbytes < LATENCY_BELOW:
+        speedup = r.get("speedup_vs_mpi")
+        return microseconds(r["time_s"]) + (f" ({num(1 / speedup, 2)} × MPI)" if speedup else "")
+    ratio = r.get("busbw_over_copy")
+    return f"{num(r['busbw_GBps'])} GB/s" + (f" ({num(ratio, 2)} × copy)" if ratio else "")
+
+
+def column(nbytes: int) -> str:
+    return f"{size_label(nbytes)} " + ("latency" if nbytes < LATENCY_BELOW else "busbw")
+
+
+def allreduce_title(meta: dict, results: list, dtype: str) -> str:
+    ranks = meta.get("ranks")
+    spans = " across nodes" if any(r["method"] == "mpi_x" for r in results) else ""
+    return f"allreduce, {ranks} ranks{spans}, {dtype}" if ranks else f"allreduce{spans}, {dtype}"
+
+
+def allreduce_tables(data: dict, source: str) -> str:
     meta, results, copies = data["meta"], data["results"], data["copies"]
     sizes = sorted({r["size_bytes"] for r in results})
-    out = [provenance(meta, source), ""]
-    ranks = meta.get("ranks")
-
-    def fastest(nbytes: int, where: str) -> dict | None:
-        rows = [c for c in copies if c["size_bytes"] == nbytes and c["where"] == where
-                and c["copy"] in ("memcpy", "stream")]
-        return max(rows, key=lambda c: c["bw_GBps"]) if rows else None
-
-    def column(nbytes: int) -> str:
-        return f"{size_label(nbytes)} " + ("latency" if nbytes < LATENCY_BELOW else "busbw")
-
+    out = [provenance(meta, source), "", YARDSTICK, ""]
     for dtype in sorted({r["dtype"] for r in results}, key=lambda d: d != "float32"):
         rows = []
         for where, label in (("every rank", "fastest copy, every rank at once (yardstick)"),
                              ("rank 0", "fastest copy, rank 0 alone")):
             cells = []
             for nbytes in sizes:
-                c = fastest(nbytes, where)
+                c = fastest_copy(copies, nbytes, where)
                 cells.append("" if nbytes < LATENCY_BELOW or c is None
                              else f"{num(c['bw_GBps'])} GB/s ({c['copy']})")
             if any(cells):
                 rows.append([label] + cells)
         by_key = {(r["method"], r["size_bytes"]): r for r in results if r["dtype"] == dtype}
         for method, label in ALLREDUCE_METHODS.items():
-            cells = []
-            for nbytes in sizes:
-                r = by_key.get((method, nbytes))
-                if r is None or r["time_s"] in (None, 0):
-                    cells.append("n/a")
-                elif nbytes < LATENCY_BELOW:
-                    speedup = r.get("speedup_vs_mpi")
-                    cells.append(microseconds(r["time_s"])
-                                 + (f" ({num(1 / speedup, 2)} × MPI)" if speedup else ""))
-                else:
-                    ratio = r.get("busbw_over_copy")
-                    cells.append(f"{num(r['busbw_GBps'])} GB/s"
-                                 + (f" ({num(ratio, 2)} × copy)" if ratio else ""))
+            cells = [allreduce_cell(by_key.get((method, nbytes)), nbytes) for nbytes in sizes]
             if any(c != "n/a" for c in cells):
                 rows.append([label] + cells)
-        spans = " across nodes" if any(r["method"] == "mpi_x" for r in results) else ""
-        title = (f"allreduce, {ranks} ranks{spans}, {dtype}" if ranks
-                 else f"allreduce{spans}, {dtype}")
+        title = allreduce_title(meta, results, dtype)
         out += [f"**{title}**", "", table([title] + [column(s) for s in sizes], rows), ""]
 
     profiles = sorted(data.get("profiles") or [], key=lambda p: (p["dtype"], p["size_bytes"]))
@@ -208,15 +266,59 @@ def allreduce(data: dict, source: str) -> str:
     return "\n".join(out)
 
 
-def train(data: dict, source: str) -> str:
+def allreduce_dist(data: dict, source: str) -> str:
+    """torch.distributed's all_reduce on our backend beside gloo, MPI and our own calls, with
+    how much faster than gloo each is (gloo's time / its time)."""
+    meta, results = data["meta"], data["results"]
+    out = [provenance(meta, source), ""]
+    if not any(r["method"] == "dist_rr" for r in results):
+        return "\n".join(out + [
+            "*This run has no `dist_rr` rows (torch.distributed's `all_reduce` on the "
+            "`\"ringreduce\"` backend): it was made before the benchmark had them, or with "
+            "`--no-dist`. Rerun the command above to fill this table.*", ""])
+    out += ["Yardsticks: torch.distributed's own CPU backend, gloo, and MPI's `Allreduce`, in "
+            "the same run; `× gloo` is gloo's time divided by the row's (above 1: faster than "
+            "gloo). The optimizer bucket is the same asynchronous call without torch.", ""]
+    sizes = sorted({r["size_bytes"] for r in results if r["method"] == "dist_rr"})
+    for dtype in sorted({r["dtype"] for r in results if r["method"] == "dist_rr"},
+                        key=lambda d: d != "float32"):
+        by_key = {(r["method"], r["size_bytes"]): r for r in results if r["dtype"] == dtype}
+        rows = []
+        for method in DIST_ALLREDUCE_METHODS:
+            cells = []
+            for nbytes in sizes:
+                r = by_key.get((method, nbytes))
+                cell = allreduce_cell(r, nbytes)
+                gloo = by_key.get(("gloo", nbytes))
+                if (method != "gloo" and cell != "n/a" and gloo is not None
+                        and gloo.get("time_s")):
+                    cell += f", {num(gloo['time_s'] / r['time_s'], 2)} × gloo"
+                cells.append(cell)
+            if any(c != "n/a" for c in cells):
+                rows.append([ALLREDUCE_METHODS[method]] + cells)
+        title = f"torch.distributed {allreduce_title(meta, results, dtype)}"
+        out += [f"**{title}**", "", table([title] + [column(s) for s in sizes], rows), ""]
+    return "\n".join(out)
+
+
+def allreduce(data: dict, source: str) -> str:
+    return (section("tables", allreduce_tables(data, source)) + "\n"
+            + section("dist", allreduce_dist(data, source)))
+
+
+# ---------------------------------------------------------------------------- training
+
+def model_label(name: str, info: dict) -> str:
+    return f"{TRAIN_MODELS.get(name, name)} {info['params'] / 1e6:.1f}M (`{name}`)"
+
+
+def train_tables(data: dict, source: str) -> str:
     meta, results = data["meta"], data["results"]
     models = {m["model"]: m for m in data["models"]}
     methods = [m for m in TRAIN_METHODS if any(r["method"] == m for r in results)]
     batch = meta.get("batch_per_rank")
     rows = []
     for name, info in models.items():
-        label = (f"{TRAIN_MODELS.get(name, name)} {info['params'] / 1e6:.1f}M "
-                 f"(`{name}`), samples/s")
         by_method = {r["method"]: r for r in results if r["model"] == name}
         cells = []
         for method in methods:
@@ -228,11 +330,11 @@ def train(data: dict, source: str) -> str:
             if method != "none" and r.get("vs_none") is not None:
                 notes.append(f"{r['vs_none']:.2f} × none")
             if method not in ("ddp", "none") and r.get("vs_ddp") is not None:
-                notes.append(f"{r['vs_ddp']:.2f} × DDP")
+                notes.append(f"{r['vs_ddp']:.2f} × DDP gloo")
             if r.get("params_in_sync") is False:
                 notes.append("ranks NOT in sync")
             cells.append(f"{r['samples_per_s']:.0f}" + (f" ({'; '.join(notes)})" if notes else ""))
-        rows.append([label] + cells)
+        rows.append([f"{model_label(name, info)}, samples/s"] + cells)
     memory = []
     for name, info in models.items():
         by_method = {r["method"]: r for r in results if r["model"] == name}
@@ -249,17 +351,65 @@ def train(data: dict, source: str) -> str:
     title = (f"training, {meta.get('ranks')} ranks, batch {batch}/rank" if batch
              else f"training, {meta.get('ranks')} ranks")
     header = [title] + [TRAIN_METHODS[m] for m in methods]
-    return "\n".join([provenance(meta, source), "", f"**{title}**", "",
+    yardstick = ("Yardsticks: the same ranks training with no communication (the ceiling; "
+                 "`× none`) and DDP on gloo (`× DDP gloo`), in the same run; above 1 against "
+                 "DDP: faster.")
+    return "\n".join([provenance(meta, source), "", yardstick, "", f"**{title}**", "",
                       table(header, rows + memory), ""])
 
 
-def kernels(data: list, source: str) -> str:
-    kernel_names = list(dict.fromkeys(r["kernel"] for r in data))
+def train_dist(data: dict, source: str) -> str:
+    """DDP on our backend beside DDP on gloo and DistributedOptimizer, samples/s."""
+    meta, results = data["meta"], data["results"]
+    out = [provenance(meta, source), ""]
+    if not any(r["method"] == "ddp_rr" for r in results):
+        return "\n".join(out + [
+            "*This run has no `ddp_rr` rows (DDP on the `\"ringreduce\"` backend): it was made "
+            "before the benchmark had them, or without that method in `--methods`. Rerun the "
+            "command above to fill this table.*", ""])
+    out += ["Yardsticks: DDP on gloo, torch's own CPU backend, and ringreduce's "
+            "`DistributedOptimizer`, in the same run (samples/s of the whole job; ratios above "
+            "1: DDP on `\"ringreduce\"` is faster).", ""]
+    rows = []
+    for info in data["models"]:
+        name = info["model"]
+        speed = {r["method"]: r["samples_per_s"] for r in results if r["model"] == name}
+        if "ddp_rr" not in speed:
+            continue
+
+        def cell(method: str) -> str:
+            return f"{speed[method]:.0f}" if method in speed else "n/a"
+
+        def ratio(method: str) -> str:
+            return f"{speed['ddp_rr'] / speed[method]:.2f} ×" if speed.get(method) else "n/a"
+
+        rows.append([model_label(name, info), cell("ringreduce"), cell("ddp_rr"), cell("ddp"),
+                     ratio("ddp"), ratio("ringreduce")])
+    title = f"DDP, {meta.get('ranks')} ranks, samples/s"
+    header = [title, TRAIN_METHODS["ringreduce"], TRAIN_METHODS["ddp_rr"], TRAIN_METHODS["ddp"],
+              "DDP `\"ringreduce\"` ÷ DDP gloo", "DDP `\"ringreduce\"` ÷ `DistributedOptimizer`"]
+    return "\n".join(out + [f"**{title}**", "", table(header, rows), ""])
+
+
+def train(data: dict, source: str) -> str:
+    return (section("tables", train_tables(data, source)) + "\n"
+            + section("dist", train_dist(data, source)))
+
+
+# ---------------------------------------------------------------------------- the others
+
+def kernels(data, source: str) -> str:
+    meta, rows_in = (None, data) if isinstance(data, list) else (data.get("meta"),
+                                                                 data["kernels"])
+    kernel_names = list(dict.fromkeys(r["kernel"] for r in rows_in))
     rows = []
     for k in kernel_names:
-        cells = [f"{r['implementation']}: {num(r['gbps'])}" for r in data if r["kernel"] == k]
+        cells = [f"{r['implementation']}: {num(r['gbps'])}" for r in rows_in if r["kernel"] == k]
         rows.append([k, "; ".join(cells)])
-    return "\n".join([provenance(None, source), "", "**native kernels, GB/s (one thread)**", "",
+    yardstick = ("Yardsticks: NumPy and torch running the same operation on the same inputs "
+                 "(`ours` is our C kernels, `native/kernels.c`).")
+    return "\n".join([provenance(meta, source), "", yardstick, "",
+                      "**native kernels, GB/s (one thread)**", "",
                       table(["kernel", "GB/s by implementation"], rows), ""])
 
 
@@ -279,7 +429,8 @@ def cost_model(data: dict, source: str) -> str:
              f"{m['node_gbs']:g} GB/s, node small allreduce {m['node_small_us']:g} µs, "
              f"{m['overhead_us']:g} µs of Python per call, blocks of "
              f"{size_label(m['block_bytes'])}, small-message switch "
-             f"{size_label(m['small_bytes'])}. Data: `{source}`.")
+             f"{size_label(m['small_bytes'])}. Yardsticks: a flat ring over every rank and a "
+             f"binomial tree between nodes, under the same model. Data: `{source}`.")
     title = f"predicted allreduce time, blocks of {size_label(m['block_bytes'])}"
     return "\n".join([model, "", f"**{title}** (fastest in bold)", "",
                       table(["size per rank", "nodes"] + algorithms, rows), ""])
@@ -287,8 +438,9 @@ def cost_model(data: dict, source: str) -> str:
 
 def render(path: Path) -> str:
     data = json.loads(path.read_text())
-    source = f"docs/figures/{path.name}"
-    if isinstance(data, list):
+    source = (f"docs/figures/{path.name}" if path.resolve().parent == FIGURES
+              else str(path))
+    if isinstance(data, list) or "kernels" in data:
         body = kernels(data, source)
     elif "copies" in data:
         body = allreduce(data, source)
@@ -302,16 +454,122 @@ def render(path: Path) -> str:
             "rerun the script -->\n" + body)
 
 
+# ---------------------------------------------------------------------------- the README
+
+def short_run(meta: dict, source: str) -> str:
+    """The run in a few words: file, date, machine, MPI and commit."""
+    parts = [f"`{source}`"]
+    if meta.get("date"):
+        parts.append(meta["date"][:10])
+    parts.append(machine(meta))
+    if meta.get("ranks"):
+        parts.append(f"{meta['ranks']} ranks")
+    if meta.get("mpi_vendor") or meta.get("mpi_library"):
+        parts.append(meta.get("mpi_vendor")
+                     or " ".join(meta["mpi_library"].splitlines()[0].split()))
+    parts.append(commit(meta))
+    return ", ".join(parts)
+
+
+def headline(directory: Path) -> str:
+    """The README's handful of figures, each with its yardstick, and the runs they are from."""
+    lines, runs = [], []
+    path = directory / "allreduce-2ranks.json"
+    if path.exists():
+        data = json.loads(path.read_text())
+        meta, results = data["meta"], data["results"]
+        runs.append(short_run(meta, f"docs/figures/{path.name}"))
+        fp32 = {(r["method"], r["size_bytes"]): r for r in results if r["dtype"] == "float32"}
+        sizes = sorted({n for m, n in fp32 if m == "ours_"})
+        if sizes:
+            big, small = sizes[-1], sizes[0]
+            ours, mpi, gloo = (fp32.get((m, big)) for m in ("ours_", "mpi", "gloo"))
+            copy = fastest_copy(data["copies"], big, "every rank")
+            if big >= LATENCY_BELOW and ours and ours.get("busbw_GBps"):
+                text = (f"- **Allreduce, {size_label(big)} float32 in place, {meta['ranks']} "
+                        f"ranks on one machine:** {num(ours['busbw_GBps'])} GB/s busbw")
+                if copy:
+                    text += (f", {num(ours['busbw_GBps'] / copy['bw_GBps'], 2)} × the "
+                             f"yardstick (the fastest single-thread copy of {size_label(big)} "
+                             f"running on every rank at once: {num(copy['bw_GBps'])} GB/s)")
+                others = [f"{label} {num(r['busbw_GBps'])} GB/s" for label, r in
+                          (("MPI's own `Allreduce`", mpi), ("torch.distributed on gloo", gloo))
+                          if r and r.get("busbw_GBps")]
+                lines.append(text + ("; " + ", ".join(others) if others else "") + ".")
+            ours_small, mpi_small = fp32.get(("ours_", small)), fp32.get(("mpi", small))
+            if small < LATENCY_BELOW and ours_small and mpi_small:
+                lines.append(f"- **Allreduce, {size_label(small)} float32:** "
+                             f"{microseconds(ours_small['time_s'])} per call against MPI's "
+                             f"`Allreduce` {microseconds(mpi_small['time_s'])} "
+                             f"({num(ours_small['time_s'] / mpi_small['time_s'], 2)} × its "
+                             "time), in the same run.")
+            dist, dist_gloo = fp32.get(("dist_rr", big)), fp32.get(("gloo", big))
+            if dist and dist.get("busbw_GBps"):
+                text = (f"- **torch.distributed `all_reduce` on the `\"ringreduce\"` backend, "
+                        f"{size_label(big)}:** {num(dist['busbw_GBps'])} GB/s busbw")
+                if dist_gloo and dist_gloo.get("time_s"):
+                    text += (f" against gloo's {num(dist_gloo['busbw_GBps'])} GB/s "
+                             f"({num(dist_gloo['time_s'] / dist['time_s'], 2)} × as fast)")
+                lines.append(text + ".")
+    path = directory / "train-2ranks.json"
+    if path.exists():
+        data = json.loads(path.read_text())
+        meta, results = data["meta"], data["results"]
+        runs.append(short_run(meta, f"docs/figures/{path.name}"))
+        if data["models"]:
+            info = data["models"][0]
+            speed = {r["method"]: r["samples_per_s"] for r in results
+                     if r["model"] == info["model"]}
+            if "ringreduce" in speed:
+                text = (f"- **Training** a {info['params'] / 1e6:.1f}M-parameter "
+                        f"{TRAIN_MODELS.get(info['model'], info['model'])} on {meta['ranks']} "
+                        f"ranks: {speed['ringreduce']:.0f} samples/s with "
+                        "`DistributedOptimizer`")
+                notes = []
+                if speed.get("none"):
+                    notes.append(f"{speed['ringreduce'] / speed['none']:.2f} × the ceiling "
+                                 f"(the same ranks without communication: "
+                                 f"{speed['none']:.0f})")
+                if speed.get("ddp"):
+                    notes.append(f"{speed['ringreduce'] / speed['ddp']:.2f} × DDP on gloo "
+                                 f"({speed['ddp']:.0f})")
+                lines.append(text + (", " + " and ".join(notes) if notes else "") + ".")
+            if "ddp_rr" in speed and speed.get("ddp"):
+                lines.append(f"- **DDP on the `\"ringreduce\"` backend**, same model: "
+                             f"{speed['ddp_rr']:.0f} samples/s, "
+                             f"{speed['ddp_rr'] / speed['ddp']:.2f} × DDP on gloo.")
+    if not lines:
+        lines = ["- No benchmark results in `docs/figures/` yet."]
+    if runs:
+        lines += ["", "From " + "; ".join(runs) + "."]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def readme_with_headline(text: str, block: str) -> str:
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError(f"README.md has no {README_START} ... {README_END} block")
+    head = text[:start + len(README_START)]
+    note = ("\n<!-- generated by scripts/docs_figures.py from docs/figures/: do not edit, "
+            "rerun the script -->\n")
+    return head + note + block + text[end:]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if a generated table is missing or stale")
     parser.add_argument("--dir", type=Path, default=FIGURES)
+    parser.add_argument("--readme", type=Path, default=None,
+                        help="the README whose figures block to write (default: README.md when "
+                             "--dir is docs/figures, else none)")
     args = parser.parse_args(argv)
+    readme = args.readme or (README if args.dir.resolve() == FIGURES else None)
+    targets = {path.with_suffix(".md"): render(path) for path in sorted(args.dir.glob("*.json"))}
+    if readme is not None:
+        targets[readme] = readme_with_headline(readme.read_text(), headline(args.dir))
     stale = []
-    for path in sorted(args.dir.glob("*.json")):
-        target = path.with_suffix(".md")
-        text = render(path)
+    for target, text in targets.items():
         current = target.read_text() if target.exists() else None
         if current == text:
             continue
@@ -320,7 +578,8 @@ def main(argv=None) -> int:
         else:
             target.write_text(text)
             print(f"wrote {target}")
-    orphans = [md for md in sorted(args.dir.glob("*.md")) if not md.with_suffix(".json").exists()]
+    orphans = [md for md in sorted(args.dir.glob("*.md"))
+               if not md.with_suffix(".json").exists() and md != readme]
     if args.check and (stale or orphans):
         for t in stale:
             print(f"stale or missing: {t} (run python scripts/docs_figures.py)", file=sys.stderr)

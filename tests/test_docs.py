@@ -1,5 +1,7 @@
-"""The documentation site (docs/, mkdocs.yml): it builds in strict mode, its API reference names
-every public name, and its Performance tables match the benchmark JSON they come from.
+"""The documentation site (docs/, mkdocs.yml) and the README: the site builds in strict mode,
+its API reference names every public name, its Performance tables and the README's figures
+match the benchmark JSON they come from (scripts/docs_figures.py, also on made-up runs with and
+without the torch.distributed rows), and the README stays a short front door.
 
 `mkdocs build --strict` fails on a broken link or anchor, an unresolved cross-reference, a
 missing snippet and any warning of mkdocstrings (an object it cannot find or render).
@@ -9,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -104,5 +107,102 @@ def test_performance_tables_match_their_json():
     assert figures.main(["--check"]) == 0, "run: python scripts/docs_figures.py"
     performance = (DOCS / "performance.md").read_text()
     for path in sorted(DOCS.glob("figures/*.json")):
-        assert f'--8<-- "figures/{path.stem}.md"' in performance, \
+        assert re.search(rf'--8<-- "figures/{re.escape(path.stem)}\.md(:[a-z]+)?"', performance), \
             f"docs/performance.md does not include {path.stem}.md"
+    for name in ("allreduce-2ranks", "train-2ranks"):      # the torch.distributed section
+        assert f'--8<-- "figures/{name}.md:dist"' in performance, name
+
+
+def _bench_meta(**extra) -> dict:
+    return {"ranks": 2, "hostname": "box", "hosts": ["box"], "cpu_model": "Some CPU 9000",
+            "cpu_count": 8, "cpus_usable": 8, "mpi_vendor": "MPICH 5.0.2", "torch": "2.5",
+            "torch_num_threads": 1, "python": "3.11.7", "ringreduce": "0.1.0",
+            "commit": "0123456789abcdef0123", "dirty": True, "dirty_files": ["ringreduce/x.py"],
+            "environment": {"OMP_NUM_THREADS": "1", "RINGREDUCE_BLOCK_BYTES": "2M"},
+            "date": "2026-01-02T03:04:05+00:00", "argv": ["scripts/bench.py"], **extra}
+
+
+def _allreduce_run(methods) -> dict:
+    results = []
+    for nbytes in (4096, 1 << 20):
+        for i, method in enumerate(methods):
+            seconds = (1 + i) * nbytes / 1e9
+            results.append({"size_bytes": nbytes, "dtype": "float32", "method": method,
+                            "time_s": seconds, "busbw_GBps": nbytes / seconds / 1e9,
+                            "busbw_over_copy": 0.5, "speedup_vs_mpi": 1.0})
+    copies = [{"size_bytes": n, "copy": "memcpy", "where": w, "bw_GBps": 10.0}
+              for n in (4096, 1 << 20) for w in ("rank 0", "every rank")]
+    return {"meta": _bench_meta(), "copies": copies, "results": results, "profiles": []}
+
+
+def _train_run(methods) -> dict:
+    results = [{"model": "mlp", "method": m, "samples_per_s": 100.0 + 10 * i, "step_ms": 50.0,
+                "peak_rss_increase_mib_per_rank": [10.0, 12.0], "vs_none": 1.0, "vs_ddp": 1.0}
+               for i, m in enumerate(methods)]
+    return {"meta": _bench_meta(batch_per_rank=32),
+            "models": [{"model": "mlp", "params": 23_500_000, "grad_mib": 89.6}],
+            "results": results}
+
+
+def test_figures_show_the_run_and_the_torch_distributed_rows(tmp_path):
+    """A run with the new metadata and the backend's rows: the Run line names the commit, the
+    machine and the environment; the `dist` sections show dist_rr and ddp_rr beside gloo."""
+    figures = _load(ROOT / "scripts" / "docs_figures.py", "_docs_figures_for_test")
+    (tmp_path / "allreduce-2ranks.json").write_text(json.dumps(
+        _allreduce_run(["ours_", "ours", "bucket", "dist_rr", "mpi", "gloo"])))
+    (tmp_path / "train-2ranks.json").write_text(json.dumps(
+        _train_run(["none", "ringreduce", "ddp_rr", "ddp"])))
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n<!-- figures:start -->\n<!-- figures:end -->\nafter\n")
+    assert figures.main(["--dir", str(tmp_path), "--readme", str(readme)]) == 0
+    assert figures.main(["--dir", str(tmp_path), "--readme", str(readme), "--check"]) == 0
+    allreduce = (tmp_path / "allreduce-2ranks.md").read_text()
+    train = (tmp_path / "train-2ranks.md").read_text()
+    for text in (allreduce, train):
+        assert "commit `0123456789ab` with uncommitted changes to `ringreduce/x.py`" in text
+        assert "`box` (8 CPUs, Some CPU 9000)" in text
+        assert "`OMP_NUM_THREADS=1` `RINGREDUCE_BLOCK_BYTES=2M`" in text
+        assert "[start:tables]" in text and "[start:dist]" in text
+    dist = allreduce.split("[start:dist]")[1]
+    assert "`\"ringreduce\"` backend (`dist_rr`)" in dist and "× gloo" in dist
+    dist = train.split("[start:dist]")[1]
+    assert "DDP on `\"ringreduce\"`" in dist and "DDP on gloo" in dist
+    assert "| MLP 23.5M (`mlp`) | 110 | 120 | 130 | 0.92 × | 1.09 × |" in dist
+    head = readme.read_text()
+    assert head.startswith("# x\n<!-- figures:start -->") and head.endswith("<!-- figures:end -->\nafter\n")
+    assert "DDP on the `\"ringreduce\"` backend" in head and "1 MiB float32 in place" in head
+
+
+def test_figures_without_the_new_rows_say_so(tmp_path):
+    """Files from before the backend's rows (and before the richer metadata) still render: the
+    dist sections say how to fill them, and the Run line what it does not know."""
+    figures = _load(ROOT / "scripts" / "docs_figures.py", "_docs_figures_for_test")
+    old = {"ranks": 2, "hostname": "vm", "hosts": ["vm"], "cpu_count": 2,
+           "mpi_library": "MPICH Version: 5.0.2\nmore"}
+    run = _allreduce_run(["ours_", "mpi", "gloo"])
+    run["meta"] = old
+    (tmp_path / "allreduce-2ranks.json").write_text(json.dumps(run))
+    run = _train_run(["none", "ringreduce", "ddp"])
+    run["meta"] = dict(old, batch_per_rank=32)
+    (tmp_path / "train-2ranks.json").write_text(json.dumps(run))
+    assert figures.main(["--dir", str(tmp_path)]) == 0
+    for name, row in (("allreduce-2ranks", "dist_rr"), ("train-2ranks", "ddp_rr")):
+        text = (tmp_path / f"{name}.md").read_text()
+        assert "commit not recorded" in text and "environment not recorded" in text
+        assert f"This run has no `{row}` rows" in text.split("[start:dist]")[1]
+
+
+def test_readme_is_the_front_door():
+    """Short; the two commands exactly as .ci/run runs the tests; the docs command; links that
+    lead somewhere; the figures block generated (test_performance_tables_match_their_json)."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) < 200
+    ci = (ROOT / ".ci" / "run").read_text()
+    test_command = next(line for line in ci.splitlines() if "pytest" in line)
+    assert test_command.strip() in readme
+    assert ('python3 -m venv .venv && .venv/bin/pip install -e ".[mpich,test]" && '
+            '.venv/bin/mpiexec -n 2 .venv/bin/python scripts/train_digits.py') in readme
+    assert '.venv/bin/python -m mkdocs serve' in readme
+    assert "<!-- figures:start -->" in readme and "<!-- figures:end -->" in readme
+    for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", readme):
+        assert (ROOT / target).exists(), f"README links to a missing file: {target}"
