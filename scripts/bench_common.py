@@ -112,8 +112,8 @@ def environment() -> dict:
 
 def git_state(repository: str = REPOSITORY) -> dict:
     """The commit the benchmark's code is at and whether the working tree differs from it
-    (tracked files only; `dirty_files` names up to 20 of them). Empty outside a git checkout
-    or without git."""
+    (tracked files only: `dirty_count` of them, `dirty_files` names up to 20). Empty outside
+    a git checkout or without git."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", repository, *args], capture_output=True,
                               text=True, timeout=30, check=True).stdout
@@ -124,7 +124,8 @@ def git_state(repository: str = REPOSITORY) -> dict:
                    .splitlines() if line.strip()]
     except (OSError, subprocess.SubprocessError):
         return {}
-    return {"commit": commit, "dirty": bool(changed), "dirty_files": changed[:20]}
+    return {"commit": commit, "dirty": bool(changed), "dirty_count": len(changed),
+            "dirty_files": changed[:20]}
 
 
 def cpu_model() -> str | None:

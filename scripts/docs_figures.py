@@ -141,14 +141,19 @@ def machine(meta: dict) -> str:
     return ", ".join(described)
 
 
-def commit(meta: dict) -> str:
+def commit(meta: dict, name_files: int = 3) -> str:
+    """The commit, and whether tracked files differed from it (naming up to `name_files`)."""
     if not meta.get("commit"):
         return "commit not recorded"
     text = f"commit `{meta['commit'][:12]}`"
     if meta.get("dirty"):
         files = meta.get("dirty_files") or []
-        text += (" with uncommitted changes" + (" to " + ", ".join(f"`{f}`" for f in files)
-                                                if files else ""))
+        named = ", ".join(f"`{f}`" for f in files[:name_files])
+        more = meta.get("dirty_count", len(files)) - min(name_files, len(files))
+        text += " with uncommitted changes"
+        if named:
+            text += f" to {named}" + (f" and {more} more file{'s' * (more != 1)}"
+                                      if more > 0 else "")
     return text
 
 
@@ -467,7 +472,7 @@ def short_run(meta: dict, source: str) -> str:
     if meta.get("mpi_vendor") or meta.get("mpi_library"):
         parts.append(meta.get("mpi_vendor")
                      or " ".join(meta["mpi_library"].splitlines()[0].split()))
-    parts.append(commit(meta))
+    parts.append(commit(meta, name_files=0))
     return ", ".join(parts)
 
 
@@ -504,11 +509,15 @@ def headline(directory: Path) -> str:
                              f"({num(ours_small['time_s'] / mpi_small['time_s'], 2)} × its "
                              "time), in the same run.")
             dist, dist_gloo = fp32.get(("dist_rr", big)), fp32.get(("gloo", big))
-            if dist and dist.get("busbw_GBps"):
+            if dist and dist.get("time_s"):
+                def figure(r: dict) -> str:
+                    return (f"{num(r['busbw_GBps'])} GB/s busbw" if big >= LATENCY_BELOW
+                            else f"{microseconds(r['time_s'])} per call")
+
                 text = (f"- **torch.distributed `all_reduce` on the `\"ringreduce\"` backend, "
-                        f"{size_label(big)}:** {num(dist['busbw_GBps'])} GB/s busbw")
+                        f"{size_label(big)}:** {figure(dist)}")
                 if dist_gloo and dist_gloo.get("time_s"):
-                    text += (f" against gloo's {num(dist_gloo['busbw_GBps'])} GB/s "
+                    text += (f" against gloo's {figure(dist_gloo)} "
                              f"({num(dist_gloo['time_s'] / dist['time_s'], 2)} × as fast)")
                 lines.append(text + ".")
     path = directory / "train-2ranks.json"

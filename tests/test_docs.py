@@ -169,7 +169,8 @@ def test_figures_show_the_run_and_the_torch_distributed_rows(tmp_path):
     assert "DDP on `\"ringreduce\"`" in dist and "DDP on gloo" in dist
     assert "| MLP 23.5M (`mlp`) | 110 | 120 | 130 | 0.92 × | 1.09 × |" in dist
     head = readme.read_text()
-    assert head.startswith("# x\n<!-- figures:start -->") and head.endswith("<!-- figures:end -->\nafter\n")
+    assert head.startswith("# x\n<!-- figures:start -->")
+    assert head.endswith("<!-- figures:end -->\nafter\n")
     assert "DDP on the `\"ringreduce\"` backend" in head and "1 MiB float32 in place" in head
 
 
