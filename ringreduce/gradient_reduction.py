@@ -1,0 +1,433 @@
+"""The life cycle of a `DistributedOptimizer` step on a member of its process set: gradients are
+reduced (averaged, by default) across the set's ranks while backward runs.
+
+  backward: the step's first gradient checks the plan (which parameters train, which have
+      sparse gradients); a change re-plans the buckets, the same way on every rank. Each
+      parameter's post-accumulate hook counts its passes; on the last pass its gradient is
+      packed into its bucket; a full bucket is handed to the set's engine (in bucket order, the
+      same on every rank), which reduces it on its thread while backward goes on.
+  synchronize(): buckets that never filled are packed with zeros where this rank has no
+      gradient and submitted, so every rank reduces the same buckets; sparse gradients are
+      allgathered (Horovod's sparse allreduce); the step's agreement (step_agreement.py) tells
+      which parameters had a gradient on some rank and whether some rank's step is broken;
+      then wait.
+  step(): synchronize() unless inside skip_synchronize(), then the wrapped optimizer's step.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import cuda, fusion, sparse_gradients, timeline
+from .collectives import submit
+from .compression import Compression
+from .engine import Handle
+from .errors import UnsupportedError, UsageError
+from .kernels import ReduceOp
+from .objects import check_consistency
+from .process_sets import active
+from .signature import digest
+from .step_agreement import StepAgreement
+from .transport import ReduceSpec
+from .wrapped_optimizer import (STEP_AFTER_SYNCHRONIZE, Options, WrappedOptimizer,
+                                explicit_groups, remove_hooks)
+
+
+class GradientReduction(WrappedOptimizer):
+    """See the module's docstring; `AdasumOptimizer` changes what a final gradient does."""
+
+    def _setup(self, options: Options) -> None:
+        ps = self._set = active(options.process_set, "DistributedOptimizer()")
+        settings = ps.transport.settings
+        op = self._check_arguments(options, ps.ranks[ps.rank])
+        if options.gradient_as_bucket_view and options.compression is not Compression.none:
+            raise ValueError("ringreduce: gradient_as_bucket_view needs compression="
+                             "Compression.none (compressed buckets hold another dtype)")
+        # Average with a predivide factor f: sum(g / f) * f / size.
+        factor = options.gradient_predivide_factor
+        predivided = factor != 1.0
+        self._reduction = (ReduceOp.Sum if predivided else op, 1.0 / factor,
+                           factor / ps.size if predivided else 1.0)
+        self._op = op                # sparse gradients: Horovod's op, without the predivision
+        self._sparse_as_dense = options.sparse_as_dense
+        self._consistency_every = settings.consistency_check_steps
+        self._steps_taken = 0
+        self._compression = options.compression
+        self._groups = options.groups
+        self._threshold = settings.fusion_threshold if options.fusion_threshold is None \
+            else options.fusion_threshold
+        self._first_bucket = settings.first_bucket_bytes if options.first_bucket_bytes is None \
+            else options.first_bucket_bytes
+        self._prefix = ps.optimizer_prefix()
+        self._views = options.gradient_as_bucket_view
+        self._broken: Optional[str] = None     # why this step cannot be completed
+        self._sparse: set[int] = set()         # parameters whose gradients come sparse
+        self._hooked: set[int] = set()
+        weakref.finalize(self, remove_hooks, self._hooks)
+        self._plan()
+        self._reset_step()
+
+    # ------------------------------------------------------------ the plan
+
+    def _trainable(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p) for n, p in self._named if p.requires_grad]
+
+    def _plan(self) -> None:
+        """Buckets over the trainable parameters with dense gradients, their reductions, the
+        step's agreement, and a gradient hook on every trainable parameter."""
+        trainable = self._trainable()
+        dense = [(n, p) for n, p in trainable if id(p) not in self._sparse]
+        wire = self._compression.wire_dtype
+
+        def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+            return wire if wire is not None and self._compression.applies_to(dtype) else dtype
+
+        self._buckets = fusion.plan(dense, self._threshold, self._first_bucket, wire_dtype,
+                                    explicit_groups(self._groups, dense), self._prefix,
+                                    direct=not self._adasum)
+        op, prescale, postscale = self._reduction
+        self._specs = [ReduceSpec(b.buffer.dtype, op, prescale, postscale, digest(b.signature),
+                                  b.signature, [p.numel() for p in b.params])
+                       for b in self._buckets]
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        self._view_of = {id(p): v for b in self._buckets for p, v in zip(b.params, b.views)}
+        self._sparse_params = [(n, p) for n, p in trainable if id(p) in self._sparse]
+        self._planned = frozenset(id(p) for _, p in trainable)
+        self._planned_sparse = frozenset(self._sparse)
+        self._position = {id(p): i for i, (_, p) in enumerate(dense)}
+        self._agreement = StepAgreement(self._set, self._process_set, self._prefix,
+                                        [n for n, _ in dense])
+        self._counts_presence = not self._views and not self._adasum and len(dense) > 0
+        self._agrees = self._set.size > 1
+        for bucket in self._buckets:
+            describe(bucket)
+        if self._views:
+            self._point_grads_at_buckets()
+        self._hook([p for _, p in trainable])
+
+    def _hook(self, params: list[torch.Tensor]) -> None:
+        # The hooks live in torch's C++ parameter objects, which the garbage collector cannot
+        # see through: hold the optimizer weakly there.
+        me = weakref.ref(self)
+
+        def on_gradient(p: torch.Tensor) -> None:
+            optimizer = me()
+            if optimizer is not None:
+                optimizer._on_gradient(p)
+
+        for p in params:
+            if id(p) not in self._hooked:
+                self._hooked.add(id(p))
+                self._hooks.append(p.register_post_accumulate_grad_hook(on_gradient))
+
+    def _replan_if_changed(self) -> None:
+        """Before anything of a step is submitted: a parameter frozen or unfrozen since the
+        plan, or a gradient found sparse, re-plans the buckets. Every rank that makes the same
+        change re-plans alike; a rank that does not fails the buckets' signature check
+        (MismatchError naming the parameters)."""
+        trainable = frozenset(id(p) for _, p in self._trainable())
+        if trainable != self._planned or self._sparse != self._planned_sparse:
+            self._plan()
+            self._reset_step()
+
+    def _point_grads_at_buckets(self) -> None:
+        for bucket in self._buckets:
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                p.grad = view
+
+    # ------------------------------------------------------------ backward
+
+    def _reset_step(self) -> None:
+        self._fresh = True                   # nothing of this step seen yet
+        self._pass_count = dict.fromkeys(self._planned, 0)
+        self._waiting = [len(b.params) for b in self._buckets]  # params not ready, per bucket
+        self._next_bucket = 0                # buckets are submitted strictly in order
+        self._handles: list[Handle] = []
+        self._found_sparse: set[int] = set()   # parameters with sparse gradients this step
+        self._densified: set[int] = set()      # sparse gradients this step, sparse_as_dense
+        self._agreement.clear()
+        self._synchronized = False
+        self._first_gradient_at: dict[int, float] = {}  # bucket index -> time (timeline only)
+
+    def _begin_step(self) -> None:
+        """At the step's first gradient (or its synchronize, if none came): re-plan if needed.
+        `_fresh` is cleared again after, since a re-plan resets the step."""
+        if self._fresh:
+            self._fresh = False
+            self._replan_if_changed()
+            self._fresh = False
+
+    def _on_gradient(self, p: torch.Tensor) -> None:
+        self._begin_step()
+        key = id(p)
+        if key not in self._pass_count:      # trainable only since this step began
+            return
+        count = self._pass_count[key] = self._pass_count[key] + 1
+        if count > self._passes:
+            self._broken = (
+                f"ringreduce: gradient of '{self._names[key]}' was computed {count} times on "
+                f"rank {self._rank} before step(); backward_passes_per_step is {self._passes}. "
+                "Increase backward_passes_per_step to accumulate gradients locally, or call "
+                "step()/synchronize() between backward passes.")
+            raise UsageError(self._broken)
+        if count < self._passes:
+            return
+        if p.grad is not None and p.grad.layout != torch.strided:
+            if self._sparse_as_dense and (self._adasum or self._set.size > 1):
+                # Horovod: reduced densely, handed back sparse (alone, it reduces nothing:
+                # the gradient stays as backward made it, reduced on its own below)
+                p.grad = p.grad.to_dense()
+                if not self._adasum:
+                    self._densified.add(key)
+            elif self._adasum:
+                raise UnsupportedError(
+                    f"ringreduce: parameter '{self._names[key]}' on rank {self._rank} has a "
+                    "sparse gradient, which Adasum cannot combine; pass sparse_as_dense=True")
+            else:
+                self._found_sparse.add(key)
+                if key in self._planned_sparse:     # reduced on its own at synchronize()
+                    return
+        bucket = self._bucket_of[key]
+        if timeline.running():      # "waiting for gradients" starts at the first
+            self._first_gradient_at.setdefault(bucket.index, time.perf_counter())
+        view = self._view_of.get(key)   # None: a direct bucket
+        if (self._views and view is not None and p.grad is not None
+                and p.grad.data_ptr() != view.data_ptr()):
+            view.copy_(p.grad)   # the gradient was re-created (set_to_none): view it again
+            p.grad = view
+        self._gradient_ready(p)
+        self._waiting[bucket.index] -= 1
+        if self._waiting[bucket.index] == 0:
+            timeline.record(bucket.name, "gradients ready")
+        self._submit_ready_buckets()
+
+    def _gradient_ready(self, p: torch.Tensor) -> None:
+        """What a final gradient does before its bucket is packed (Adasum: the local step)."""
+
+    def _submit_ready_buckets(self, force: bool = False) -> None:
+        while self._next_bucket < len(self._buckets) and (
+                force or self._waiting[self._next_bucket] == 0):
+            bucket = self._buckets[self._next_bucket]
+            self._trace_waiting(bucket)
+            if self._counts_presence:
+                self._mark_present(bucket)
+            ready = None   # GPU: an event on torch's stream, after which the bucket is packed
+            gradient = None
+            with timeline.span(bucket.name, "pack"):
+                if bucket.direct:
+                    gradient = self._direct_gradient(bucket)
+                else:
+                    ready = self._pack(bucket)
+            self._handles.append(submit(
+                (self._set, bucket.name, self._reduce_work(bucket, ready, gradient))))
+            self._next_bucket += 1
+
+    def _pack(self, bucket: fusion.Bucket) -> Any:
+        """Gradients into the bucket's buffer; on a GPU, returns the event the reduction waits
+        for."""
+        if bucket.buffer.is_cuda:
+            return cuda.pack(bucket)
+        bucket.pack()
+        return None
+
+    def _direct_gradient(self, bucket: fusion.Bucket) -> torch.Tensor:
+        """The tensor a direct bucket reduces in place: its parameter's gradient, or zeros
+        standing in for a sparse one (which travels on its own)."""
+        p = bucket.params[0]
+        if p.grad is not None and p.grad.layout != torch.strided:
+            return torch.zeros_like(p)
+        return bucket.gradient()
+
+    def _reduce_work(self, bucket: fusion.Bucket, ready: Any = None,
+                     gradient: Optional[torch.Tensor] = None):
+        """The engine's work for a bucket: reduce its buffer (or, for a direct bucket,
+        `gradient` in place), then unpack."""
+        transport, spec = self._set.transport, self._specs[bucket.index]
+
+        def work() -> None:
+            timeline.record(bucket.name, "reduce start")
+            tensor = bucket.buffer if gradient is None else gradient
+            with timeline.span(bucket.name, "allreduce"), cuda.after(ready):
+                transport.allreduce(tensor, tensor, spec)
+            if not bucket.direct and not self._adasum:
+                with timeline.span(bucket.name, "unpack"):
+                    if bucket.buffer.is_cuda:
+                        cuda.unpack(bucket)   # and waits: complete before synchronize() returns
+                    else:
+                        bucket.unpack()
+            timeline.record(bucket.name, "reduce done")
+
+        return work
+
+    def _trace_waiting(self, bucket: fusion.Bucket) -> None:
+        """While a timeline runs: name the bucket's parameters for its events, and emit its
+        "waiting for gradients" span, from its first gradient hook of the step until now (its
+        submission), the part of backward that its communication can overlap."""
+        if not timeline.running():
+            return
+        describe(bucket)
+        start = self._first_gradient_at.get(bucket.index)
+        if start is not None:
+            timeline.add_span(bucket.name, "waiting for gradients", start, time.perf_counter())
+
+    def _complete_collectives(self) -> None:
+        """Submit whatever of this step's collectives are left, in the same order on every
+        rank, and wait for all of them, also after one fails (so that the next step starts
+        with nothing of this one pending, on every rank); then raise the first failure. The
+        last of them is the step's agreement: where any rank's step is broken (an extra
+        backward pass), every rank raises UsageError, so that no rank steps."""
+        self._begin_step()                   # also when no gradient came this step
+        self._submit_ready_buckets(force=True)
+        sparse = [(n, p) for n, p in self._named
+                  if id(p) in self._planned_sparse or id(p) in self._found_sparse]
+        self._sparse |= self._found_sparse    # the next step's plan reduces them on their own
+        results = sparse_gradients.gather(sparse, self._prefix, self._op, self._process_set)
+        agreement = self._agreement.submit(self._broken is not None) if self._agrees else None
+        failures: list[BaseException] = []
+
+        def wait(outcome: Callable[[], Any]) -> Any:
+            try:
+                return outcome()
+            except Exception as exc:     # every handle is waited for; the first error wins
+                failures.append(exc)
+
+        try:
+            for handle in self._handles:
+                wait(handle.wait)
+            for p, handle in results:
+                gathered = wait(handle)
+                if gathered is not None:
+                    p.grad = gathered
+            if agreement is not None:
+                wait(agreement.wait)
+        finally:
+            self._handles = []
+            self._synchronized = True       # nothing of this step is pending any more
+        if failures:
+            raise failures[0]
+        if self._counts_presence:
+            self._forget_gradients_nobody_had()
+        if self._densified:     # sparse_as_dense
+            sparse_gradients.hand_back_sparse(self._named, self._densified)
+            self._densified = set()
+        if (self._agreement.broken() if agreement is not None else self._broken is not None):
+            self._broken = self._agreement.why_skipped(self._broken)
+            self._check_unbroken()
+
+    def _mark_present(self, bucket: fusion.Bucket) -> None:
+        """As a bucket is packed (before its unpack fills in missing gradients): this rank has
+        a gradient for each parameter whose `.grad` is set, from this step's backward passes (all
+        of them, or fewer when a step comes early, as at the end of an epoch with gradient
+        accumulation), or zeros kept by zero_grad(set_to_none=False)."""
+        for p in bucket.params:
+            if p.grad is not None:
+                self._agreement.mark_present(self._position[id(p)])
+
+    def _forget_gradients_nobody_had(self) -> None:
+        """A parameter no rank had a gradient for keeps `.grad` None, as in one process (zeros
+        stand in only for ranks that lack a gradient another rank has)."""
+        present = self._agreement.present()
+        for bucket in self._buckets:
+            for p in bucket.params:
+                if not present[self._position[id(p)]]:
+                    p.grad = None
+
+    # ------------------------------------------------------------ public methods
+
+    def synchronize(self) -> None:
+        """Finish reducing every gradient of this step (zeros for gradients a rank lacks).
+        UsageError on every rank when some rank's step is broken."""
+        self._check_usable()
+        if self._synchronized:
+            self._check_unbroken()
+            return
+        try:
+            self._complete_collectives()
+        finally:
+            self._synchronized = True
+
+    def step(self, closure=None):
+        """`closure` (re-evaluates the loss, with backward) runs first, so that its gradients
+        are the ones reduced; the wrapped optimizer then steps without it."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._skip_sync:
+            if self._synchronized and closure is None and self._broken is None:
+                warnings.warn(STEP_AFTER_SYNCHRONIZE)
+            self.synchronize()
+        elif not self._synchronized:
+            raise UsageError(
+                f"ringreduce: step() inside skip_synchronize() on rank {self._rank} before "
+                "synchronize(); call optimizer.synchronize() first")
+        else:
+            self._check_unbroken()
+        self._step_wrapped()
+        self._finish_step()
+        return loss
+
+    def _check_unbroken(self) -> None:
+        if self._broken is not None:
+            raise UsageError(f"{self._broken} This step's gradients are incomplete: call "
+                             "optimizer.zero_grad() on every rank and run the step again.")
+
+    def _finish_step(self) -> None:
+        self._reset_step()
+        self._steps_taken += 1
+        if self._consistency_every and self._steps_taken % self._consistency_every == 0:
+            check_consistency(self._named, name=f"check_consistency.step{self._steps_taken}",
+                              process_set=self._process_set)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not self._synchronized and (self._handles or (self._broken is not None
+                                                         and not self._fresh)):
+            if self._broken is None:
+                raise UsageError(
+                    f"ringreduce: optimizer.zero_grad() on rank {self._rank} was called after "
+                    "loss.backward() but before optimizer.step() or optimizer.synchronize(); "
+                    "the gradients are still being reduced. Call zero_grad() before backward.")
+            try:        # a broken step still meets the other ranks' collectives, and tells
+                self._complete_collectives()        # them to skip the step
+            except UsageError:
+                pass
+        self._broken = None
+        if self._views:
+            self._zero_bucket_views(set_to_none)
+        else:
+            super().zero_grad(set_to_none)      # type: ignore[misc]  (the wrapped class's)
+        self._reset_step()
+
+    def _zero_bucket_views(self, set_to_none: bool) -> None:
+        """gradient_as_bucket_view's zero_grad(): the buckets zeroed in place, and the
+        gradients kept as views of them."""
+        for bucket in self._buckets:
+            bucket.buffer.zero_()
+            p = bucket.params[0]
+            if bucket.direct and p.grad is not None:    # no bucket: as torch does
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+        for _, p in self._sparse_params:
+            p.grad = None
+        for _, p in self._named:    # handed back sparse (sparse_as_dense): not a view
+            if p.grad is not None and p.grad.layout != torch.strided:
+                p.grad = None
+        self._point_grads_at_buckets()
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        super().set_backward_passes_per_step(passes)
+        self._reset_step()
+
+
+def describe(bucket: fusion.Bucket) -> None:
+    """Tell the timeline which parameters a bucket's events are about."""
+    timeline.describe(bucket.name, parameters=bucket.names, bytes=bucket.nbytes,
+                      in_place=bucket.direct)

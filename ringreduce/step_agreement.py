@@ -1,0 +1,69 @@
+"""The step's agreement: the last collective of a `DistributedOptimizer` step, after its buckets.
+
+One small allreduce (Max) of a byte per parameter with a dense gradient, 1 where this rank had
+a gradient for it, and a last byte, 1 where this rank's step is broken (an extra backward
+pass). From it every rank learns the same two things: which parameters no rank had a gradient
+for (they keep `.grad` None, as in one process, where zeros stood in for the ranks lacking
+one), and whether some rank's step is broken, so that every rank skips the step, not only the
+one that broke it.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .collectives import submit
+from .engine import Handle
+from .kernels import ReduceOp
+from .objects import allgather_object
+from .process_sets import ActiveSet, ProcessSet
+from .signature import digest
+from .transport import ReduceSpec
+
+
+class StepAgreement:
+    """The agreement's marks for one bucket plan: `positions` numbers the parameters that may
+    be marked present, in the same order on every rank."""
+
+    def __init__(self, members: ActiveSet, process_set: ProcessSet, prefix: str,
+                 parameter_names: Sequence[str]) -> None:
+        self._set, self._process_set, self._prefix = members, process_set, prefix
+        self.name = f"{prefix}presence"
+        self._marks = torch.zeros(len(parameter_names) + 1, dtype=torch.uint8)
+        self._mark_array = self._marks.numpy()      # element writes: NumPy's are cheap
+        signature = {"collective": "allreduce", "name": self.name,
+                     "parameters": tuple(parameter_names), "and": "broken"}
+        self._spec = ReduceSpec(torch.uint8, ReduceOp.Max, digest=digest(signature),
+                                signature=signature)
+
+    def clear(self) -> None:
+        """A new step: nothing present, nothing broken."""
+        self._marks.zero_()
+
+    def mark_present(self, position: int) -> None:
+        self._mark_array[position] = 1
+
+    def submit(self, broken: bool) -> Handle:
+        """Queue the allreduce, this rank's step broken or not."""
+        self._mark_array[-1] = broken
+        transport, marks, spec = self._set.transport, self._marks, self._spec
+        return submit((self._set, self.name, lambda: transport.allreduce(marks, marks, spec)))
+
+    def present(self) -> list[int]:
+        """Once the allreduce is done: per position, whether some rank had a gradient."""
+        return self._marks.tolist()
+
+    def broken(self) -> bool:
+        """Once the allreduce is done: whether some rank's step is broken."""
+        return bool(self._mark_array[-1])
+
+    def why_skipped(self, own_reason: Optional[str]) -> str:
+        """Why every rank skips the step, naming the ranks that broke it (collective: each
+        rank tells its own reason, None where its step is whole)."""
+        reasons = allgather_object(own_reason, name=f"{self._prefix}broken",
+                                   process_set=self._process_set)
+        ranks = [self._set.ranks[k] for k, why in enumerate(reasons) if why is not None]
+        first = next(why for why in reasons if why is not None)
+        return (f"ringreduce: the step is skipped on every rank because ranks {ranks} broke it "
+                f"({first})")
