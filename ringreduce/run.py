@@ -47,7 +47,7 @@ _REFUSED = {
     "--tcp": (False, "MPI picks the transport"),
     "--cache-capacity": (True, "ringreduce has no response cache"),
     "--cycle-time-ms": (True, "ringreduce has no background cycle"),
-    "--autotune": (False, "ringreduce has no autotuner; see the README's Settings for its "
+    "--autotune": (False, "ringreduce has no autotuner; see docs/guide/settings.md for its "
                           "measured defaults"),
 }
 

@@ -22,7 +22,7 @@ import torch
 
 from . import ring, timeline
 from .config import Settings, ignored_horovod_variables
-from .cuda import resolve_cuda_aware
+from .cuda_aware import resolve_cuda_aware
 from .errors import RingReduceError
 from .mpi import mpi
 from .process_sets import ProcessSet, global_set, is_running, register_at_init, start, stop
@@ -71,7 +71,7 @@ def init(comm: Any = None, process_sets: Union[None, str, Iterable[ProcessSet]] 
         ignored = ignored_horovod_variables()
         if ignored and ours.rank == 0:
             warnings.warn(f"ringreduce: ignoring Horovod settings it has no use for: "
-                          f"{', '.join(ignored)} (see the README's Settings for ours)",
+                          f"{', '.join(ignored)} (see docs/guide/settings.md for ours)",
                           stacklevel=2)
         log.debug("rank %d/%d: local %d/%d, cross %d/%d", ours.rank, ours.size, glob.local.rank,
                   glob.local.size, glob.cross.rank, glob.cross.size)
