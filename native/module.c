@@ -16,7 +16,7 @@
 #define MAX_DIMS 64
 #define NODE "ringreduce.node"
 #define DETACHED "ringreduce.node (detached)"
-#define PENDING (-1)    /* what mpi_exchange, mpi_test and doubling return for RR_PENDING */
+#define PENDING (-1)    /* what mpi_test and doubling return for RR_PENDING */
 
 /* The one place a failed rr_status becomes a Python exception: ValueError for what the
  * caller passed (dtype, op, sizes), MemoryError, else RuntimeError (MPI's failures with MPI's
@@ -284,28 +284,6 @@ static PyObject *exchange_result(rr_status status, const rr_exchange *x, const c
     return raise_status(status, call);
 }
 
-/* mpi_exchange(state, comm, partner, tag, send, send_bytes, recv, recv_bytes, spin_seconds)
- * -> bytes received, or -1 while pending (state: EXCHANGE_BYTES at an address; a negative
- * spin_seconds posts, tests once and returns -1). */
-static PyObject *mpi_exchange(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (check_args(nargs, 9, "mpi_exchange")) return NULL;
-    rr_exchange *x = PyLong_AsVoidPtr(args[0]);
-    intptr_t comm = (intptr_t)PyLong_AsUnsignedLongLongMask(args[1]);   /* any sign, any width */
-    int partner = PyLong_AsLong(args[2]), tag = PyLong_AsLong(args[3]);
-    const void *send = PyLong_AsVoidPtr(args[4]);
-    int send_bytes = PyLong_AsLong(args[5]);
-    void *recv = PyLong_AsVoidPtr(args[6]);
-    int recv_bytes = PyLong_AsLong(args[7]);
-    double spin_seconds = PyFloat_AsDouble(args[8]);
-    if (PyErr_Occurred()) return NULL;
-    rr_status status;
-    Py_BEGIN_ALLOW_THREADS
-    status = rr_mpi_exchange(x, comm, partner, tag, send, send_bytes, recv, recv_bytes,
-                             spin_seconds);
-    Py_END_ALLOW_THREADS
-    return exchange_result(status, x, "mpi_exchange");
-}
-
 /* mpi_test(state) -> bytes received, or -1 while pending. */
 static PyObject *mpi_test(PyObject *self, PyObject *state) {
     rr_exchange *x = PyLong_AsVoidPtr(state);
@@ -451,7 +429,6 @@ static PyMethodDef methods[] = {
     FAST(large_profile, "Seconds in each phase of the large allreduces so far."),
     FAST(copy_stream, "memcpy with non-temporal stores for large copies."),
     FAST(mpi_bind, "Find the MPI functions of the library mpi4py loaded."),
-    FAST(mpi_exchange, "Receive from and send to a partner, polling a while."),
     FAST(doubling, "Recursive doubling between nodes: headers, and data reduced in place."),
     {"mpi_test", mpi_test, METH_O, "Poll a pending exchange once."},
     FAST(combine, "out = a op b over count elements."),

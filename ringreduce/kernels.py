@@ -1,9 +1,10 @@
 """The reduction ops, and the CPU kernels that apply them to flat arrays: every (dtype, op) in C
 (native/kernels.c, called without the GIL), the same kernels the node's shared-memory path runs.
 
-Kernels work on flat NumPy arrays from `buffers.as_array`: `out = a op b`, in place
-`target = target op source`, and the finishing step `x = x / divisor * scale`. Elementwise
-kernels are deterministic, which the ring's bitwise-identical guarantee relies on.
+Kernels work on flat NumPy arrays from `buffers.as_array`: `target = target op source` (or
+`target = mine op source`), and the finishing step `x = x / divisor * scale`. Elementwise
+kernels are deterministic, which the ring's bitwise-identical guarantee relies on. Beside them,
+the compression casts and a streaming copy.
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from . import _native
 from .buffers import CODES
 
 Kernel = Callable[..., None]    # (target, source[, mine]), see reducer()
-Combine = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 
 
 class ReduceOp(enum.IntEnum):
@@ -31,18 +31,6 @@ class ReduceOp(enum.IntEnum):
     Min = _native.OP_MIN
     Max = _native.OP_MAX
     Product = _native.OP_PRODUCT
-
-
-@functools.lru_cache(maxsize=None)
-def combiner(dtype: torch.dtype, op: ReduceOp) -> Combine:
-    """The kernel `out = a op b` for `dtype` (out may be a or b)."""
-    code, combine = CODES[dtype], _native.combine
-
-    def kernel(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-        combine(code, op, a.ctypes.data, b.ctypes.data, out.ctypes.data, out.size, False, 1.0,
-                1.0)
-
-    return kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,3 +69,10 @@ def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     _native.cast(CODES[tensor.dtype], CODES[dtype], tensor.data_ptr(), out.data_ptr(),
                  tensor.numel())
     return out
+
+
+copy_stream: Callable[[int, int, int], None] = _native.copy_stream
+"""copy_stream(dst_address, src_address, nbytes): memcpy with non-temporal stores from
+`_native.STREAM_MIN` bytes on, the fastest one-thread copy of a large buffer to memory (and the
+allreduce benchmark's yardstick); complete when it returns. The C function itself, so that a
+call costs no Python frame."""

@@ -19,8 +19,7 @@ import torch
 import ringreduce as hvd
 from mpi4py import MPI  # noqa: E402  (after ringreduce: the thread level)
 
-from ringreduce import _native
-from ringreduce.buffers import as_array
+from ringreduce.buffers import CODES, as_array
 from ringreduce.process_sets import global_set
 from ringreduce.signature import digest
 from ringreduce.transport import ReduceSpec
@@ -40,6 +39,7 @@ def main() -> None:
     out = torch.empty_like(x)
     src, dst = as_array(x), as_array(out)
     src_address, dst_address = x.data_ptr(), out.data_ptr()
+    float32 = CODES[torch.float32]      # the dtype code the node's C code takes
     signature = {"collective": "allreduce", "name": "profile", "op": "Sum", "prescale": 1.0,
                  "postscale": 1.0, "dtype": "float32", "shape": tuple(x.shape)}
     spec = ReduceSpec(torch.float32, hvd.Sum, digest=digest(signature), signature=signature)
@@ -47,7 +47,7 @@ def main() -> None:
         ("MPI Allreduce (mpi4py)", lambda: comm.Allreduce(src, dst)),
         ("shared-memory signature exchange", lambda: node.exchange_headers(0, 0)),
         ("+ data in slots, reduce (C)", lambda: node.small(
-            src_address, dst_address, x.nbytes, x.numel(), _native.F32, hvd.Sum, 1.0, 1.0, 0)),
+            src_address, dst_address, x.nbytes, x.numel(), float32, hvd.Sum, 1.0, 1.0, 0)),
         ("+ transport (picks the way)", lambda: transport.allreduce(x, out, spec)),
         ("+ engine ordering", lambda: glob.engine.run(
             "profile", lambda: transport.allreduce(x, out, spec))),
