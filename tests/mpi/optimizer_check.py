@@ -112,6 +112,34 @@ def check_equivalence():
             assert_close(model, reference, what)
 
 
+class CountingSGD(torch.optim.SGD):
+    """A user's optimizer class with a step() of its own that calls super(), as many do."""
+
+    def __init__(self, params, **options):
+        super().__init__(params, **options)
+        self.steps = 0
+
+    def step(self, closure=None):
+        self.steps += 1
+        return super().step(closure)
+
+
+def check_inheritance():
+    """The wrapper is an ordinary subclass of the user's class, its life cycle first in the
+    bases: isinstance holds, the user's step() runs once per step (reached with super()) and its
+    own super() chain still reaches SGD; training matches one process."""
+    model, opt = train(lambda params: CountingSGD(params, lr=0.1, momentum=0.9))
+    reference, plain = train(lambda params: CountingSGD(params, lr=0.1, momentum=0.9),
+                             distributed=False)
+    mro = type(opt).__mro__
+    assert isinstance(opt, CountingSGD) and type(opt).__name__ == "CountingSGD", mro
+    assert mro.index(CountingSGD) > 1 and mro[-3:] == (torch.optim.SGD, torch.optim.Optimizer,
+                                                        object), mro
+    assert opt.steps == plain.steps == 4, (opt.steps, plain.steps)
+    assert_close(model, reference, "a user's optimizer class with super()")
+    params_equal_across_ranks(model, "a user's optimizer class with super()")
+
+
 def check_features():
     reference, _ = train(sgd, distributed=False, passes=2)
     model, _ = train(sgd, passes=2, **SMALL_BUCKETS)
@@ -271,8 +299,8 @@ def check_state_helpers():
     assert hvd.allgather_object(r * 10) == [k * 10 for k in range(n)]
 
 
-for check in (check_equivalence, check_features, check_unused_and_frozen, check_errors,
-              check_overlap, check_state_helpers):
+for check in (check_equivalence, check_inheritance, check_features, check_unused_and_frozen,
+              check_errors, check_overlap, check_state_helpers):
     check()
     hvd.barrier()
 print(f"OK rank {r}", flush=True)
