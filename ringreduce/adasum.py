@@ -19,7 +19,7 @@ sums by recursive doubling, the lower rank's value first, so every member uses t
 An allgather that retraces the halvings then brings every piece to every rank. Each element is
 computed by exactly one rank and copied, so all ranks end bitwise identical.
 
-`scratch(purpose, dtype, count)` is caller-owned reusable memory (transport.ScratchPool.get);
+`scratch(purpose, dtype, count)` is caller-owned reusable memory (scratch.ScratchPool.get);
 a call then allocates nothing beyond a few small Python objects.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ every header and the whole result: the signature travels with the data, one mess
 where a separate signature exchange and data exchange took two collectives.
 
 Messages differ in length (a rank that has joined, or one in another collective, sends headers
-only; see transport.py), so every receive has room for the largest, and the status tells what
+only; see joining.py), so every receive has room for the largest, and the status tells what
 came. Within a node, the node's shared memory gathers the headers (and reduces small data)
 first. Each round's receive and send are posted and polled in C (native/p2p.c, calling the MPI
 that mpi4py loaded) for a short spin; a longer wait goes to the stall watch.

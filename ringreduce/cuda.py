@@ -1,10 +1,11 @@
-"""Everything GPU: CuPy views of CUDA tensors, streams, CUDA-aware MPI detection, the pinned
-staging pipeline, and our kernels from the package's cuda_kernels/*.cu (compiled at run time by
-CuPy, cached).
+"""The GPU side of the transport: CuPy views of CUDA tensors, streams, the pinned staging
+pipeline, the set's device scratch, and our kernels from the package's cuda_kernels/*.cu
+(compiled at run time by CuPy, cached). Whether MPI reads device memory: cuda_aware.py.
 
 CuPy is imported only when a CUDA tensor shows up, so `import ringreduce` works without it.
 
-The transport picks one of two ways, by `RINGREDUCE_CUDA_AWARE` (detected at init() by default):
+The transport's table (ways.py) holds one of two GPU ways, by `RINGREDUCE_CUDA_AWARE` (detected
+at init() by default):
 - CUDA-aware MPI: ring.py runs on the CuPy arrays themselves; MPI reads device memory and the
   reductions run on the GPU.
 - Otherwise: the buffer travels through two pinned host slots piece by piece; each piece is
@@ -18,7 +19,6 @@ The device scratch, pinned slots and events a reduction uses belong to its proce
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import threading
 from importlib import resources
@@ -89,43 +89,6 @@ def device_tensor(tensor: torch.Tensor, what: str, where: str) -> torch.Tensor:
     raise ValueError(f"{where}: CUDA tensors are supported by allreduce, grouped_allreduce and "
                      "broadcast_ (broadcast_parameters); pass tensor.cpu() here and move the "
                      "result back")
-
-
-# ---------------------------------------------------------------- CUDA-aware MPI
-
-def resolve_cuda_aware(setting: Any, MPI: Any, comm: Any) -> tuple[bool, str]:
-    """Whether device pointers may go to MPI, and how we know: the setting when it says 0 or
-    1, otherwise what the MPI library answers."""
-    if setting != "auto":
-        return bool(setting), "set by RINGREDUCE_CUDA_AWARE or init(cuda_aware=)"
-    return query_cuda_support(MPI, comm)
-
-
-def query_cuda_support(MPI: Any, comm: Any) -> tuple[bool, str]:
-    """Ask the MPI library: MPIX_Query_cuda_support() (MPICH, Open MPI), else the MPI 4.1
-    memory allocation kinds of `comm`; a library that answers neither is taken as not aware."""
-    for library in (None, MPI.__file__):   # the global namespace, then mpi4py's dependencies
-        query = getattr(ctypes.CDLL(library), "MPIX_Query_cuda_support", None)
-        if query is not None:
-            return bool(query()), "MPIX_Query_cuda_support()"
-    info = comm.Get_info()
-    try:
-        kinds = info.Get("mpi_memory_alloc_kinds")
-    finally:
-        info.Free()
-    if kinds is not None:
-        return supports_cuda_memory(kinds), f"mpi_memory_alloc_kinds={kinds!r}"
-    return False, "the MPI library offers no CUDA query"
-
-
-def supports_cuda_memory(kinds: str) -> bool:
-    """Whether an MPI 4.1 memory-kinds string ('mpi,system,cuda:device') admits CUDA device
-    memory: 'cuda' with no restrictor, or with 'device' among its restrictors."""
-    for kind in kinds.split(","):
-        name, _, restrictors = kind.strip().partition(":")
-        if name == "cuda" and (not restrictors or "device" in restrictors.split(":")):
-            return True
-    return False
 
 
 # ---------------------------------------------------------------- streams and events
@@ -417,15 +380,13 @@ def staged_allreduce(copies: Any, length: int, piece: int,
 
 
 # ---------------------------------------------------------------- allreduce on the device
+# The transport's two GPU ways (ways.py): each allreduces a flat CuPy array in place over
+# `comm`, with scratch, pinned slots and events from `scratch`, the set's own.
 
-def reduce_device(array: Any, dtype: torch.dtype, op: ReduceOp, prescale: float,
-                  postscale: float, comm: Any, aware: bool, small_bytes: int, segment_bytes: int,
-                  host: Callable[[np.ndarray], None], scratch: DeviceScratch) -> None:
-    """Allreduce a flat CuPy array in place over `comm`: the ring on device memory when MPI is
-    CUDA-aware (`aware`), else piece by piece through pinned host memory, each piece reduced by
-    `host` (which prescales, divides and postscales itself). Its scratch, pinned slots and
-    events come from `scratch`, the set's own. Starts after the event set by `after`, or else
-    after torch's current stream of this thread; returns with the result in device memory."""
+@contextlib.contextmanager
+def _on_our_stream(array: Any) -> Iterator[torch.cuda.Stream]:
+    """Our stream on the array's device, CuPy queuing on it, started after the event set by
+    `after`, or else after torch's current stream of this thread."""
     cp = cupy_module()
     device = array.device.id
     stream = _stream(device)
@@ -433,46 +394,46 @@ def reduce_device(array: Any, dtype: torch.dtype, op: ReduceOp, prescale: float,
     stream.wait_event(ready if ready is not None
                       else torch.cuda.current_stream(device).record_event())
     with cp.cuda.Device(device), _cupy_stream(stream):
-        if aware or comm.size == 1:
-            _reduce_in_device_memory(comm, array, dtype, op, prescale, postscale, stream,
-                                     small_bytes, segment_bytes, scratch)
-        else:
-            _reduce_staged(array, stream, host, scratch)
+        yield stream
 
 
-def _reduce_in_device_memory(comm: Any, array: Any, dtype: torch.dtype, op: ReduceOp,
-                             prescale: float, postscale: float, stream: torch.cuda.Stream,
-                             small_bytes: int, segment_bytes: int,
-                             scratch: DeviceScratch) -> None:
-    """CUDA-aware MPI: the same ring as on the CPU, on device memory, reducing on the GPU."""
-    _scale(array, dtype, prescale)
+def reduce_in_device_memory(array: Any, dtype: torch.dtype, op: ReduceOp, prescale: float,
+                            postscale: float, comm: Any, small_bytes: int, segment_bytes: int,
+                            scratch: DeviceScratch) -> None:
+    """CUDA-aware MPI (or a set of one): the same ring as on the CPU (the gather up to
+    `small_bytes`), on device memory, reducing on the GPU; returns with the result there."""
+    with _on_our_stream(array) as stream:
+        _scale(array, dtype, prescale)
 
-    def finish(part: Any) -> None:
-        _finish(part, dtype, op, comm.size, postscale)
-        stream.synchronize()   # the allgather sends it next
+        def finish(part: Any) -> None:
+            _finish(part, dtype, op, comm.size, postscale)
+            stream.synchronize()   # the allgather sends it next
 
-    stream.synchronize()       # MPI reads device memory: our queued work must be done
-    if comm.size == 1 or array.size == 0:
-        finish(array)
-        return
-    reduce = _device_reducer(dtype, op, stream)
-    if array.nbytes <= small_bytes:
-        gathered = scratch.device(array.device.id, "gather", array.dtype,
-                                  comm.size * array.size)
-        ring.gather_allreduce(comm, array, reduce, gathered.reshape(comm.size, -1), finish)
-        return
-    segment = max(1, segment_bytes // array.itemsize)
-    bounds = ring.chunk_bounds(ring.balanced_counts(array.size, comm.size))
-    segments = scratch.device(array.device.id, "ring", array.dtype,
-                              ring.scratch_elements(bounds, segment))
-    ring.ring_allreduce(comm, array, reduce, segments, segment, finish)
+        stream.synchronize()       # MPI reads device memory: our queued work must be done
+        if comm.size == 1 or array.size == 0:
+            finish(array)
+            return
+        reduce = _device_reducer(dtype, op, stream)
+        if array.nbytes <= small_bytes:
+            gathered = scratch.device(array.device.id, "gather", array.dtype,
+                                      comm.size * array.size)
+            ring.gather_allreduce(comm, array, reduce, gathered.reshape(comm.size, -1), finish)
+            return
+        segment = max(1, segment_bytes // array.itemsize)
+        bounds = ring.chunk_bounds(ring.balanced_counts(array.size, comm.size))
+        segments = scratch.device(array.device.id, "ring", array.dtype,
+                                  ring.scratch_elements(bounds, segment))
+        ring.ring_allreduce(comm, array, reduce, segments, segment, finish)
 
 
-def _reduce_staged(array: Any, stream: torch.cuda.Stream, host: Callable[[np.ndarray], None],
-                   scratch: DeviceScratch) -> None:
-    """MPI without CUDA support: pieces go through pinned host memory and the host way."""
-    device = array.device.id
-    piece = max(1, STAGING_PIECE_BYTES // array.itemsize)
-    slots = scratch.pinned(device, 2 * piece * array.itemsize).view(array.dtype).reshape(2, piece)
-    landed = scratch.events(device)
-    staged_allreduce(DeviceCopies(array, slots, stream, landed), array.size, piece, host)
+def reduce_staged(array: Any, host: Callable[[np.ndarray], None],
+                  scratch: DeviceScratch) -> None:
+    """MPI without CUDA support: piece by piece through pinned host memory, each piece reduced
+    by `host` (which prescales, divides and postscales itself); returns with the result back
+    in device memory."""
+    with _on_our_stream(array) as stream:
+        device = array.device.id
+        piece = max(1, STAGING_PIECE_BYTES // array.itemsize)
+        slots = scratch.pinned(device, 2 * piece * array.itemsize).view(array.dtype)
+        staged_allreduce(DeviceCopies(array, slots.reshape(2, piece), stream,
+                                      scratch.events(device)), array.size, piece, host)

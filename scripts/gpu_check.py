@@ -16,7 +16,7 @@ import torch
 from mpi4py import MPI
 
 import ringreduce as hvd
-from ringreduce import cuda
+from ringreduce import cuda_aware
 
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
           torch.bfloat16, torch.float32, torch.float64]
@@ -172,7 +172,7 @@ def main():
     assert hvd.size() == 2, "run on 2 ranks: mpiexec -n 2 python3 scripts/gpu_check.py"
     torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())
-    aware, how = cuda.query_cuda_support(MPI, world)
+    aware, how = cuda_aware.query_cuda_support(MPI, world)
     hvd.shutdown()
     paths = {"staging": False, **({"cuda-aware": True} if aware else {})}
     if world.rank == 0:

@@ -1,7 +1,7 @@
 """The GPU path: what runs without a device here, the rest on a GPU (skipped without one).
 
 Without a device: the staging pipeline's pieces, order and overlap (driven by NumPy buffers
-and queued copies that behave like in-order stream copies), both paths of reduce_device under a
+and queued copies that behave like in-order stream copies), both GPU ways of the transport under a
 real mpiexec with NumPy standing in for device memory (and two process sets reducing at once
 from two threads, each with its own DeviceScratch), the DeviceScratch bookkeeping with NumPy
 allocators, every CUDA kernel source compiling with nvcc, CUDA-aware detection with the real
@@ -22,7 +22,7 @@ import torch
 
 from conftest import run_mpi, run_ok
 import ringreduce as hvd
-from ringreduce import config, cuda, fusion
+from ringreduce import config, cuda, cuda_aware, fusion
 from ringreduce.mpi import mpi
 from ringreduce.stall import StallWatch
 from ringreduce.transport import Transport
@@ -253,12 +253,12 @@ def test_each_transport_owns_its_device_scratch_made_without_cuda(monkeypatch):
                                           ("mpi, cuda:device", True), ("cuda:host", False),
                                           ("cuda:host:device", True), ("rocm:device", False)])
 def test_memory_alloc_kinds_parsing(kinds, aware):
-    assert cuda.supports_cuda_memory(kinds) is aware
+    assert cuda_aware.supports_cuda_memory(kinds) is aware
 
 
 def test_override_wins_without_asking_mpi(monkeypatch):
-    assert cuda.resolve_cuda_aware(True, None, None)[0] is True
-    assert cuda.resolve_cuda_aware(False, None, None)[0] is False
+    assert cuda_aware.resolve_cuda_aware(True, None, None)[0] is True
+    assert cuda_aware.resolve_cuda_aware(False, None, None)[0] is False
     for text, value in (("auto", "auto"), ("1", True), ("0", False), ("AUTO", "auto")):
         monkeypatch.setenv("RINGREDUCE_CUDA_AWARE", text)
         assert config.Settings.load().cuda_aware == value
@@ -269,8 +269,8 @@ def test_override_wins_without_asking_mpi(monkeypatch):
 
 def test_the_real_mpi_library_answers():
     """The MPICH wheel has MPIX_Query_cuda_support and is built without CUDA."""
-    code = ("from mpi4py import MPI; from ringreduce import cuda; "
-            "print(cuda.query_cuda_support(MPI, MPI.COMM_WORLD))")
+    code = ("from mpi4py import MPI; from ringreduce import cuda_aware; "
+            "print(cuda_aware.query_cuda_support(MPI, MPI.COMM_WORLD))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr
@@ -341,7 +341,7 @@ def test_buckets_follow_their_parameters_device():
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("aware", ["1", "0"])
 def test_device_paths_under_mpi_with_numpy_standing_in_for_the_device(n, aware):
-    """reduce_device's CUDA-aware ring and staging pipeline, every op and several dtypes,
+    """The GPU ways' CUDA-aware ring and staging pipeline, every op and several dtypes,
     with small segments and 4 KiB staging pieces so that both cut buffers into many parts."""
     run_ok(n, "gpu_paths_check.py", aware, "4096", timeout=240,
            env={"RINGREDUCE_SEGMENT_BYTES": "1024", "RINGREDUCE_SMALL_MESSAGE_BYTES": "4096"})

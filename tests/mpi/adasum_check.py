@@ -15,7 +15,7 @@ from ringreduce import adasum
 from ringreduce.buffers import STORAGE_DTYPES
 from ringreduce.errors import HorovodInternalError
 from ringreduce.mpi import mpi
-from ringreduce.transport import ScratchPool
+from ringreduce.scratch import ScratchPool
 
 world = mpi().COMM_WORLD
 r, n = world.rank, world.size

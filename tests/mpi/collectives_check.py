@@ -111,13 +111,13 @@ def check_inline_and_queued_small_allreduce_agree():
     """A small synchronous allreduce runs inline (in C, on one node) on a rank whose engine is
     idle, and through the engine's queue on a rank with work in flight: both ways must agree on
     the signature and on the bits. Each round another rank is the busy one."""
-    from ringreduce.collectives import _small_allreduce
     from ringreduce.process_sets import global_set
+    from ringreduce.small_way import allreduce_now
 
-    transport = global_set("test").transport
-    if transport.one_node and transport.node.fits_small(16):
-        assert _small_allreduce(torch.ones(4), "inline.probe", hvd.Sum, 1.0, False,
-                                hvd.global_process_set) is not None
+    held = global_set("test")
+    if held.transport.one_node and 16 <= held.transport.node.small_bytes:
+        assert allreduce_now(held, torch.ones(4), "inline.probe", hvd.Sum, 1.0,
+                             False) is not None
     for i, (dtype, op, post) in enumerate([(torch.float32, hvd.Average, 1.0),
                                            (torch.float64, hvd.Sum, 0.5),
                                            (torch.int64, hvd.Sum, 1.0),

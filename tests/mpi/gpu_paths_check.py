@@ -1,4 +1,5 @@
-"""Both device paths of `cuda.reduce_device` under a real mpiexec, without a GPU.
+"""Both GPU ways of the transport (`cuda.reduce_in_device_memory`, `cuda.reduce_staged`)
+under a real mpiexec, without a GPU.
 
 No CUDA array, stream or event can exist on a machine without a device, so NumPy stands in:
 a "device array" is a NumPy array that has `__cuda_array_interface__`, `device` and `data.ptr`;
@@ -123,6 +124,18 @@ settings = transport.settings
 r, n = hvd.rank(), hvd.size()
 
 
+def reduce_device(transport, array, spec):
+    """What the transport's GPU way does with a CUDA tensor's memory (ways.py; this "device"
+    memory is NumPy's): in device memory when MPI is CUDA-aware (or in a set of one), else
+    staged through host memory, each piece reduced by the transport's host ways."""
+    if aware or transport.comm.size == 1:
+        cuda.reduce_in_device_memory(array, spec.dtype, spec.op, spec.prescale, spec.postscale,
+                                     transport.comm, settings.small_message_bytes,
+                                     settings.segment_bytes, transport.device_scratch)
+    else:
+        cuda.reduce_staged(array, transport.host_pieces(spec), transport.device_scratch)
+
+
 def inputs(rank, length, dtype, op):
     g = torch.Generator().manual_seed(1000 * rank + length)
     lo = 0 if dtype == torch.uint8 else (-2 if op == hvd.Product else -8)
@@ -145,11 +158,7 @@ for dtype in (torch.uint8, torch.int32, torch.float16, torch.bfloat16, torch.flo
         for length in (0, 1, 17, 5000, 300_001):
             pre, post = (2.0, 0.5) if dtype.is_floating_point else (1.0, 1.0)
             array = on_device(as_array(inputs(r, length, dtype, op)))
-            # as Transport._device does for a CUDA tensor (this "device" memory is NumPy's)
-            cuda.reduce_device(array, dtype, op, pre, post, transport.comm, aware,
-                               settings.small_message_bytes, settings.segment_bytes,
-                               transport._host_pieces(ReduceSpec(dtype, op, pre, post)),
-                               transport.device_scratch)
+            reduce_device(transport, array, ReduceSpec(dtype, op, pre, post))
             got = as_tensor(np.asarray(array), dtype)
             want = reference(length, dtype, op, pre, post)
             what = f"{dtype} {op.name} length {length}"
@@ -176,12 +185,8 @@ def reduce_on(held, label, failures):
                 for op, length in ((hvd.Sum, 12_001), (hvd.Max, 777), (hvd.Sum, 777)):
                     array = on_device(as_array(data(r, i, length, dtype)))
                     spec = ReduceSpec(dtype, op)
-                    held.engine.run(f"{label}.{i}.{dtype}.{op.name}.{length}", lambda: (
-                        cuda.reduce_device(array, dtype, op, 1.0, 1.0, transport.comm, aware,
-                                           settings.small_message_bytes,
-                                           settings.segment_bytes,
-                                           transport._host_pieces(spec),
-                                           transport.device_scratch)))
+                    held.engine.run(f"{label}.{i}.{dtype}.{op.name}.{length}",
+                                    lambda: reduce_device(transport, array, spec))
                     xs = torch.stack([data(k, i, length, dtype) for k in held.ranks])
                     want = xs.sum(0).to(dtype) if op == hvd.Sum else xs.amax(0)
                     got = as_tensor(np.asarray(array), dtype)

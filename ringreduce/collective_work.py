@@ -1,0 +1,367 @@
+"""What each public collective hands its set's engine: the arguments checked on the caller's
+thread (so a local mistake raises on the rank that made it, before any MPI traffic), the
+signature the members compare, and the closure that asks the set's transport to move the data.
+A piece of `Work` is (the active set, the collective's name, what runs); the API module
+(collectives.py) runs it inline or queues it, the autograd functions (differentiable.py) run it
+in their forward. Results are written to the caller's tensor only after the collective succeeded.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from . import adasum, cuda, ring, timeline
+from .buffers import CODES, NAMES, SUPPORTED, as_array, fresh
+from .compression import Compression, Compressor
+from .engine import Handle
+from .errors import ArgumentTypeError, UnsupportedError
+from .kernels import ReduceOp
+from .process_sets import ActiveSet, ProcessSet, active
+from .reduce_spec import ReduceSpec
+from .signature import digest
+
+Work = tuple[ActiveSet, str, Callable[[], Any]]   # the set, the collective's name, what runs
+
+# ---------------------------------------------------------------- argument checks
+
+def _tensor(tensor: Any, what: str, name: str, ps: ActiveSet) -> torch.Tensor:
+    """The dense, contiguous CPU tensor to work on, or a clear error naming tensor and rank."""
+    if (tensor.__class__ is torch.Tensor and tensor.layout is torch.strided
+            and tensor.dtype in CODES and tensor.device.type == "cpu"):
+        return tensor.detach().contiguous()     # the common case, checked cheaply
+    where = f"ringreduce: {what} of tensor '{name}' on rank {ps.ranks[ps.rank]}"
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{where}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{where}: sparse tensors ({tensor.layout}) are not supported; call "
+                        ".to_dense() first, or use DistributedOptimizer(sparse_as_dense=True)")
+    if tensor.dtype not in CODES:
+        names = ", ".join(NAMES[d] for d in SUPPORTED)
+        raise TypeError(f"{where}: dtype {tensor.dtype} is not supported (supported: {names})"
+                        + ("; cast booleans to uint8" if tensor.dtype == torch.bool else ""))
+    if tensor.device.type == "cuda":
+        return cuda.device_tensor(tensor, what, where)
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{where}: tensor is on {tensor.device}; ringreduce reduces CPU and "
+                         "CUDA tensors")
+    return tensor.detach().contiguous()
+
+
+def reduce_op(op: Any, average: Optional[bool], what: str,
+              adasum_ok: bool = False) -> ReduceOp:
+    """The reduction op; Adasum only where `adasum_ok` (allreduces), as in Horovod."""
+    if average is not None:
+        warnings.warn("ringreduce: average= is deprecated; use op=ringreduce.Average or "
+                      "op=ringreduce.Sum", DeprecationWarning, stacklevel=3)
+        if op is not None:
+            raise ValueError(f"ringreduce: {what}: pass op= or the deprecated average=, not both")
+        return ReduceOp.Average if average else ReduceOp.Sum
+    if op is None:
+        return ReduceOp.Average
+    if op.__class__ is ReduceOp and (op != ReduceOp.Adasum or adasum_ok):
+        return op
+    try:
+        op = ReduceOp(op)
+    except ValueError:
+        raise ValueError(f"ringreduce: {what}: unknown op {op!r}; use ringreduce.Sum, Average, "
+                         "Min, Max or Product") from None
+    if op == ReduceOp.Adasum and not adasum_ok:
+        raise UnsupportedError(f"ringreduce: {what}: Adasum only reduces allreduces; use Sum "
+                               "or Average")
+    return op
+
+
+def _describe(t: torch.Tensor) -> tuple:
+    return (NAMES[t.dtype], tuple(t.shape))
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.is_contiguous() and b.is_contiguous()
+
+
+def submit(work: Work) -> Handle:
+    """Queue a collective's work on its set's engine (and the timeline's "submitted" event);
+    the optimizer submits its buckets and step agreement through here too."""
+    ps, name, fn = work
+    handle = ps.engine.submit(name, fn)
+    timeline.record(name, "submitted")
+    return handle
+
+
+def run(work: Work) -> Any:
+    """Run a collective synchronously, inline on this thread when the set's engine is idle."""
+    ps, name, fn = work
+    return ps.engine.run(name, fn)
+
+
+# ---------------------------------------------------------------- allreduce
+
+def _allreduce_spec(t: torch.Tensor, op: ReduceOp, pre: float, post: float,
+                    name: str) -> ReduceSpec:
+    dtype, shape = _describe(t)
+    signature = {"collective": "allreduce", "name": name, "op": op.name, "prescale": pre,
+                 "postscale": post, "dtype": dtype, "shape": shape}
+    return ReduceSpec(t.dtype, op, pre, post, digest(signature), signature)
+
+
+def allreduce_work(tensor: torch.Tensor, average: Optional[bool], name: Optional[str], op: Any,
+                   pre: float, post: float, compression: type[Compressor], in_place: bool,
+                   process_set: ProcessSet) -> Work:
+    """One tensor: straight from the input into the output (or in place), with none of the
+    grouping machinery, since a small allreduce is dominated by Python overhead."""
+    kind = "allreduce_" if in_place else "allreduce"
+    if compression is not Compression.none:
+        ps, name, grouped = grouped_allreduce_work([tensor], name, op, average, pre, post,
+                                                   compression, in_place, kind, process_set)
+        return ps, name, lambda: grouped()[0]
+    ps = active(process_set, f"{kind}()")
+    op = reduce_op(op, average, kind, adasum_ok=True)
+    name = ps.auto_name(kind) if name is None else name
+    t = _tensor(tensor, kind, name, ps)
+    if op == ReduceOp.Adasum:
+        adasum.check_supported(ps.size, t.dtype)
+    spec = _allreduce_spec(t, op, pre, post, name)
+
+    def work() -> torch.Tensor:
+        out = tensor if in_place and _same_memory(t, tensor) else fresh(t.shape, t.dtype, t.device)
+        ps.transport.allreduce(t, out, spec)
+        if not in_place:
+            return out
+        if out is not tensor:
+            with torch.no_grad():   # parameters are leaves that require grad
+                tensor.copy_(out)
+        return tensor
+
+    return ps, name, work
+
+
+def grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str], op: Any,
+                           average: Optional[bool], prescale: float, postscale: float,
+                           compression: type[Compressor], in_place: bool, kind: str,
+                           process_set: ProcessSet) -> Work:
+    """Several tensors as one allreduce (compressed, each, on the wire): one fused buffer per
+    dtype, or one tensor straight from its input into the output; its result is the list."""
+    ps = active(process_set, f"{kind}()")
+    op = reduce_op(op, average, kind, adasum_ok=True)
+    name = ps.auto_name(kind) if name is None else name
+    checked = [_tensor(t, kind, f"{name}[{i}]" if len(tensors) > 1 else name, ps)
+               for i, t in enumerate(tensors)]
+    wires, contexts = zip(*(compression.compress(t) for t in checked)) if checked else ((), ())
+    if op == ReduceOp.Adasum:
+        for wire in wires:
+            adasum.check_supported(ps.size, wire.dtype)
+    signature = {"collective": "allreduce", "name": name, "op": op.name,
+                 "prescale": prescale, "postscale": postscale}
+    if len(wires) == 1:
+        signature["dtype"], signature["shape"] = _describe(wires[0])
+    else:
+        signature["tensors (dtype, shape)"] = tuple(_describe(t) for t in wires)
+    signed = digest(signature)
+
+    def work() -> list[torch.Tensor]:
+        if len(wires) == 1 and contexts[0] is None:     # straight from input to output
+            out = tensors[0] if in_place and _same_memory(wires[0], tensors[0]) \
+                else fresh(wires[0].shape, wires[0].dtype, wires[0].device)
+            ps.transport.allreduce(wires[0], out, ReduceSpec(
+                wires[0].dtype, op, prescale, postscale, signed, signature))
+            results = [out]
+        else:
+            results = _reduce_fused(ps, wires, op, prescale, postscale, signed, signature)
+            results = [compression.decompress(r, ctx).view_as(t)
+                       for r, ctx, t in zip(results, contexts, checked)]
+        if not in_place:
+            return results
+        with torch.no_grad():   # parameters are leaves that require grad
+            for original, result in zip(tensors, results):
+                if result is not original:
+                    original.copy_(result)
+        return list(tensors)
+
+    return ps, name, work
+
+
+def _reduce_fused(ps: ActiveSet, tensors: Sequence[torch.Tensor], op: ReduceOp,
+                  prescale: float, postscale: float, signed: int,
+                  signature: dict) -> list[torch.Tensor]:
+    """Several tensors: one fused buffer per dtype, reduced in place; returns views of it. The
+    signature is checked with the first buffer."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    results: list[Any] = [None] * len(tensors)
+    for dtype, members in by_dtype.items():
+        fused = torch.cat([tensors[i].reshape(-1) for i in members])
+        lengths = [tensors[i].numel() for i in members]
+        ps.transport.allreduce(fused, fused, ReduceSpec(dtype, op, prescale, postscale, signed,
+                                                        signature, lengths))
+        signed = None
+        for i, part in zip(members, fused.split(lengths)):
+            results[i] = part.view_as(tensors[i])
+    return results
+
+
+# ---------------------------------------------------------------- allgather, broadcast, ...
+
+def _group_name(ps: ActiveSet, name: Optional[str], kind: str, count: int) -> list[str]:
+    """The names of a group's collectives: `name` alone for one tensor, `name.i` for several."""
+    base = ps.auto_name(kind) if name is None else name
+    return [base] if count == 1 else [f"{base}.{i}" for i in range(count)]
+
+
+def allgather_work(tensors: Sequence[torch.Tensor], name: Optional[str],
+                   process_set: ProcessSet, kind: str = "allgather") -> Work:
+    """Concatenate every member's tensors along dimension 0, one allgather per tensor, all in
+    one piece of work; its result is the list of outputs."""
+    ps = active(process_set, f"{kind}()")
+    names = _group_name(ps, name, kind, len(tensors))
+    gathers = []
+    for tensor, each in zip(tensors, names):
+        t = _tensor(tensor, kind, each, ps)
+        t = t.reshape(1) if t.dim() == 0 else t
+        signature = {"collective": "allgather", "name": each, "dtype": NAMES[t.dtype],
+                     "trailing shape": tuple(t.shape[1:])}
+        gathers.append(functools.partial(ps.transport.allgather, t, signature))
+    return ps, names[0], lambda: [gather() for gather in gathers]
+
+
+def first(work: Work) -> Work:
+    """A one-tensor group's work, yielding that tensor's result instead of a list."""
+    ps, name, fn = work
+    return ps, name, lambda: fn()[0]
+
+
+def broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
+                   in_place: bool, kind: str, process_set: ProcessSet) -> Work:
+    """Global rank `root_rank`'s tensor on every member: into a new tensor, or in place."""
+    ps = active(process_set, f"{kind}()")
+    name = ps.auto_name(kind) if name is None else name
+    t = _tensor(tensor, kind, name, ps)
+    root = ps.root(root_rank, kind, name)
+    dtype, shape = _describe(t)
+    signature = {"collective": "broadcast", "name": name, "root_rank": int(root_rank),
+                 "dtype": dtype, "shape": shape}
+
+    def work() -> torch.Tensor:
+        # In place, straight into `t`, the caller's memory or our own copy of it: the signatures
+        # agree, and an MPI failure from here on ends the job; a temporary would cost
+        # broadcast_parameters the model's size again (kept by the engine thread's arena).
+        out = t if ps.rank == root or in_place else torch.empty_like(t)
+        ps.transport.broadcast(out, root, signature)
+        if in_place:
+            if not _same_memory(out, tensor):
+                with torch.no_grad():
+                    tensor.copy_(out)
+            return tensor
+        return out.clone() if _same_memory(out, tensor) else out
+
+    return ps, name, work
+
+
+def alltoall_work(tensor: torch.Tensor, splits: Any, name: Optional[str],
+                  process_set: ProcessSet, with_splits: bool) -> Work:
+    """The result is the output, with the received splits too when `with_splits`."""
+    ps = active(process_set, "alltoall()")
+    name = ps.auto_name("alltoall") if name is None else name
+    t = _tensor(tensor, "alltoall", name, ps)
+    where = f"ringreduce: alltoall of tensor '{name}' on rank {ps.ranks[ps.rank]}"
+    if t.dim() == 0:
+        raise ValueError(f"{where}: needs a tensor with at least one dimension")
+    if splits is None:
+        if t.shape[0] % ps.size:
+            raise ValueError(f"{where}: dimension 0 ({t.shape[0]}) does not divide by the "
+                             f"{ps.size} ranks; pass splits=")
+        send_splits = np.full(ps.size, t.shape[0] // ps.size, dtype=np.int64)
+    else:
+        given = np.asarray(splits.tolist() if isinstance(splits, torch.Tensor) else splits)
+        if given.dtype.kind not in "iu":
+            raise ArgumentTypeError(f"{where}: splits must be integers, got {given.tolist()!r}")
+        send_splits = given.astype(np.int64).reshape(-1)
+        if send_splits.size != ps.size or (send_splits < 0).any() or \
+                send_splits.sum() != t.shape[0]:
+            raise ValueError(f"{where}: splits {send_splits.tolist()} must be {ps.size} "
+                             f"non-negative counts summing to dimension 0 ({t.shape[0]})")
+    signature = {"collective": "alltoall", "name": name, "dtype": NAMES[t.dtype],
+                 "trailing shape": tuple(t.shape[1:])}
+
+    def work() -> Any:
+        out, received = ps.transport.alltoall(t, send_splits, signature)
+        return (out, torch.from_numpy(received).to(torch.int32)) if with_splits else out
+
+    return ps, name, work
+
+
+def reducescatter_work(tensors: Sequence[torch.Tensor], name: Optional[str], op: Any,
+                       prescale_factor: float, postscale_factor: float,
+                       compression: type[Compressor], process_set: ProcessSet,
+                       kind: str = "reducescatter") -> Work:
+    """Reduce each tensor over the set; set rank r keeps the r-th block of rows of each (lower
+    ranks get the extra rows). The result is the list of this rank's blocks."""
+    ps = active(process_set, f"{kind}()")
+    op = reduce_op(op, None, kind)
+    names = _group_name(ps, name, kind, len(tensors))
+    scatters = []
+    for tensor, each in zip(tensors, names):
+        t = _tensor(tensor, kind, each, ps)
+        if t.dim() == 0:
+            raise ValueError(f"ringreduce: {kind} of tensor '{each}' on rank "
+                             f"{ps.ranks[ps.rank]}: needs a tensor with at least one dimension")
+        wire, context = compression.compress(t)
+        scatters.append(_reducescatter_one(ps, wire.clone(), context, compression, each, op,
+                                           prescale_factor, postscale_factor))
+    return ps, names[0], lambda: [scatter() for scatter in scatters]
+
+
+def _reducescatter_one(ps: ActiveSet, work_tensor: torch.Tensor, context: Any,
+                       compression: type[Compressor], name: str, op: ReduceOp, pre: float,
+                       post: float) -> Callable[[], torch.Tensor]:
+    dtype, shape = _describe(work_tensor)
+    signature = {"collective": "reducescatter", "name": name, "op": op.name, "dtype": dtype,
+                 "shape": shape, "prescale": pre, "postscale": post}
+    spec = ReduceSpec(work_tensor.dtype, op, pre, post, digest(signature), signature)
+    rows = ring.balanced_counts(work_tensor.shape[0], ps.size)
+    bounds = ring.chunk_bounds([r * math.prod(work_tensor.shape[1:]) for r in rows])
+    start = sum(rows[:ps.rank])
+
+    def scatter() -> torch.Tensor:
+        ps.transport.reducescatter(as_array(work_tensor), bounds, spec)
+        mine = work_tensor[start:start + rows[ps.rank]].clone()
+        return compression.decompress(mine, context)
+
+    return scatter
+
+
+def sparse_allreduce_work(tensor: torch.Tensor, name: Optional[str], op: Any,
+                          process_set: ProcessSet) -> Work:
+    """A sparse COO tensor reduced as Horovod does: every member's indices ('<name>.indices')
+    and values ('<name>.values') allgathered into one sparse result, values divided by the
+    set's size for Average; the dense shape is part of both signatures."""
+    ps = active(process_set, "sparse_allreduce_async()")
+    name = ps.auto_name("sparse_allreduce") if name is None else name
+    op = reduce_op(op, None, "sparse_allreduce_async")
+    if op not in (ReduceOp.Sum, ReduceOp.Average):
+        raise ValueError(f"ringreduce: sparse_allreduce_async of tensor '{name}' on rank "
+                         f"{ps.ranks[ps.rank]}: op must be Sum or Average, not {op.name}")
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        raise TypeError(f"ringreduce: sparse_allreduce_async of tensor '{name}' on rank "
+                        f"{ps.ranks[ps.rank]}: expected a sparse COO tensor")
+    dense_shape = tuple(tensor.shape)
+    gathers = []
+    for part, piece in (("indices", tensor._indices().t()), ("values", tensor._values())):
+        each = f"{name}.{part}"
+        t = _tensor(piece, "sparse_allreduce_async", each, ps)
+        signature = {"collective": "sparse_allreduce", "name": each, "dense shape": dense_shape,
+                     "dtype": NAMES[t.dtype], "trailing shape": tuple(t.shape[1:])}
+        gathers.append(functools.partial(ps.transport.allgather, t, signature))
+
+    def work() -> torch.Tensor:
+        indices, values = [gather() for gather in gathers]
+        if op == ReduceOp.Average:
+            values = values / ps.size
+        return torch.sparse_coo_tensor(indices.t(), values, dense_shape, check_invariants=False)
+
+    return ps, name, work

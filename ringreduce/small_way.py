@@ -1,0 +1,135 @@
+"""The small way: the most frequent latency-bound call, a small allreduce, taken from the public
+call straight to the one exchange that carries its signature with its data (the node's slots
+on one node, recursive doubling between nodes: the first such way in the set's table), run on
+the caller's thread when the set's engine is idle.
+
+It gives the same name counter, signature digest and bits as the general path, which a peer
+may take for the same collective. At a few microseconds a call every Python frame shows, so
+this is written flat: one lookup per table, the ReduceSpec made only where one is needed (a
+mismatch, a join, a stall report), no frame between the public call and the exchange that the
+general path would not have too.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import _native
+from .buffers import CODES, NAMES
+from .engine import OutOfOrder
+from .kernels import ReduceOp
+from .negotiation import PeersJoined
+from .reduce_spec import ReduceSpec
+from .stall import StallWatch
+from .ways import Way
+
+# Tables: an op -> (name, ReduceOp), as enum .name and ReduceOp(number) are slow; a dtype ->
+# (code, name); and two attribute lookups saved.
+_OPS = {op: (op.name, op) for op in ReduceOp if op != ReduceOp.Adasum}
+_DTYPES = {dtype: (code, NAMES[dtype]) for dtype, code in CODES.items()}
+_AVERAGE = ReduceOp.Average
+_Tensor, _STRIDED = torch.Tensor, torch.strided
+AfterJoins = Callable[[torch.Tensor, torch.Tensor, ReduceSpec], None]
+
+
+class SmallWay:
+    """The fast path of one process set through `way` (one that `carries_signature`): up to
+    `limit` bytes, its `exchange` and how it explains a disagreement (`explain`).
+    `after_joins(src, dst, spec)` runs an allreduce that met joined members."""
+
+    def __init__(self, way: Way, watch: StallWatch, size: int, after_joins: AfterJoins) -> None:
+        self.limit = way.limit
+        self._exchange, self._explain = way.exchange, way.explain
+        self._watch, self._after_joins = watch, after_joins
+        self._average_divisor = float(size)
+
+    def case(self, tensor: Any, op: Any) -> Optional[tuple]:
+        """The op's (name, ReduceOp) and the dtype's (code, name) when the call can take this
+        way: a plain contiguous CPU tensor of at most `limit` bytes and an op other than
+        Adasum; else None."""
+        op_named = _OPS.get(_AVERAGE if op is None else op)
+        if (op_named is None or tensor.__class__ is not _Tensor or not tensor.is_cpu
+                or tensor.layout is not _STRIDED or not tensor.is_contiguous()
+                or tensor.nbytes > self.limit):
+            return None
+        dtype_named = _DTYPES.get(tensor.dtype)
+        return None if dtype_named is None else (op_named, dtype_named)
+
+    def work(self, tensor: torch.Tensor, name: str, case: tuple, postscale: float,
+             in_place: bool) -> Callable[[], torch.Tensor]:
+        """The whole collective, to run on the engine or inline. Its ReduceSpec is made only
+        where one is needed, and keeps no reference to the tensor."""
+        (op_name, op), (code, dtype) = case
+        torch_dtype, shape, allreduce = tensor.dtype, tensor.shape, self.allreduce
+        digest = _native.allreduce_digest(name, op_name, dtype, shape, 1.0, float(postscale))
+
+        def make_spec() -> ReduceSpec:
+            return ReduceSpec(torch_dtype, op, 1.0, postscale, digest, {
+                "collective": "allreduce", "name": name, "op": op_name, "prescale": 1.0,
+                "postscale": postscale, "dtype": dtype, "shape": tuple(shape)})
+
+        return lambda: allreduce(tensor, in_place, code, op, postscale, digest, make_spec)
+
+    def allreduce(self, src: torch.Tensor, in_place: bool, code: int, op: ReduceOp,
+                  postscale: float, digest: int, make_spec: Callable[[], ReduceSpec]
+                  ) -> torch.Tensor:
+        """Allreduce `src` (dtype code `code`, its signature digested) through the exchange.
+        Returns `src`, or out of place a new tensor, allocated once our data is on its way (the
+        allocation costs as much as a message, and every member would wait for it)."""
+        self._watch.begin(make_spec)
+        address = src.data_ptr()
+        made: Optional[torch.Tensor] = None
+        if in_place:
+            output = None
+        else:
+            def output() -> int:
+                nonlocal made
+                made = torch.empty_like(src)
+                return made.data_ptr()
+        try:
+            if not self._exchange(address, address, src.nbytes, src.numel(), code, op,
+                                  self._average_divisor if op is _AVERAGE else 1.0, postscale,
+                                  digest, output):
+                self._explain(lambda: make_spec().describe())
+        except PeersJoined:
+            if not in_place and made is None:
+                made = torch.empty_like(src)
+            self._after_joins(src, src if in_place else made, make_spec())
+        return src if in_place else made
+
+
+def allreduce_now(ps: Any, tensor: Any, name: Optional[str], op: Any, postscale: float,
+                  in_place: bool) -> Optional[torch.Tensor]:
+    """A small synchronous allreduce on the active set `ps`, run at once on this thread when
+    the set's engine is idle; None when the call does not take the small way (or the engine is
+    busy), and the general path takes it. If the members' next collectives differ, the engine
+    settles their order and this call waits its turn."""
+    small = ps.transport.small
+    if small is None:
+        return None
+    case = small.case(tensor, op)
+    if case is None or not ps.engine.claim_idle(name):
+        return None
+    try:
+        if name is None:
+            name = ps.auto_name("allreduce")
+        work = small.work(tensor, name, case, postscale, in_place)
+        return work()
+    except OutOfOrder:
+        handle = ps.engine.reorder(name, work)
+    finally:
+        ps.engine.release_idle()
+    return handle.wait()
+
+
+def queued_work(ps: Any, tensor: Any, name: Optional[str], op: Any, postscale: float,
+                in_place: bool) -> Optional[tuple]:
+    """An asynchronous allreduce's work (set, name, what runs) by the small way, where the
+    call takes it (a handle costs enough already); else None."""
+    small = ps.transport.small
+    case = None if small is None else small.case(tensor, op)
+    if case is None:
+        return None
+    name = ps.auto_name("allreduce") if name is None else name
+    return ps, name, small.work(tensor, name, case, postscale, in_place)
