@@ -43,9 +43,6 @@ class NodeWindow:
         self.win.Unlock_all()
         self.win.Free()
 
-    def fits_small(self, nbytes: int) -> bool:
-        return nbytes <= self.small_bytes
-
     def _wait(self) -> None:
         self.watch.wait(lambda: _native.node_ready(self.node))
 

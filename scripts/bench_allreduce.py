@@ -227,7 +227,7 @@ def bench_profile(nbytes: int, dtype: torch.dtype, iters: int) -> dict | None:
     copy_in B(n-1)/n each way, reduce B/n from each of n places + B/n written, publish B/n
     each way, copy_out B(n-1)/n each way."""
     node = global_set("bench_profile").transport.node
-    if node is None or node.fits_small(nbytes):     # the block path only
+    if node is None or nbytes <= node.small_bytes:     # the block path only
         return None
     t = torch.zeros(nbytes // dtype.itemsize, dtype=dtype)
     hvd.allreduce_(t, op=hvd.Sum)
