@@ -13,9 +13,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import differentiable
-from .collective_work import (Work, allgather_work, allreduce_work, alltoall_work,
-                              broadcast_work, first, grouped_allreduce_work, reduce_op,
-                              reducescatter_work, run, sparse_allreduce_work, submit)
+from .collective_work import (allgather_work, allreduce_work, alltoall_work, broadcast_work,
+                              first, grouped_allreduce_work, reduce_op, reducescatter_work, run,
+                              sparse_allreduce_work, submit)
 from .compression import Compression, Compressor
 from .differentiable import requires_grad
 from .engine import Handle
@@ -44,27 +44,18 @@ __all__ = [
 
 # ---------------------------------------------------------------- allreduce
 
-def _allreduce_async_work(tensor: torch.Tensor, average: Optional[bool], name: Optional[str],
-                          op: Any, pre: float, post: float, compression: type[Compressor],
-                          in_place: bool, process_set: ProcessSet) -> Work:
-    """An asynchronous allreduce's work: the small way's where the call takes it, else the
-    general one."""
-    if average is None and pre == 1.0 and compression is Compression.none:
-        ps = active(process_set, "allreduce_async_()" if in_place else "allreduce_async()")
-        work = queued_work(ps, tensor, name, op, post, in_place)
-        if work is not None:
-            return work
-    return allreduce_work(tensor, average, name, op, pre, post, compression, in_place,
-                          process_set)
-
-
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
                     name: Optional[str] = None, op: Any = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
                     compression: type[Compressor] = Compression.none) -> Handle:
     """Start an allreduce of `tensor`; `synchronize(handle)` returns a new reduced tensor."""
-    return submit(_allreduce_async_work(tensor, average, name, op, prescale_factor,
-                                        postscale_factor, compression, False, process_set))
+    if average is None and prescale_factor == 1.0 and compression is Compression.none:
+        work = queued_work(active(process_set, "allreduce_async()"), tensor, name, op,
+                           postscale_factor, False)
+        if work is not None:
+            return submit(work)
+    return submit(allreduce_work(tensor, average, name, op, prescale_factor, postscale_factor,
+                                 compression, False, process_set))
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
@@ -72,8 +63,13 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
                      postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place allreduce; `tensor` is overwritten when the handle completes."""
-    return submit(_allreduce_async_work(tensor, average, name, op, prescale_factor,
-                                        postscale_factor, Compression.none, True, process_set))
+    if average is None and prescale_factor == 1.0:
+        work = queued_work(active(process_set, "allreduce_async_()"), tensor, name, op,
+                           postscale_factor, True)
+        if work is not None:
+            return submit(work)
+    return submit(allreduce_work(tensor, average, name, op, prescale_factor, postscale_factor,
+                                 Compression.none, True, process_set))
 
 
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
