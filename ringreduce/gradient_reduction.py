@@ -30,9 +30,9 @@ from .errors import UnsupportedError, UsageError
 from .kernels import ReduceOp
 from .objects import check_consistency
 from .process_sets import active
+from .reduce_spec import ReduceSpec
 from .signature import digest
 from .step_agreement import StepAgreement
-from .transport import ReduceSpec
 from .wrapped_optimizer import (STEP_AFTER_SYNCHRONIZE, Options, WrappedOptimizer,
                                 explicit_groups, remove_hooks)
 

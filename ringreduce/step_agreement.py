@@ -18,13 +18,13 @@ from .engine import Handle
 from .kernels import ReduceOp
 from .objects import allgather_object
 from .process_sets import ActiveSet, ProcessSet
+from .reduce_spec import ReduceSpec
 from .signature import digest
-from .transport import ReduceSpec
 
 
 class StepAgreement:
-    """The agreement's marks for one bucket plan: `positions` numbers the parameters that may
-    be marked present, in the same order on every rank."""
+    """The agreement of one bucket plan: `parameter_names` are the parameters that may be
+    marked present, in the same order on every rank (`mark_present` takes a position there)."""
 
     def __init__(self, members: ActiveSet, process_set: ProcessSet, prefix: str,
                  parameter_names: Sequence[str]) -> None:
