@@ -22,7 +22,7 @@ from mpi4py import MPI  # noqa: E402  (after ringreduce: the thread level)
 from ringreduce.buffers import CODES, as_array
 from ringreduce.process_sets import global_set
 from ringreduce.signature import digest
-from ringreduce.transport import ReduceSpec
+from ringreduce.reduce_spec import ReduceSpec
 
 
 def main() -> None:

@@ -113,7 +113,7 @@ import ringreduce as hvd  # noqa: E402
 from ringreduce import cuda  # noqa: E402
 from ringreduce.buffers import as_array, as_tensor  # noqa: E402
 from ringreduce.process_sets import active, global_set  # noqa: E402
-from ringreduce.transport import ReduceSpec  # noqa: E402
+from ringreduce.reduce_spec import ReduceSpec  # noqa: E402
 
 aware = sys.argv[1] == "1"
 if len(sys.argv) > 2:
