@@ -48,6 +48,7 @@ from .objects import broadcast_object, broadcast_optimizer_state, broadcast_para
 from .optimizer import DistributedOptimizer
 from .process_sets import ProcessSet, global_process_set
 from .sync_batch_norm import SyncBatchNorm
+from .wrapped_optimizer import WrappedOptimizer
 
 # Each Lightning package that can be installed, with the fabric package it builds on.
 PACKAGES = {"lightning.pytorch": "lightning.fabric", "pytorch_lightning": "lightning_fabric"}
@@ -194,7 +195,7 @@ def strategy_classes(package: str) -> SimpleNamespace:
             self.optimizers = [self._wrap(optimizer, passes) for optimizer in self.optimizers]
 
         def _wrap(self, optimizer: torch.optim.Optimizer, passes: int) -> torch.optim.Optimizer:
-            if getattr(optimizer, "_ringreduce_wrapped", False):
+            if isinstance(optimizer, WrappedOptimizer):
                 return optimizer
             assert self.lightning_module is not None
             names = {id(p): n for n, p in self.lightning_module.named_parameters()}

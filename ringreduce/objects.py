@@ -15,6 +15,7 @@ import torch
 from .collectives import broadcast_async_, synchronize
 from .errors import ConsistencyError
 from .process_sets import ProcessSet, active, global_process_set
+from .wrapped_optimizer import WrappedOptimizer
 
 Params = Union[Mapping[str, torch.Tensor], Iterable[Any]]
 
@@ -121,10 +122,8 @@ def _make_state(optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Modul
                 p.grad = p.data.new_zeros(p.size())
                 if sparse_adam or (sgd and id(p) in sparse_params):
                     p.grad = p.grad.to_sparse()
-    if getattr(optimizer, "_ringreduce_wrapped", False):
-        # A DistributedOptimizer's step would reduce, and meet the other members' step only
-        # if every member stepped: step with the wrapped class's own step, as Horovod does.
-        optimizer._plain_class.step(optimizer)
+    if isinstance(optimizer, WrappedOptimizer):
+        optimizer.step_locally()
     else:
         optimizer.step()
 

@@ -49,7 +49,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     `op=Adasum` combines parameter deltas instead of averaging gradients (Horovod's Adasum
     optimizer; a power-of-two number of ranks).
     """
-    if getattr(optimizer, "_ringreduce_wrapped", False):
+    if isinstance(optimizer, WrappedOptimizer):
         raise ValueError("ringreduce: this optimizer is a DistributedOptimizer already; wrap "
                          "the plain torch optimizer once")
     options = Options(named_parameters, compression, backward_passes_per_step, op,

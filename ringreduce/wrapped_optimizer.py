@@ -53,7 +53,6 @@ class WrappedOptimizer:
     step() an LR scheduler put on the plain optimizer, or None) and `_plain` (that optimizer,
     kept alive for it)."""
 
-    _ringreduce_wrapped = True      # objects.py and lightning.py recognise a wrapped optimizer
     _adasum = False                 # whether parameter deltas are combined, not gradients
     _plain_class: type
     _plain_step: Optional[Callable[..., Any]]
@@ -104,6 +103,12 @@ class WrappedOptimizer:
         if self._plain_step is not None:
             return self._plain_step(*arguments)
         return super().step(*arguments)     # type: ignore[misc]  (the wrapped class's)
+
+    def step_locally(self) -> None:
+        """The wrapped class's own step on this rank alone, reducing nothing: a step here would
+        meet the other members' only if every member stepped (broadcast_optimizer_state's
+        state initialization, as Horovod's)."""
+        self._plain_class.step(self)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         check_passes(passes)
