@@ -21,7 +21,7 @@ from .differentiable import requires_grad
 from .engine import Handle
 from .kernels import ReduceOp
 from .process_sets import ProcessSet, active, global_process_set
-from .small_way import allreduce_now, queued_work
+from .small_way import allreduce_now, begun, queued_work
 
 Average = ReduceOp.Average
 Sum = ReduceOp.Sum
@@ -64,8 +64,11 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place allreduce; `tensor` is overwritten when the handle completes."""
     if average is None and prescale_factor == 1.0:
-        work = queued_work(active(process_set, "allreduce_async_()"), tensor, name, op,
-                           postscale_factor, True)
+        ps = active(process_set, "allreduce_async_()")
+        handle = begun(ps, tensor, name, op, postscale_factor)
+        if handle is not None:
+            return handle
+        work = queued_work(ps, tensor, name, op, postscale_factor, True)
         if work is not None:
             return submit(work)
     return submit(allreduce_work(tensor, average, name, op, prescale_factor, postscale_factor,

@@ -109,6 +109,23 @@ class Handle:
         self._work = None
 
 
+class Finished(Handle):
+    """The handle of a collective that ended on the caller's thread (Engine.begin_now): done
+    from the start, so it needs no lock to wait on."""
+
+    def __init__(self, name: str, result: Any, error: Optional[BaseException]) -> None:
+        self.name, self._work, self._engine = name, None, None
+        self._finished, self._callbacks = True, []
+        self._result = result
+        self._error = None if error is None else _ours(name, error)
+
+
+def _settle_first() -> None:
+    """The first run of a begun collective whose exchange showed the members' next ones
+    differ: the engine settles the order, then runs it whole."""
+    raise OutOfOrder
+
+
 def _call(name: str, work: Callable[[], Any]) -> Any:
     """Run a collective; failures other than ours reach the caller as RingReduceError with
     their cause chained."""
@@ -216,6 +233,42 @@ class Engine:
         """After a claim. The engine thread, if it waits, waits for the lock itself."""
         self._inline = None
         self._running.release()
+
+    def begin_now(self, name: str, begin: Callable[[], tuple[bool, Callable[[], Any],
+                                                               Callable[[], Any]]]) -> Handle:
+        """By the holder of an idle claim: start asynchronous collective `name` on this thread
+        rather than hand it to the engine thread. `begin()` posts this rank's part without
+        waiting and returns (ready, rest, whole): `ready` when every member's part is there
+        already, `rest()` completes the collective, `whole()` runs it from the start (after a
+        reorder). Ready, it completes here, as a synchronous call would; else `rest` goes first
+        in the queue (nothing else may run before it: our part is posted), for the engine
+        thread or a waiter. If the members' next collectives differ, the order is settled
+        there too, never on this caller: what the others wait for may be its next submission.
+        Errors reach the caller from `wait()`, as for queued work."""
+        try:
+            ready, rest, whole = begin()
+        except BaseException as exc:    # nothing was posted: the collective failed
+            return Finished(name, None, exc)
+        if ready:
+            try:
+                return Finished(name, _call(name, rest), None)
+            except OutOfOrder:
+                rest = _settle_first
+            except BaseException as exc:
+                return Finished(name, None, exc)
+        remaining = [rest]
+
+        def work() -> Any:          # `rest` the first time, `whole` if it must run again
+            return (remaining.pop() if remaining else whole)()
+
+        handle = Handle(name, work, self)
+        with self._cv:
+            self._in_flight.add(name)   # (not a duplicate: the claim checked the name)
+            self._queue.appendleft(handle)
+            self._last_submission = time.monotonic()
+            if self._dozing:
+                self._cv.notify_all()
+        return handle
 
     def reorder(self, name: str, work: Callable[[], Any]) -> Handle:
         """By the holder of the engine, whose inline collective `name` met OutOfOrder: settle

@@ -18,6 +18,9 @@ from .mpi import mpi
 from .stall import StallWatch
 
 SPIN_SECONDS = 0.00005  # C polls flat out this long before the stall watch takes over
+# An asynchronous small allreduce's publish polls this long for peers in step (then its rest
+# waits in the queue): a few microseconds keep a caller that is ahead from being held back.
+PUBLISH_SPIN_SECONDS = 0.00001
 # The large allreduce's phases, in native/constants.h's RR_PHASE_* order.
 PHASES = ("copy_in", "wait_in", "reduce", "publish", "wait_out", "copy_out")
 assert len(PHASES) == _native.PHASES
@@ -82,6 +85,19 @@ class NodeWindow:
             dst = output()
             if not ready and not _native.node_wait(self.node, SPIN_SECONDS):
                 self._wait()
+        return _native.small_end(self.node, dst, count, dtype, op, divisor, scale) == 0
+
+    def small_publish(self, src: int, nbytes: int, digest: int) -> bool:
+        """`small`'s first half, which hardly waits: our slot and flag up, the peers' flags
+        polled a few microseconds. True when every peer's is up."""
+        return _native.small_begin(self.node, src, nbytes, digest, PUBLISH_SPIN_SECONDS)
+
+    def small_complete(self, ready: bool, dst: int, count: int, dtype: int, op: int,
+                       divisor: float, scale: float) -> bool:
+        """`small`'s second half, after `small_publish` (which said `ready`): wait for the
+        peers' flags, then reduce every slot into `dst`; False when the digests differ."""
+        if not ready and not _native.node_wait(self.node, SPIN_SECONDS):
+            self._wait()
         return _native.small_end(self.node, dst, count, dtype, op, divisor, scale) == 0
 
     def profile(self, reset: bool = False) -> dict[str, float]:

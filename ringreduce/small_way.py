@@ -15,9 +15,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import _native
+from . import _native, timeline
 from .buffers import CODES, NAMES
-from .engine import OutOfOrder
+from .engine import Handle, OutOfOrder
 from .kernels import ReduceOp
 from .negotiation import PeersJoined
 from .reduce_spec import ReduceSpec
@@ -41,6 +41,8 @@ class SmallWay:
     def __init__(self, way: Way, watch: StallWatch, size: int, after_joins: AfterJoins) -> None:
         self.limit = way.limit
         self._exchange, self._explain = way.exchange, way.explain
+        self._publish, self._complete = way.publish, way.complete
+        self.begins = way.publish is not None     # see begin()
         self._watch, self._after_joins = watch, after_joins
         self._average_divisor = float(size)
 
@@ -58,18 +60,34 @@ class SmallWay:
 
     def work(self, tensor: torch.Tensor, name: str, case: tuple, postscale: float,
              in_place: bool) -> Callable[[], torch.Tensor]:
-        """The whole collective, to run on the engine or inline. Its ReduceSpec is made only
-        where one is needed, and keeps no reference to the tensor."""
-        (op_name, op), (code, dtype) = case
-        torch_dtype, shape, allreduce = tensor.dtype, tensor.shape, self.allreduce
-        digest = _native.allreduce_digest(name, op_name, dtype, shape, 1.0, float(postscale))
-
-        def make_spec() -> ReduceSpec:
-            return ReduceSpec(torch_dtype, op, 1.0, postscale, digest, {
-                "collective": "allreduce", "name": name, "op": op_name, "prescale": 1.0,
-                "postscale": postscale, "dtype": dtype, "shape": tuple(shape)})
-
+        """The whole collective, to run on the engine or inline."""
+        digest, make_spec = _signed(tensor, name, case, postscale)
+        code, op, allreduce = case[1][0], case[0][1], self.allreduce
         return lambda: allreduce(tensor, in_place, code, op, postscale, digest, make_spec)
+
+    def begin(self, tensor: torch.Tensor, name: str, case: tuple, postscale: float
+              ) -> tuple[bool, Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
+        """An in-place allreduce begun on this thread, where the way `begins`: our part posted
+        without waiting. Returns (ready, rest, whole) for `Engine.begin_now`."""
+        digest, make_spec = _signed(tensor, name, case, postscale)
+        code, op = case[1][0], case[0][1]
+        divisor = self._average_divisor if op is _AVERAGE else 1.0
+        self._watch.begin(make_spec)
+        address = tensor.data_ptr()
+        ready = self._publish(address, tensor.nbytes, digest)
+
+        def rest() -> torch.Tensor:
+            try:
+                if not self._complete(ready, address, tensor.numel(), code, op, divisor,
+                                      postscale):
+                    self._explain(lambda: make_spec().describe())
+            except PeersJoined:
+                self._after_joins(tensor, tensor, make_spec())
+            return tensor
+
+        allreduce = self.allreduce
+        return ready, rest, lambda: allreduce(tensor, True, code, op, postscale, digest,
+                                              make_spec)
 
     def allreduce(self, src: torch.Tensor, in_place: bool, code: int, op: ReduceOp,
                   postscale: float, digest: int, make_spec: Callable[[], ReduceSpec]
@@ -99,6 +117,22 @@ class SmallWay:
         return src if in_place else made
 
 
+def _signed(tensor: torch.Tensor, name: str, case: tuple,
+            postscale: float) -> tuple[int, Callable[[], ReduceSpec]]:
+    """The call's signature digest, and what makes its ReduceSpec: only where one is needed (a
+    mismatch, a join, a stall report), keeping no reference to the tensor."""
+    (op_name, op), (_, dtype) = case
+    torch_dtype, shape = tensor.dtype, tensor.shape
+    digest = _native.allreduce_digest(name, op_name, dtype, shape, 1.0, float(postscale))
+
+    def make_spec() -> ReduceSpec:
+        return ReduceSpec(torch_dtype, op, 1.0, postscale, digest, {
+            "collective": "allreduce", "name": name, "op": op_name, "prescale": 1.0,
+            "postscale": postscale, "dtype": dtype, "shape": tuple(shape)})
+
+    return digest, make_spec
+
+
 def allreduce_now(ps: Any, tensor: Any, name: Optional[str], op: Any, postscale: float,
                   in_place: bool) -> Optional[torch.Tensor]:
     """A small synchronous allreduce on the active set `ps`, run at once on this thread when
@@ -121,6 +155,27 @@ def allreduce_now(ps: Any, tensor: Any, name: Optional[str], op: Any, postscale:
     finally:
         ps.engine.release_idle()
     return handle.wait()
+
+
+def begun(ps: Any, tensor: Any, name: Optional[str], op: Any,
+          postscale: float) -> Optional[Handle]:
+    """A small asynchronous in-place allreduce begun on this thread when the set's engine is
+    idle and its way `begins`: our part is posted at once, and if every member's is there
+    already it completes here (a synchronous call's cost, not a hand-off's); otherwise the rest
+    runs first in the queue. None when the call is not that case (queue it whole)."""
+    small = ps.transport.small
+    if small is None or not small.begins:
+        return None
+    case = small.case(tensor, op)
+    if case is None or not ps.engine.claim_idle(name):
+        return None
+    try:
+        name = ps.auto_name("allreduce") if name is None else name
+        handle = ps.engine.begin_now(name, lambda: small.begin(tensor, name, case, postscale))
+    finally:
+        ps.engine.release_idle()
+    timeline.record(name, "submitted")
+    return handle
 
 
 def queued_work(ps: Any, tensor: Any, name: Optional[str], op: Any, postscale: float,

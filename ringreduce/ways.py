@@ -122,6 +122,11 @@ class Way:
     writing `dst` only once the signatures agree."""
 
     carries_signature = False   # its one exchange carries the signature with the data
+    # A way whose exchange can begin without waiting: `publish(src, nbytes, digest)` posts ours
+    # and says whether every peer's is there; `complete(ready, dst, count, dtype, op, divisor,
+    # scale)` finishes it (the small way begins asynchronous calls with these).
+    publish: Optional[Callable[[int, int, int], bool]] = None
+    complete: Optional[Callable[..., bool]] = None
 
     def __init__(self, parts: SetParts) -> None:
         self.parts = parts
@@ -271,6 +276,8 @@ class NodeSlots(_OnNode):
         self.limit = parts.node.small_bytes
         self.exchange = parts.node.small
         self.carries_signature = parts.one_node
+        if parts.one_node:
+            self.publish, self.complete = parts.node.small_publish, parts.node.small_complete
 
     def applies(self, src: torch.Tensor, spec: ReduceSpec) -> bool:
         return src.nbytes <= self.limit

@@ -44,18 +44,22 @@ def permuted(items):
 
 def barrier_against_async():
     """Issue 20's first program: rank 0 submits 'x' then waits in a barrier; the others wait
-    in the barrier first and submit 'x' after."""
+    in the barrier first and submit 'x' after. In place too: a small one begins on the
+    caller's thread (its part posted before the barrier's)."""
     for size, length in SIZES.items():
-        name = f"x.{size}"
-        mine = value(name, r, length)
-        if r == 0:
-            handle = hvd.allreduce_async(mine, name=name, op=hvd.Sum)
-            hvd.barrier()
-        else:
-            hvd.barrier()
-            handle = hvd.allreduce_async(mine, name=name, op=hvd.Sum)
-        check_equal(hvd.synchronize(handle), total(name, length), name)
-        check_equal(mine, value(name, r, length), f"{name}: input changed")
+        for in_place in (False, True):
+            name = f"x.{size}.{in_place}"
+            mine = value(name, r, length)
+            start = hvd.allreduce_async_ if in_place else hvd.allreduce_async
+            if r == 0:
+                handle = start(mine, name=name, op=hvd.Sum)
+                hvd.barrier()
+            else:
+                hvd.barrier()
+                handle = start(mine, name=name, op=hvd.Sum)
+            check_equal(hvd.synchronize(handle), total(name, length), name)
+            if not in_place:
+                check_equal(mine, value(name, r, length), f"{name}: input changed")
 
 
 def async_in_any_order():
@@ -86,15 +90,16 @@ def synchronous_after_async():
     """Rank 0 queues 'p' and then reduces 'q' synchronously; the others reduce 'q' first
     (the small, inline way) and queue 'p' after: 'q' runs first everywhere."""
     for size, length in SIZES.items():
-        p, q = f"p.{size}", f"q.{size}"
-        if r == 0:
-            handle = hvd.allreduce_async(value(p, r, length), name=p, op=hvd.Sum)
-            got_q = hvd.allreduce(value(q, r, 4), name=q, op=hvd.Sum)
-        else:
-            got_q = hvd.allreduce(value(q, r, 4), name=q, op=hvd.Sum)
-            handle = hvd.allreduce_async(value(p, r, length), name=p, op=hvd.Sum)
-        check_equal(got_q, total(q, 4), q)
-        check_equal(hvd.synchronize(handle), total(p, length), p)
+        for start in (hvd.allreduce_async, hvd.allreduce_async_):
+            p, q = f"p.{size}.{start.__name__}", f"q.{size}.{start.__name__}"
+            if r == 0:
+                handle = start(value(p, r, length), name=p, op=hvd.Sum)
+                got_q = hvd.allreduce(value(q, r, 4), name=q, op=hvd.Sum)
+            else:
+                got_q = hvd.allreduce(value(q, r, 4), name=q, op=hvd.Sum)
+                handle = start(value(p, r, length), name=p, op=hvd.Sum)
+            check_equal(got_q, total(q, 4), q)
+            check_equal(hvd.synchronize(handle), total(p, length), p)
 
 
 def unrelated_thread_on_one_rank():

@@ -103,6 +103,16 @@ if n > 1:
     assert torch.equal(hvd.synchronize(handles[0]), torch.ones(10))
     expect(hvd.MismatchError, ["'async_mm'"], hvd.synchronize, handles[1])
     assert torch.equal(hvd.synchronize(handles[2]), torch.ones(10))
+    # In place, small: begun on this thread (completed there when the peers are in step); the
+    # mismatch still comes from synchronize, and the tensor is left as it was.
+    mine = torch.ones(10 + (r == n - 1))
+    handles = [hvd.allreduce_async_(torch.ones(10), name="fine_.0"),
+               hvd.allreduce_async_(mine, name="async_mm_"),
+               hvd.allreduce_async_(torch.ones(10), name="fine_.1")]
+    assert torch.equal(hvd.synchronize(handles[0]), torch.ones(10))
+    expect(hvd.MismatchError, ["'async_mm_'", "shape"], hvd.synchronize, handles[1])
+    assert torch.equal(mine, torch.ones(10 + (r == n - 1))), "async_mm_: tensor changed"
+    assert torch.equal(hvd.synchronize(handles[2]), torch.ones(10))
 
 # Any exception on one rank's engine thread (here from a compressor's decompress, after the
 # exchange) fails that collective there with a RingReduceError chaining it; the other ranks

@@ -37,6 +37,9 @@ def joins_in_turn(first):
         small = hvd.allreduce(torch.full((3,), value(r, i)), op=hvd.Average)   # unnamed
         assert torch.allclose(small, torch.full((3,), sum(value(k, i) for k in active) / n)), \
             small
+        begun = torch.full((3,), value(r, i))     # in place, small: begun on this thread
+        hvd.synchronize(hvd.allreduce_async_(begun, op=hvd.Sum))
+        assert torch.equal(begun, torch.full((3,), sum(value(k, i) for k in active))), begun
         ints = hvd.allreduce(torch.full((5,), r + 1, dtype=torch.int32), op=hvd.Max)
         assert torch.equal(ints, torch.full((5,), max(k + 1 for k in active), dtype=torch.int32))
         grouped = hvd.grouped_allreduce(
