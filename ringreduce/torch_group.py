@@ -1,89 +1,37 @@
 """A torch.distributed ProcessGroup on a ringreduce process set: how torch's collectives
 become ours (ringreduce/distributed.py registers it as the backend "ringreduce").
 
-- Collectives. Each becomes one of ringreduce's public collectives on the group's set
-  (`allreduce_async_`, `grouped_allreduce_async_`, `broadcast_async_`, `allgather_async`,
-  `reducescatter_async`, `alltoall_async`, `barrier_async`, ...), so it takes the same
-  transport, signature check (MismatchError on every rank), stall report and bitwise-identical
-  results as the Horovod-style API. torch's calls carry no names: each gets the set's next
-  automatic name of its kind ('dist.allreduce.noname.7'), so members pair them in call order.
-  Gathers send one row per rank (so the signature holds the whole shape: another shape on
-  some rank is a MismatchError everywhere) and gather is an allgather whose root keeps the
-  rows; reduce-scatters reduce one row per rank; reduce is an allreduce whose root keeps the
-  result; scatter is an all-to-all in which only the root sends.
-- Work. Each call returns a `CollectiveWork` on the collective's handle (torch_work.py), with
-  what turns the handle's result into torch's outputs. A synchronous `all_reduce` (torch's
-  `asyncOp` false) runs as ringreduce's synchronous `allreduce_`, on the caller's thread when
-  the engine is idle.
-- send/recv: MPI point-to-point on a communicator of the group's own (point_to_point.py).
+Each collective becomes one of ringreduce's public collectives on the group's set, so it takes
+the same transport, signature check (MismatchError on every rank), stall report and bitwise-
+identical results as the Horovod-style API. torch's calls carry no names: each gets the set's
+next automatic name of its kind ('dist.allreduce.noname.7'), so members pair them in call
+order. Gathers send one row per rank (the signature then holds the whole shape), gather is an
+allgather whose root keeps the rows, reduce-scatters reduce one row per rank, reduce is an
+allreduce whose root keeps the result, scatter an all-to-all in which only the root sends.
+Each call returns a `CollectiveWork` (torch_work.py); a synchronous `all_reduce` runs as
+`allreduce_`. send/recv: MPI point-to-point on a communicator of the group's own
+(point_to_point.py).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import world
-from .collectives import (Average, Max, Min, Product, Sum, allgather_async, allreduce_,
-                          allreduce_async, allreduce_async_, alltoall_async, barrier_async,
-                          broadcast_async_, grouped_allgather_async, grouped_allreduce_async_,
+from .collectives import (Sum, allgather_async, allreduce_, allreduce_async, allreduce_async_,
+                          alltoall_async, barrier_async, broadcast_async_,
+                          grouped_allgather_async, grouped_allreduce_async_,
                           grouped_reducescatter_async, reducescatter_async)
 from .errors import RingReduceError, UnsupportedError
-from .kernels import ReduceOp
 from .point_to_point import Channel
 from .process_sets import ProcessSet, active, close_group, global_process_set
+from .torch_arguments import SUM, copy_flat, one, reduction, same_size
 from .torch_work import FINISHED, CollectiveWork
 
 BACKEND = "ringreduce"
-_RedOpType = dist.ReduceOp.RedOpType
-_SUM = _RedOpType.SUM
-_OPS = {_RedOpType.SUM: Sum, _RedOpType.AVG: Average, _RedOpType.PRODUCT: Product,
-        _RedOpType.MIN: Min, _RedOpType.MAX: Max}
 _KINDS: dict[str, str] = {}     # a kind of collective -> the prefix of its automatic names
-
-
-# ---------------------------------------------------------------- argument checks
-
-def _reduction(op: Any, what: str) -> tuple[ReduceOp, float]:
-    """Our op and prescale factor for torch's ReduceOp (PREMUL_SUM: Sum, prescaled)."""
-    kind = op.op if isinstance(op, dist.ReduceOp) else op
-    ours = _OPS.get(kind)
-    if ours is not None:
-        return ours, 1.0
-    if kind == _RedOpType.PREMUL_SUM:
-        factor = op.factor
-        if isinstance(factor, torch.Tensor):
-            if factor.numel() != 1:
-                raise UnsupportedError(f"ringreduce backend: {what}: PREMUL_SUM takes one "
-                                       "factor, not a tensor of several")
-            factor = factor.item()
-        return Sum, float(factor)
-    name = getattr(kind, "name", str(kind))
-    raise UnsupportedError(f"ringreduce backend: {what} with ReduceOp.{name} is not supported "
-                           "(supported: SUM, AVG, PRODUCT, MIN, MAX, PREMUL_SUM)")
-
-
-def _one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
-    if len(tensors) != 1:
-        raise UnsupportedError(f"ringreduce backend: {what} takes one tensor per call, got "
-                               f"{len(tensors)} (one process per device)")
-    return tensors[0]
-
-
-def _same_size(got: torch.Tensor, want: torch.Tensor, what: str, which: str) -> None:
-    if got.numel() != want.numel() or got.dtype != want.dtype:
-        raise ValueError(f"ringreduce backend: {what}: {which} is {got.dtype} "
-                         f"{tuple(got.shape)}, but the input is {want.dtype} "
-                         f"{tuple(want.shape)}; they must have the same dtype and size")
-
-
-def _copy_flat(target: torch.Tensor, source: torch.Tensor) -> None:
-    """`target` (any layout) takes `source`'s elements in order."""
-    if target.is_contiguous():
-        target.view(-1).copy_(source.reshape(-1))
-    else:
-        target.copy_(source.reshape(target.shape))
 
 
 # ---------------------------------------------------------------- the process group
@@ -150,11 +98,11 @@ class RingReduceGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list, opts: Any = None) -> CollectiveWork:
         """(DDP's every bucket, and small ones cost what this adds to our collective: the
         common case takes the fewest steps.)"""
-        if opts is None or opts.reduceOp == _SUM:     # (ReduceOp == RedOpType: the cheapest
+        if opts is None or opts.reduceOp == SUM:     # (ReduceOp == RedOpType: the cheapest
             op, pre = Sum, 1.0                          # test torch's bindings offer)
         else:
-            op, pre = _reduction(opts.reduceOp, "allreduce")
-        tensor = tensors[0] if len(tensors) == 1 else _one(tensors, "allreduce")
+            op, pre = reduction(opts.reduceOp, "allreduce")
+        tensor = tensors[0] if len(tensors) == 1 else one(tensors, "allreduce")
         ps, name = self._names("allreduce")
         if opts is not None and not opts.asyncOp:
             # dist.all_reduce(t) waits at once: the synchronous call runs on this thread when
@@ -165,7 +113,7 @@ class RingReduceGroup(dist.ProcessGroup):
                                                process_set=ps), tensors)
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> CollectiveWork:
-        op, pre = (_reduction(opts.reduceOp, "allreduce_coalesced") if opts is not None
+        op, pre = (reduction(opts.reduceOp, "allreduce_coalesced") if opts is not None
                    else (Sum, 1.0))
         ps, name = self._names("allreduce_coalesced")
         return CollectiveWork(grouped_allreduce_async_(list(tensors), name=name, op=op,
@@ -174,8 +122,8 @@ class RingReduceGroup(dist.ProcessGroup):
 
     def reduce(self, tensors: list, opts: Any) -> CollectiveWork:
         """An allreduce whose result only the root keeps."""
-        tensor = _one(tensors, "reduce")
-        op, pre = _reduction(opts.reduceOp, "reduce")
+        tensor = one(tensors, "reduce")
+        op, pre = reduction(opts.reduceOp, "reduce")
         root = opts.rootRank
         self._global(root, "reduce")
         ps, name = self._names("reduce")
@@ -189,13 +137,13 @@ class RingReduceGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, output_tensors: list, input_tensors: list,
                        opts: Any) -> CollectiveWork:
-        output, inputs = _one(output_tensors, "reduce_scatter"), _one(input_tensors,
+        output, inputs = one(output_tensors, "reduce_scatter"), one(input_tensors,
                                                                       "reduce_scatter")
         if len(inputs) != self.size():
             raise ValueError(f"ringreduce backend: reduce_scatter takes {self.size()} input "
                              f"tensors (one per rank of {self._label}), got {len(inputs)}")
         for i, t in enumerate(inputs):
-            _same_size(t, output, "reduce_scatter", f"input {i}")
+            same_size(t, output, "reduce_scatter", f"input {i}")
         stacked = torch.stack([t.detach().reshape(-1) for t in inputs])
         return self._reduce_scatter(output, stacked, opts, "reduce_scatter", output_tensors)
 
@@ -214,11 +162,11 @@ class RingReduceGroup(dist.ProcessGroup):
     def _reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor, opts: Any, kind: str,
                         value: list) -> CollectiveWork:
         """Row r of `rows` reduced over the group lands in rank r's `output`."""
-        op, pre = _reduction(opts.reduceOp, kind)
+        op, pre = reduction(opts.reduceOp, kind)
         ps, name = self._names(kind)
         handle = reducescatter_async(rows, name=name, op=op, prescale_factor=pre,
                                      process_set=ps)
-        return CollectiveWork(handle, value, lambda mine: _copy_flat(output, mine))
+        return CollectiveWork(handle, value, lambda mine: copy_flat(output, mine))
 
     def reduce_scatter_single_coalesced(self, outputs: list, inputs: list,
                                         opts: Any) -> CollectiveWork:
@@ -230,7 +178,7 @@ class RingReduceGroup(dist.ProcessGroup):
             if input.numel() != output.numel() * self.size():
                 raise ValueError(f"ringreduce backend: {what}: an input must hold "
                                  f"{self.size()} times its output")
-        op, pre = _reduction(opts.reduceOp, what)
+        op, pre = reduction(opts.reduceOp, what)
         ps, name = self._names(what)
         handle = grouped_reducescatter_async(
             [i.detach().reshape(self.size(), -1) for i in inputs], name=name, op=op,
@@ -238,7 +186,7 @@ class RingReduceGroup(dist.ProcessGroup):
 
         def finish(mine: list) -> None:
             for output, part in zip(outputs, mine):
-                _copy_flat(output, part)
+                copy_flat(output, part)
 
         return CollectiveWork(handle, list(outputs), finish)
 
@@ -247,7 +195,7 @@ class RingReduceGroup(dist.ProcessGroup):
     # -------------------------------------------------- gathers and broadcasts
 
     def broadcast(self, tensors: list, opts: Any) -> CollectiveWork:
-        tensor = _one(tensors, "broadcast")
+        tensor = one(tensors, "broadcast")
         root = self._global(opts.rootRank, "broadcast")
         ps, name = self._names("broadcast")
         return CollectiveWork(broadcast_async_(tensor, root, name=name, process_set=ps),
@@ -255,26 +203,26 @@ class RingReduceGroup(dist.ProcessGroup):
 
     def allgather(self, output_tensors: list, input_tensors: list,
                   opts: Any = None) -> CollectiveWork:
-        outputs, tensor = _one(output_tensors, "allgather"), _one(input_tensors, "allgather")
+        outputs, tensor = one(output_tensors, "allgather"), one(input_tensors, "allgather")
         if len(outputs) != self.size():
             raise ValueError(f"ringreduce backend: allgather takes {self.size()} output "
                              f"tensors (one per rank of {self._label}), got {len(outputs)}")
         for i, out in enumerate(outputs):
-            _same_size(out, tensor, "allgather", f"output {i}")
+            same_size(out, tensor, "allgather", f"output {i}")
         return self._gather_rows(tensor, "allgather", output_tensors, outputs)
 
     def gather(self, output_tensors: list, input_tensors: list, opts: Any) -> CollectiveWork:
         """Every rank's tensor, kept by the root (an allgather)."""
-        tensor, root = _one(input_tensors, "gather"), opts.rootRank
+        tensor, root = one(input_tensors, "gather"), opts.rootRank
         self._global(root, "gather")
         outputs = []
         if self.rank() == root:
-            outputs = _one(output_tensors, "gather")
+            outputs = one(output_tensors, "gather")
             if len(outputs) != self.size():
                 raise ValueError(f"ringreduce backend: gather takes {self.size()} output "
                                  f"tensors on the root, got {len(outputs)}")
             for i, out in enumerate(outputs):
-                _same_size(out, tensor, "gather", f"output {i}")
+                same_size(out, tensor, "gather", f"output {i}")
         return self._gather_rows(tensor, "gather", output_tensors, outputs)
 
     def _gather_rows(self, tensor: torch.Tensor, kind: str, value: list,
@@ -286,7 +234,7 @@ class RingReduceGroup(dist.ProcessGroup):
 
         def finish(rows: torch.Tensor) -> None:
             for out, row in zip(outputs, rows):
-                _copy_flat(out, row)
+                copy_flat(out, row)
 
         return CollectiveWork(handle, value, finish)
 
@@ -299,7 +247,7 @@ class RingReduceGroup(dist.ProcessGroup):
                              f"{input.numel()} elements)")
         ps, name = self._names("all_gather_into_tensor")
         handle = allgather_async(input.detach().unsqueeze(0), name=name, process_set=ps)
-        return CollectiveWork(handle, [output], lambda rows: _copy_flat(output, rows))
+        return CollectiveWork(handle, [output], lambda rows: copy_flat(output, rows))
 
     _allgather_base = all_gather_single
 
@@ -319,7 +267,7 @@ class RingReduceGroup(dist.ProcessGroup):
 
         def finish(gathered: list) -> None:
             for output, rows in zip(outputs, gathered):
-                _copy_flat(output, rows)
+                copy_flat(output, rows)
 
         return CollectiveWork(handle, list(outputs), finish)
 
@@ -339,23 +287,23 @@ class RingReduceGroup(dist.ProcessGroup):
         def finish(gathered: list) -> None:
             for i, rows in enumerate(gathered):
                 for r, row in enumerate(rows):
-                    _copy_flat(output_lists[r][i], row)
+                    copy_flat(output_lists[r][i], row)
 
         return CollectiveWork(handle, output_lists, finish)
 
     def scatter(self, output_tensors: list, input_tensors: list, opts: Any) -> CollectiveWork:
         """The root's inputs[r] lands in rank r's output: an all-to-all in which only the
         root sends (one row to each rank)."""
-        output, root = _one(output_tensors, "scatter"), opts.rootRank
+        output, root = one(output_tensors, "scatter"), opts.rootRank
         self._global(root, "scatter")
         shape = tuple(output.shape)
         if self.rank() == root:
-            inputs = _one(input_tensors, "scatter")
+            inputs = one(input_tensors, "scatter")
             if len(inputs) != self.size():
                 raise ValueError(f"ringreduce backend: scatter takes {self.size()} input "
                                  f"tensors on the root, got {len(inputs)}")
             for i, t in enumerate(inputs):
-                _same_size(t, output, "scatter", f"input {i}")
+                same_size(t, output, "scatter", f"input {i}")
             rows = torch.stack([t.detach().reshape(shape) for t in inputs])
             splits = [1] * self.size()
         else:
@@ -363,7 +311,7 @@ class RingReduceGroup(dist.ProcessGroup):
         ps, name = self._names("scatter")
         handle = alltoall_async(rows, splits, name=name, process_set=ps)
         return CollectiveWork(handle, output_tensors,
-                              lambda result: _copy_flat(output, result[0]))
+                              lambda result: copy_flat(output, result[0]))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: list, input_split_sizes: list,
@@ -392,7 +340,7 @@ class RingReduceGroup(dist.ProcessGroup):
                 raise ValueError(f"ringreduce backend: {what} on rank {self.rank()}: "
                                  f"{out.numel()} elements arrived for an output of "
                                  f"{output.numel()}")
-            _copy_flat(output, out)
+            copy_flat(output, out)
 
         return CollectiveWork(handle, [output], finish)
 
@@ -418,7 +366,7 @@ class RingReduceGroup(dist.ProcessGroup):
                                  f"ranks sent {counts} elements for outputs of "
                                  f"{[t.numel() for t in output_tensors]}")
             for target, part in zip(output_tensors, out.split(counts)):
-                _copy_flat(target, part)
+                copy_flat(target, part)
 
         return CollectiveWork(handle, output_tensors, finish)
 
@@ -429,13 +377,13 @@ class RingReduceGroup(dist.ProcessGroup):
     # -------------------------------------------------- point to point
 
     def send(self, tensors: list, dst: int, tag: int) -> Any:
-        return self._channel.send(_one(tensors, "send"), dst, tag)
+        return self._channel.send(one(tensors, "send"), dst, tag)
 
     def recv(self, tensors: list, src: int, tag: int) -> Any:
-        return self._channel.recv(_one(tensors, "recv"), src, tag)
+        return self._channel.recv(one(tensors, "recv"), src, tag)
 
     def recv_anysource(self, tensors: list, tag: int) -> Any:
-        return self._channel.recv(_one(tensors, "recv"), None, tag)
+        return self._channel.recv(one(tensors, "recv"), None, tag)
 
     # -------------------------------------------------- what is not supported
 

@@ -1,0 +1,59 @@
+"""torch.distributed's arguments as ringreduce's: its ReduceOp as our op (and prescale), its
+lists of one tensor per call, and the size checks and copies of the backend's outputs, each
+error naming the call (torch_group.py uses these)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .collectives import Average, Max, Min, Product, Sum
+from .errors import UnsupportedError
+from .kernels import ReduceOp
+
+_RedOpType = dist.ReduceOp.RedOpType
+SUM = _RedOpType.SUM
+_OPS = {_RedOpType.SUM: Sum, _RedOpType.AVG: Average, _RedOpType.PRODUCT: Product,
+        _RedOpType.MIN: Min, _RedOpType.MAX: Max}
+
+
+def reduction(op: Any, what: str) -> tuple[ReduceOp, float]:
+    """Our op and prescale factor for torch's ReduceOp (PREMUL_SUM: Sum, prescaled)."""
+    kind = op.op if isinstance(op, dist.ReduceOp) else op
+    ours = _OPS.get(kind)
+    if ours is not None:
+        return ours, 1.0
+    if kind == _RedOpType.PREMUL_SUM:
+        factor = op.factor
+        if isinstance(factor, torch.Tensor):
+            if factor.numel() != 1:
+                raise UnsupportedError(f"ringreduce backend: {what}: PREMUL_SUM takes one "
+                                       "factor, not a tensor of several")
+            factor = factor.item()
+        return Sum, float(factor)
+    name = getattr(kind, "name", str(kind))
+    raise UnsupportedError(f"ringreduce backend: {what} with ReduceOp.{name} is not supported "
+                           "(supported: SUM, AVG, PRODUCT, MIN, MAX, PREMUL_SUM)")
+
+
+def one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise UnsupportedError(f"ringreduce backend: {what} takes one tensor per call, got "
+                               f"{len(tensors)} (one process per device)")
+    return tensors[0]
+
+
+def same_size(got: torch.Tensor, want: torch.Tensor, what: str, which: str) -> None:
+    if got.numel() != want.numel() or got.dtype != want.dtype:
+        raise ValueError(f"ringreduce backend: {what}: {which} is {got.dtype} "
+                         f"{tuple(got.shape)}, but the input is {want.dtype} "
+                         f"{tuple(want.shape)}; they must have the same dtype and size")
+
+
+def copy_flat(target: torch.Tensor, source: torch.Tensor) -> None:
+    """`target` (any layout) takes `source`'s elements in order."""
+    if target.is_contiguous():
+        target.view(-1).copy_(source.reshape(-1))
+    else:
+        target.copy_(source.reshape(target.shape))
