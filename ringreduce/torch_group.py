@@ -26,7 +26,8 @@ from .collectives import (Sum, allgather_async, allreduce_, allreduce_async, all
                           grouped_reducescatter_async, reducescatter_async)
 from .errors import RingReduceError, UnsupportedError
 from .point_to_point import Channel
-from .process_sets import ProcessSet, active, close_group, global_process_set
+from .process_sets import ActiveSet, ProcessSet, active, close_group, global_process_set
+from .small_way import begun
 from .torch_arguments import SUM, copy_flat, one, reduction, same_size
 from .torch_work import FINISHED, CollectiveWork
 
@@ -78,13 +79,16 @@ class RingReduceGroup(dist.ProcessGroup):
 
     def _names(self, kind: str) -> tuple[ProcessSet, str]:
         """The set to run on and the call's automatic name ('dist.<kind>.noname.<k>')."""
-        if self._closed:
-            raise RingReduceError(f"ringreduce backend: {kind} on {self._label}, which was "
-                                  "destroyed (destroy_process_group)")
         prefixed = _KINDS.get(kind)
         if prefixed is None:
             prefixed = _KINDS.setdefault(kind, f"dist.{kind}")
-        return self._process_set, active(self._process_set, kind).auto_name(prefixed)
+        return self._process_set, self._active(kind).auto_name(prefixed)
+
+    def _active(self, kind: str) -> ActiveSet:
+        if self._closed:
+            raise RingReduceError(f"ringreduce backend: {kind} on {self._label}, which was "
+                                  "destroyed (destroy_process_group)")
+        return active(self._process_set, kind)
 
     def _global(self, group_rank: int, what: str) -> int:
         ranks = self._process_set.ranks
@@ -103,14 +107,19 @@ class RingReduceGroup(dist.ProcessGroup):
         else:
             op, pre = reduction(opts.reduceOp, "allreduce")
         tensor = tensors[0] if len(tensors) == 1 else one(tensors, "allreduce")
-        ps, name = self._names("allreduce")
+        ps = self._active("allreduce")
+        name = ps.auto_name("dist.allreduce")
         if opts is not None and not opts.asyncOp:
             # dist.all_reduce(t) waits at once: the synchronous call runs on this thread when
             # the set's engine is idle (the handle's queue costs as much as a small allreduce)
-            allreduce_(tensor, name=name, op=op, prescale_factor=pre, process_set=ps)
+            allreduce_(tensor, name=name, op=op, prescale_factor=pre,
+                       process_set=self._process_set)
             return CollectiveWork(FINISHED, tensors)
-        return CollectiveWork(allreduce_async_(tensor, name=name, op=op, prescale_factor=pre,
-                                               process_set=ps), tensors)
+        handle = begun(ps, tensor, name, op, 1.0) if pre == 1.0 else None    # small, in step
+        if handle is None:
+            handle = allreduce_async_(tensor, name=name, op=op, prescale_factor=pre,
+                                      process_set=self._process_set)
+        return CollectiveWork(handle, tensors)
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> CollectiveWork:
         op, pre = (reduction(opts.reduceOp, "allreduce_coalesced") if opts is not None
