@@ -15,8 +15,9 @@ about 5 for 256M), --json FILE, --plot FILE.png, --no-gloo (skip gloo's row),
 Methods, each reducing (Sum) a buffer of SIZE bytes on every rank:
     ours      ringreduce.allreduce(t, op=Sum)   (out of place, synchronous)
     ours_     ringreduce.allreduce_(t, op=Sum)  (in place)
-    bucket    what DistributedOptimizer does with a gradient bucket: allreduce_async_ then
-              synchronize, so the reduction runs on the engine thread
+    bucket    an asynchronous in-place call: allreduce_async_ then synchronize (a small one
+              begins on the caller's thread and completes there when the peers are in step;
+              a large one runs on the engine thread, as the optimizer's buckets do)
     set_      allreduce_ on a process set of ranks 0 and 1 while the other ranks idle (jobs of
               3 ranks or more); its busbw counts the set's 2 ranks
     mpi       comm.Allreduce(send, recv, op=MPI.SUM) on NumPy arrays ("n/a" for bfloat16,

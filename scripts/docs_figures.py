@@ -46,7 +46,7 @@ LATENCY_BELOW = MIB          # allreduce sizes below this are shown as latency, 
 ALLREDUCE_METHODS = {
     "ours_": "ringreduce `allreduce_` (in place)",
     "ours": "ringreduce `allreduce` (new output tensor)",
-    "bucket": "ringreduce, optimizer bucket (`allreduce_async_` on the engine thread)",
+    "bucket": "ringreduce, asynchronous (`allreduce_async_` + `synchronize`)",
     "dist_rr": "torch.distributed `all_reduce` on the `\"ringreduce\"` backend (`dist_rr`)",
     "set_": "ringreduce `allreduce_` on a 2-rank process set inside the job",
     "mpi": "MPI `Allreduce`",
@@ -283,7 +283,7 @@ def allreduce_dist(data: dict, source: str) -> str:
             "`--no-dist`. Rerun the command above to fill this table.*", ""])
     out += ["Yardsticks: torch.distributed's own CPU backend, gloo, and MPI's `Allreduce`, in "
             "the same run; `× gloo` is gloo's time divided by the row's (above 1: faster than "
-            "gloo). The optimizer bucket is the same asynchronous call without torch.", ""]
+            "gloo). The asynchronous row is the same call without torch.", ""]
     sizes = sorted({r["size_bytes"] for r in results if r["method"] == "dist_rr"})
     for dtype in sorted({r["dtype"] for r in results if r["method"] == "dist_rr"},
                         key=lambda d: d != "float32"):
