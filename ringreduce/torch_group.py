@@ -97,6 +97,19 @@ class RingReduceGroup(dist.ProcessGroup):
                              f"{self._label} (0..{len(ranks) - 1})")
         return ranks[group_rank]
 
+    def _check_pairs(self, what: str, outputs: list, inputs: list, gathers: bool) -> None:
+        """A coalesced call's tensors pair up, and in each pair the whole side (the output of
+        a gather, the input of a scatter) holds size() times the other."""
+        if len(outputs) != len(inputs):
+            raise ValueError(f"ringreduce backend: {what}: {len(outputs)} outputs for "
+                             f"{len(inputs)} inputs")
+        whole, part = ("an output", "its input") if gathers else ("an input", "its output")
+        for output, input in zip(outputs, inputs):
+            big, small = (output, input) if gathers else (input, output)
+            if big.numel() != small.numel() * self.size():
+                raise ValueError(f"ringreduce backend: {what}: {whole} must hold "
+                                 f"{self.size()} times {part}")
+
     # -------------------------------------------------- reductions
 
     def allreduce(self, tensors: list, opts: Any = None) -> CollectiveWork:
@@ -180,13 +193,7 @@ class RingReduceGroup(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs: list, inputs: list,
                                         opts: Any) -> CollectiveWork:
         what = "reduce_scatter_tensor_coalesced"
-        if len(outputs) != len(inputs):
-            raise ValueError(f"ringreduce backend: {what}: {len(outputs)} outputs for "
-                             f"{len(inputs)} inputs")
-        for output, input in zip(outputs, inputs):
-            if input.numel() != output.numel() * self.size():
-                raise ValueError(f"ringreduce backend: {what}: an input must hold "
-                                 f"{self.size()} times its output")
+        self._check_pairs(what, outputs, inputs, gathers=False)
         op, pre = reduction(opts.reduceOp, what)
         ps, name = self._names(what)
         handle = grouped_reducescatter_async(
@@ -263,13 +270,7 @@ class RingReduceGroup(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs: list, inputs: list,
                                     opts: Any = None) -> CollectiveWork:
         what = "all_gather_into_tensor_coalesced"
-        if len(outputs) != len(inputs):
-            raise ValueError(f"ringreduce backend: {what}: {len(outputs)} outputs for "
-                             f"{len(inputs)} inputs")
-        for output, input in zip(outputs, inputs):
-            if output.numel() != input.numel() * self.size():
-                raise ValueError(f"ringreduce backend: {what}: an output must hold "
-                                 f"{self.size()} times its input")
+        self._check_pairs(what, outputs, inputs, gathers=True)
         ps, name = self._names(what)
         handle = grouped_allgather_async([i.detach().unsqueeze(0) for i in inputs], name=name,
                                          process_set=ps)

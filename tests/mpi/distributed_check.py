@@ -102,6 +102,32 @@ def case_all_reduce_coalesced():
     against_gloo(run, "all_reduce_coalesced")
 
 
+def case_coalesced():
+    """FSDP's coalescing manager: several all_gather_into_tensor / reduce_scatter_tensor calls
+    become one allgather_into_tensor_coalesced / reduce_scatter_tensor_coalesced."""
+    outs, ins = [torch.empty(3 * n), torch.empty(n, 2)], [rand(3, seed=40), rand(2, seed=41)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for out, x in zip(outs, ins):
+            dist.all_gather_into_tensor(out, x)
+    cm.wait()
+    for out, seed, width in ((outs[0], 40, 3), (outs[1], 41, 2)):
+        want = torch.cat([rand(width, seed=seed, rank=k) for k in range(n)])
+        check_equal(out.reshape(-1), want, f"coalesced all_gather_into_tensor seed {seed}")
+    outs = [torch.empty(3), torch.empty(2, 2)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.reduce_scatter_tensor(outs[0], rand(3 * n, seed=42))
+        dist.reduce_scatter_tensor(outs[1], rand(2 * n, 2, seed=43))
+    cm.wait()
+    for out, seed, shape in ((outs[0], 42, (3 * n,)), (outs[1], 43, (2 * n, 2))):
+        whole = sum(rand(*shape, seed=seed, rank=k) for k in range(n))
+        close(out.reshape(-1), whole.reshape(n, -1)[r], f"coalesced reduce_scatter_tensor {seed}")
+
+    def uneven():
+        with dist._coalescing_manager():
+            dist.reduce_scatter_tensor(torch.empty(3), rand(3 * n + 1, seed=44))
+    expect(ValueError, "must hold", uneven)
+
+
 def case_broadcast():
     for src in range(n):
         x = rand(5, 3, seed=6)
@@ -465,7 +491,7 @@ if not dist.is_initialized():
     rrd.init_process_group()
 assert dist.get_backend() == "ringreduce" and dist.get_world_size() == n
 GLOO = dist.new_group(backend="gloo")
-cases = [case_all_reduce, case_all_reduce_coalesced, case_broadcast, case_all_gather,
+cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadcast, case_all_gather,
          case_reduce_scatter, case_all_to_all, case_reduce_gather_scatter, case_send_recv,
          case_subgroup, case_errors, case_ddp, case_fsdp, case_torchmetrics]
 run_cases([announced(case) for case in cases + ([case_stall] if LIGHTNING else [])], r)
