@@ -19,6 +19,7 @@ from torch.futures import Future
 from .engine import Handle
 
 _FUTURES = threading.Lock()     # a work's future is made once
+_WORK_INIT = dist.Work.__init__
 
 
 class Finished:
@@ -44,15 +45,17 @@ class CollectiveWork(dist.Work):
     whichever thread first sees the handle done, before `wait()` returns or the future
     completes."""
 
-    _error: Optional[BaseException] = None
-    _future: Optional[Future] = None
+    __slots__ = ("_handle", "_value", "_finish", "_finishing", "_error", "_future")
 
     def __init__(self, handle: Handle, value: list,
                  finish: Optional[Callable[[Any], None]] = None) -> None:
-        super().__init__()
+        # dist.Work's __init__ called straight, and slots: one Work a call was a tenth of a
+        # small all_reduce's time
+        _WORK_INIT(self)
         self._handle, self._value, self._finish = handle, value, finish
-        if finish is not None:
-            self._finishing = threading.Lock()
+        self._error: Optional[BaseException] = None
+        self._future: Optional[Future] = None
+        self._finishing = None if finish is None else threading.Lock()
 
     def _settle(self) -> None:
         """Wait for the handle and run `finish` once; raise the collective's error."""
