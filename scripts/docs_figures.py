@@ -146,8 +146,10 @@ def commit(meta: dict, name_files: int = 3) -> str:
     if not meta.get("commit"):
         return "commit not recorded"
     text = f"commit `{meta['commit'][:12]}`"
-    if meta.get("dirty"):
-        files = meta.get("dirty_files") or []
+    files = meta.get("dirty_files") or []
+    documents_only = (files and meta.get("dirty_count", len(files)) == len(files)
+                      and all(f.startswith("docs/") or f == "README.md" for f in files))
+    if meta.get("dirty") and not documents_only:    # (a figure written by the run before)
         named = ", ".join(f"`{f}`" for f in files[:name_files])
         more = meta.get("dirty_count", len(files)) - min(name_files, len(files))
         text += " with uncommitted changes"

@@ -174,6 +174,23 @@ def test_figures_show_the_run_and_the_torch_distributed_rows(tmp_path):
     assert "DDP on the `\"ringreduce\"` backend" in head and "1 MiB float32 in place" in head
 
 
+def test_figures_name_uncommitted_code_not_a_figure_written_before():
+    """A run made while an earlier run's figure was not committed yet ran the committed code:
+    its Run line names the commit alone; a changed source file is named."""
+    figures = _load(ROOT / "scripts" / "docs_figures.py", "_docs_figures_for_test")
+    meta = {"commit": "0123456789abcdef", "dirty": True, "dirty_count": 2,
+            "dirty_files": ["docs/figures/allreduce-2ranks.json", "README.md"]}
+    assert figures.commit(meta) == "commit `0123456789ab`"
+    meta["dirty_files"].append("ringreduce/x.py")
+    meta["dirty_count"] = 3
+    assert figures.commit(meta, name_files=1) == ("commit `0123456789ab` with uncommitted "
+                                                  "changes to `docs/figures/allreduce-2ranks."
+                                                  "json` and 2 more files")
+    meta["dirty_count"] = 25        # more than the file names recorded: not known to be docs
+    meta["dirty_files"] = meta["dirty_files"][:2]
+    assert "with uncommitted changes" in figures.commit(meta)
+
+
 def test_figures_without_the_new_rows_say_so(tmp_path):
     """Files from before the backend's rows (and before the richer metadata) still render: the
     dist sections say how to fill them, and the Run line what it does not know."""
