@@ -97,6 +97,15 @@ class RingReduceGroup(dist.ProcessGroup):
                              f"{self._label} (0..{len(ranks) - 1})")
         return ranks[group_rank]
 
+    def _one_per_rank(self, tensors: list, like: torch.Tensor, kind: str, side: str) -> None:
+        """A call's list of `side` tensors ("input", "output") holds one per rank of the
+        group, each the size of `like`."""
+        if len(tensors) != self.size():
+            raise ValueError(f"ringreduce backend: {kind} takes {self.size()} {side} tensors "
+                             f"(one per rank of {self._label}), got {len(tensors)}")
+        for i, t in enumerate(tensors):
+            same_size(t, like, kind, f"{side} {i}")
+
     def _check_pairs(self, what: str, outputs: list, inputs: list, gathers: bool) -> None:
         """A coalesced call's tensors pair up, and in each pair the whole side (the output of
         a gather, the input of a scatter) holds size() times the other."""
@@ -161,11 +170,7 @@ class RingReduceGroup(dist.ProcessGroup):
                        opts: Any) -> CollectiveWork:
         output, inputs = one(output_tensors, "reduce_scatter"), one(input_tensors,
                                                                       "reduce_scatter")
-        if len(inputs) != self.size():
-            raise ValueError(f"ringreduce backend: reduce_scatter takes {self.size()} input "
-                             f"tensors (one per rank of {self._label}), got {len(inputs)}")
-        for i, t in enumerate(inputs):
-            same_size(t, output, "reduce_scatter", f"input {i}")
+        self._one_per_rank(inputs, output, "reduce_scatter", "input")
         stacked = torch.stack([t.detach().reshape(-1) for t in inputs])
         return self._reduce_scatter(output, stacked, opts, "reduce_scatter", output_tensors)
 
@@ -220,11 +225,7 @@ class RingReduceGroup(dist.ProcessGroup):
     def allgather(self, output_tensors: list, input_tensors: list,
                   opts: Any = None) -> CollectiveWork:
         outputs, tensor = one(output_tensors, "allgather"), one(input_tensors, "allgather")
-        if len(outputs) != self.size():
-            raise ValueError(f"ringreduce backend: allgather takes {self.size()} output "
-                             f"tensors (one per rank of {self._label}), got {len(outputs)}")
-        for i, out in enumerate(outputs):
-            same_size(out, tensor, "allgather", f"output {i}")
+        self._one_per_rank(outputs, tensor, "allgather", "output")
         return self._gather_rows(tensor, "allgather", output_tensors, outputs)
 
     def gather(self, output_tensors: list, input_tensors: list, opts: Any) -> CollectiveWork:
@@ -234,11 +235,7 @@ class RingReduceGroup(dist.ProcessGroup):
         outputs = []
         if self.rank() == root:
             outputs = one(output_tensors, "gather")
-            if len(outputs) != self.size():
-                raise ValueError(f"ringreduce backend: gather takes {self.size()} output "
-                                 f"tensors on the root, got {len(outputs)}")
-            for i, out in enumerate(outputs):
-                same_size(out, tensor, "gather", f"output {i}")
+            self._one_per_rank(outputs, tensor, "gather", "output")
         return self._gather_rows(tensor, "gather", output_tensors, outputs)
 
     def _gather_rows(self, tensor: torch.Tensor, kind: str, value: list,
@@ -309,11 +306,7 @@ class RingReduceGroup(dist.ProcessGroup):
         shape = tuple(output.shape)
         if self.rank() == root:
             inputs = one(input_tensors, "scatter")
-            if len(inputs) != self.size():
-                raise ValueError(f"ringreduce backend: scatter takes {self.size()} input "
-                                 f"tensors on the root, got {len(inputs)}")
-            for i, t in enumerate(inputs):
-                same_size(t, output, "scatter", f"input {i}")
+            self._one_per_rank(inputs, output, "scatter", "input")
             rows = torch.stack([t.detach().reshape(shape) for t in inputs])
             splits = [1] * self.size()
         else:

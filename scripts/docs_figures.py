@@ -273,16 +273,22 @@ def allreduce_tables(data: dict, source: str) -> str:
     return "\n".join(out)
 
 
+def without_rows(out: list, rows: str, otherwise: str) -> str:
+    """A section whose run lacks the rows it shows (`rows`, what they are): why, and how to
+    fill it."""
+    return "\n".join(out + [f"*This run has no {rows}: it was made before the benchmark had "
+                             f"them, or {otherwise}. Rerun the command above to fill this "
+                             "table.*", ""])
+
+
 def allreduce_dist(data: dict, source: str) -> str:
     """torch.distributed's all_reduce on our backend beside gloo, MPI and our own calls, with
     how much faster than gloo each is (gloo's time / its time)."""
     meta, results = data["meta"], data["results"]
     out = [provenance(meta, source), ""]
     if not any(r["method"] == "dist_rr" for r in results):
-        return "\n".join(out + [
-            "*This run has no `dist_rr` rows (torch.distributed's `all_reduce` on the "
-            "`\"ringreduce\"` backend): it was made before the benchmark had them, or with "
-            "`--no-dist`. Rerun the command above to fill this table.*", ""])
+        return without_rows(out, "`dist_rr` rows (torch.distributed's `all_reduce` on the "
+                            "`\"ringreduce\"` backend)", "with `--no-dist`")
     out += ["Yardsticks: torch.distributed's own CPU backend, gloo, and MPI's `Allreduce`, in "
             "the same run; `× gloo` is gloo's time divided by the row's (above 1: faster than "
             "gloo). The asynchronous row is the same call without torch.", ""]
@@ -370,10 +376,8 @@ def train_dist(data: dict, source: str) -> str:
     meta, results = data["meta"], data["results"]
     out = [provenance(meta, source), ""]
     if not any(r["method"] == "ddp_rr" for r in results):
-        return "\n".join(out + [
-            "*This run has no `ddp_rr` rows (DDP on the `\"ringreduce\"` backend): it was made "
-            "before the benchmark had them, or without that method in `--methods`. Rerun the "
-            "command above to fill this table.*", ""])
+        return without_rows(out, "`ddp_rr` rows (DDP on the `\"ringreduce\"` backend)",
+                            "without that method in `--methods`")
     out += ["Yardsticks: DDP on gloo, torch's own CPU backend, and ringreduce's "
             "`DistributedOptimizer`, in the same run (samples/s of the whole job; ratios above "
             "1: DDP on `\"ringreduce\"` is faster).", ""]
