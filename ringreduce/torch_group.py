@@ -396,8 +396,14 @@ class RingReduceGroup(dist.ProcessGroup):
                                "RINGREDUCE_STALL_CHECK_TIME)")
 
     def _start_coalescing(self, *args: Any) -> None:
-        raise UnsupportedError("ringreduce backend: coalescing managers are not supported; "
-                               "use allreduce_coalesced, or issue the calls one by one")
+        """A coalescing manager given a device (torch's older form) is refused. torch has
+        opened the group's list of coalesced calls already: close it, or every later call on
+        the group would join that list and never run."""
+        dist.distributed_c10d._world.pg_coalesce_state.pop(self, None)
+        raise UnsupportedError("ringreduce backend: a coalescing manager given a device is not "
+                               "supported; leave out device= (its all_reduce, "
+                               "all_gather_into_tensor or reduce_scatter_tensor calls are then "
+                               "coalesced), or issue the calls one by one")
 
     _end_coalescing = _start_coalescing
 

@@ -127,6 +127,12 @@ def case_coalesced():
             dist.reduce_scatter_tensor(torch.empty(3), rand(3 * n + 1, seed=44))
     expect(ValueError, "must hold", uneven)
 
+    def older_form():
+        with dist._coalescing_manager(device=torch.device("cpu")):
+            dist.all_reduce(torch.ones(2))
+    expect(hvd.UnsupportedError, "coalescing manager given a device", older_form)
+    check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after refusal")
+
 
 def case_broadcast():
     for src in range(n):
