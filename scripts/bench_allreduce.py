@@ -71,8 +71,9 @@ from ringreduce.process_sets import global_set
 hvd.init()
 from mpi4py import MPI  # noqa: E402
 
-from bench_common import (cross_comm, metadata as common_metadata,  # noqa: E402
-                          sleeping_barrier, slowest, time_interleaved, time_it, write_results)
+from bench_common import (cross_comm, init_torch_distributed,  # noqa: E402
+                          metadata as common_metadata, sleeping_barrier, slowest,
+                          time_interleaved, time_it, write_results)
 
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
@@ -144,21 +145,7 @@ def mpi_allreduce(comm):
     return prepare
 
 
-GLOO = None    # torch.distributed's gloo group of every rank (init_torch_distributed)
-
-
-def init_torch_distributed(gloo: bool) -> None:
-    """torch.distributed's default group on the ringreduce backend (ringreduce.distributed),
-    and a gloo group of every rank beside it (over loopback: one host)."""
-    global GLOO
-    import torch.distributed as dist
-
-    import ringreduce.distributed
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ringreduce.distributed.init_process_group()
-    if gloo:
-        GLOO = dist.new_group(backend="gloo")
+GLOO = None    # torch.distributed's gloo group of every rank (bench_common.init_torch_distributed)
 
 
 def prepare_dist_rr(nbytes: int, dtype: torch.dtype):
@@ -311,6 +298,7 @@ def plot(path: str, results: list[dict], copies: list[dict], meta: dict) -> None
 
 
 def main() -> None:
+    global GLOO
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4K,64K,1M,16M,64M,256M")
     parser.add_argument("--dtypes", default="float32,bfloat16")
@@ -336,7 +324,7 @@ def main() -> None:
             parser.error("--plot needs matplotlib: pip install -e '.[bench]'")
     args.no_gloo |= args.no_dist
     if not args.no_dist:
-        init_torch_distributed(gloo=not args.no_gloo)
+        GLOO = init_torch_distributed(gloo=not args.no_gloo)
 
     meta = metadata(args)
     if RANK == 0:

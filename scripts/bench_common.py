@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: timing, starting torch.distributed's gloo next to MPI, the
+"""What the benchmark scripts share: timing, starting torch.distributed (our backend, gloo beside it), the
 metadata that says which run a result file is from (commit, machine, versions, environment),
 and writing the results."""
 from __future__ import annotations
@@ -81,19 +81,18 @@ def cross_comm(local_rank: int):
     return MPI.COMM_WORLD.Split(local_rank, MPI.COMM_WORLD.rank)
 
 
-def init_gloo(comm=MPI.COMM_WORLD) -> None:
-    """torch.distributed with gloo over loopback, ranks as in `comm` (a free port from rank 0)."""
+def init_torch_distributed(gloo: bool = True):
+    """torch.distributed's default group on the ringreduce backend (ringreduce.distributed),
+    and, with `gloo`, a gloo group of every rank beside it (over loopback: one host), which
+    it returns (else None). torch.distributed is imported here: the other benchmarks go
+    without it."""
     import torch.distributed as dist
 
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
-                            world_size=comm.size, timeout=datetime.timedelta(minutes=5))
+    import ringreduce.distributed
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    ringreduce.distributed.init_process_group()
+    return dist.new_group(backend="gloo") if gloo else None
 
 
 # Environment variables that change what a benchmark measures: thread counts, ringreduce's and

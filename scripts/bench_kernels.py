@@ -7,29 +7,23 @@ comparable across kernels; the median of --reps runs. One thread (torch.set_num_
 as each rank has under mpiexec.
 """
 import argparse
-import json
-import statistics
-import time
 
 import numpy as np
 import torch
 
 from ringreduce import kernels
-# The fused sum-and-average is the extension's own entry point: node.c runs it on a node's last
-# step, and no Python module calls it, so it is benchmarked through ringreduce._native.
+# The fused sum-and-average (divide while adding the last input) is what node.c runs on a
+# node's last step; Python's kernels.reducer offers only the plain sum, so the fused form is
+# benchmarked through ringreduce._native.
 from ringreduce import _native
 from ringreduce.buffers import CODES, as_array
 from ringreduce.kernels import ReduceOp
 
+from bench_common import metadata, time_it, write_results  # (imports mpi4py after ringreduce)
+
 
 def gbps(fn, nbytes, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times) / 1e9
+    return nbytes / time_it(fn, reps, barrier=lambda: None) / 1e9
 
 
 def main():
@@ -61,9 +55,8 @@ def main():
                                                       args.reps)))
         rows.append((f"sum+average {name}", "ours (fused)",
                      gbps(lambda: fused(A, B, O), moved, args.reps)))
-        rows.append((f"sum+average {name}", "torch (2 passes)",
-                     gbps(lambda: torch.div(torch.add(a, b, out=out), 2, out=out), moved,
-                          args.reps)))
+        rows.append((f"sum+average {name}", "torch (lerp, 1 pass)",
+                     gbps(lambda: torch.lerp(a, b, 0.5, out=out), moved, args.reps)))
     x = torch.randn(args.mib * 2**20 // 4)
     for wire in (torch.bfloat16, torch.float16):
         name = str(wire).removeprefix("torch.")
@@ -82,10 +75,9 @@ def main():
     print(f"{'kernel':>24} {'implementation':>18} {'GB/s':>8}")
     for kernel, impl, value in rows:
         print(f"{kernel:>24} {impl:>18} {value:8.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{"kernel": k, "implementation": i, "gbps": v} for k, i, v in rows], f,
-                      indent=1)
+    payload = {"meta": metadata(mib=args.mib, reps=args.reps),
+               "kernels": [{"kernel": k, "implementation": i, "gbps": v} for k, i, v in rows]}
+    write_results(payload, args.json, None, None)
 
 
 if __name__ == "__main__":

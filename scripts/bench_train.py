@@ -80,12 +80,13 @@ import ringreduce as hvd  # before mpi4py.MPI, so MPI starts with the thread lev
 hvd.init()
 from mpi4py import MPI  # noqa: E402
 
-from bench_common import metadata as common_metadata, write_results  # noqa: E402
+from bench_common import (init_torch_distributed, metadata as common_metadata,  # noqa: E402
+                          write_results)
 
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
 METHODS = ["none", "ringreduce_view", "ringreduce", "allreduce_after", "ddp_rr", "ddp"]
-GLOO = None     # torch.distributed's gloo group of every rank (init_torch_distributed)
+GLOO = None     # torch.distributed's gloo group of every rank (bench_common.init_torch_distributed)
 MODELS = ["mlp", "cnn", "mlp10m"]
 IMAGE = (3, 64, 64)
 CLASSES = 1000
@@ -133,19 +134,6 @@ BUILD = {"mlp": lambda: mlp(1580), "mlp10m": lambda: mlp(714), "cnn": resnet18}
 
 
 # ---------------------------------------------------------------------------- methods
-
-def init_torch_distributed() -> None:
-    """torch.distributed's default group on the ringreduce backend, and a gloo group of every
-    rank beside it (over loopback: one host)."""
-    global GLOO
-    import torch.distributed as dist
-
-    import ringreduce.distributed
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ringreduce.distributed.init_process_group()
-    GLOO = dist.new_group(backend="gloo")
-
 
 def setup(method: str, model: nn.Module, lr: float):
     """(module to call, optimizer, hook run between backward and step) for one method."""
@@ -312,6 +300,7 @@ def plot(path: str, results: list[dict], models: list[dict], meta: dict) -> None
 
 
 def main() -> None:
+    global GLOO
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp,cnn")
     parser.add_argument("--methods", default=",".join(METHODS))
@@ -337,7 +326,7 @@ def main() -> None:
             parser.error("--plot needs matplotlib: pip install -e '.[bench]'")
     torch.set_num_threads(1)
     if {"ddp", "ddp_rr"} & set(methods):
-        init_torch_distributed()
+        GLOO = init_torch_distributed()
 
     meta = metadata(args)
     if RANK == 0:

@@ -22,8 +22,8 @@ Recognised files, by their shape:
         samples/s per model and method against no communication and DDP on gloo, step time and
         peak RSS; section `dist`, DDP on the "ringreduce" backend (`ddp_rr`) beside DDP on gloo
         and DistributedOptimizer
-    scripts/bench_kernels.py --json     [{"kernel", "implementation", "gbps"}] (or {"meta",
-        "kernels": [...]}): GB/s per kernel
+    scripts/bench_kernels.py --json     {"meta", "kernels": [{"kernel", "implementation",
+        "gbps"}]} (older files: the bare list): GB/s per kernel
     scripts/cost_model.py --json        {"machine", "rows"}: predicted times at 2-1,024 nodes
 The README's block between `<!-- figures:start -->` and `<!-- figures:end -->` is made from
 allreduce-2ranks.json and train-2ranks.json. To refresh a figure, rerun its benchmark with
@@ -92,8 +92,6 @@ def size_label(nbytes: int) -> str:
 
 def num(value: float, digits: int = 3) -> str:
     """`digits` significant figures, without a trailing exponent for everyday magnitudes."""
-    if value is None:
-        return "n/a"
     if value == 0:
         return "0"
     magnitude = len(str(int(abs(value)))) if abs(value) >= 1 else 0
@@ -159,6 +157,14 @@ def commit(meta: dict, name_files: int = 3) -> str:
     return text
 
 
+def mpi_name(meta: dict) -> str:
+    """The MPI library the run used, in a few words ("" when not recorded)."""
+    if meta.get("mpi_vendor"):
+        return meta["mpi_vendor"]
+    library = meta.get("mpi_library")
+    return " ".join(library.splitlines()[0].split()) if library else ""
+
+
 def provenance(meta: dict | None, source: str) -> str:
     """One line naming the run: what the file records of date, machine, ranks, versions,
     commit, environment and command line."""
@@ -171,10 +177,8 @@ def provenance(meta: dict | None, source: str) -> str:
     parts.append(f"on {machine(meta)}")
     if meta.get("ranks"):
         parts.append(f"{meta['ranks']} rank{'s' * (meta['ranks'] != 1)}")
-    if meta.get("mpi_vendor"):
-        parts.append(meta["mpi_vendor"])
-    elif meta.get("mpi_library"):
-        parts.append(" ".join(meta["mpi_library"].splitlines()[0].split()))
+    if mpi_name(meta):
+        parts.append(mpi_name(meta))
     if meta.get("torch"):
         threads = meta.get("torch_num_threads")
         parts.append(f"torch {meta['torch']}" + (f" ({threads} thread{'s' * (threads != 1)})"
@@ -290,8 +294,9 @@ def allreduce_dist(data: dict, source: str) -> str:
         return without_rows(out, "`dist_rr` rows (torch.distributed's `all_reduce` on the "
                             "`\"ringreduce\"` backend)", "with `--no-dist`")
     out += ["Yardsticks: torch.distributed's own CPU backend, gloo, and MPI's `Allreduce`, in "
-            "the same run; `× gloo` is gloo's time divided by the row's (above 1: faster than "
-            "gloo). The asynchronous row is the same call without torch.", ""]
+            "the same run; `× faster than gloo` is gloo's time divided by the row's, `× MPI` the "
+            "row's time divided by MPI's. The asynchronous row is the same call without "
+            "torch.", ""]
     sizes = sorted({r["size_bytes"] for r in results if r["method"] == "dist_rr"})
     for dtype in sorted({r["dtype"] for r in results if r["method"] == "dist_rr"},
                         key=lambda d: d != "float32"):
@@ -305,7 +310,7 @@ def allreduce_dist(data: dict, source: str) -> str:
                 gloo = by_key.get(("gloo", nbytes))
                 if (method != "gloo" and cell != "n/a" and gloo is not None
                         and gloo.get("time_s")):
-                    cell += f", {num(gloo['time_s'] / r['time_s'], 2)} × gloo"
+                    cell += f", {num(gloo['time_s'] / r['time_s'], 2)} × faster than gloo"
                 cells.append(cell)
             if any(c != "n/a" for c in cells):
                 rows.append([ALLREDUCE_METHODS[method]] + cells)
@@ -418,7 +423,8 @@ def kernels(data, source: str) -> str:
         cells = [f"{r['implementation']}: {num(r['gbps'])}" for r in rows_in if r["kernel"] == k]
         rows.append([k, "; ".join(cells)])
     yardstick = ("Yardsticks: NumPy and torch running the same operation on the same inputs "
-                 "(`ours` is our C kernels, `native/kernels.c`).")
+                 "(for sum+average, torch's one-pass `lerp(a, b, 0.5)`); `ours` is our C "
+                 "kernels, `native/kernels.c`.")
     return "\n".join([provenance(meta, source), "", yardstick, "",
                       "**native kernels, GB/s (one thread)**", "",
                       table(["kernel", "GB/s by implementation"], rows), ""])
@@ -447,10 +453,14 @@ def cost_model(data: dict, source: str) -> str:
                       table(["size per rank", "nodes"] + algorithms, rows), ""])
 
 
+def source_name(path: Path) -> str:
+    """How a figure's page names its JSON file: from the repository root when it is ours."""
+    return f"docs/figures/{path.name}" if path.resolve().parent == FIGURES else str(path)
+
+
 def render(path: Path) -> str:
     data = json.loads(path.read_text())
-    source = (f"docs/figures/{path.name}" if path.resolve().parent == FIGURES
-              else str(path))
+    source = source_name(path)
     if isinstance(data, list) or "kernels" in data:
         body = kernels(data, source)
     elif "copies" in data:
@@ -475,9 +485,8 @@ def short_run(meta: dict, source: str) -> str:
     parts.append(machine(meta))
     if meta.get("ranks"):
         parts.append(f"{meta['ranks']} ranks")
-    if meta.get("mpi_vendor") or meta.get("mpi_library"):
-        parts.append(meta.get("mpi_vendor")
-                     or " ".join(meta["mpi_library"].splitlines()[0].split()))
+    if mpi_name(meta):
+        parts.append(mpi_name(meta))
     parts.append(commit(meta, name_files=0))
     return ", ".join(parts)
 
@@ -489,7 +498,7 @@ def headline(directory: Path) -> str:
     if path.exists():
         data = json.loads(path.read_text())
         meta, results = data["meta"], data["results"]
-        runs.append(short_run(meta, f"docs/figures/{path.name}"))
+        runs.append(short_run(meta, source_name(path)))
         fp32 = {(r["method"], r["size_bytes"]): r for r in results if r["dtype"] == "float32"}
         sizes = sorted({n for m, n in fp32 if m == "ours_"})
         if sizes:
@@ -522,15 +531,18 @@ def headline(directory: Path) -> str:
 
                 text = (f"- **torch.distributed `all_reduce` on the `\"ringreduce\"` backend, "
                         f"{size_label(big)}:** {figure(dist)}")
+                if copy and big >= LATENCY_BELOW:
+                    text += (f", {num(dist['busbw_GBps'] / copy['bw_GBps'], 2)} × the same "
+                             "yardstick")
                 if dist_gloo and dist_gloo.get("time_s"):
-                    text += (f" against gloo's {figure(dist_gloo)} "
-                             f"({num(dist_gloo['time_s'] / dist['time_s'], 2)} × as fast)")
+                    text += (f"; gloo {figure(dist_gloo)}, so "
+                             f"{num(dist_gloo['time_s'] / dist['time_s'], 2)} × as fast")
                 lines.append(text + ".")
     path = directory / "train-2ranks.json"
     if path.exists():
         data = json.loads(path.read_text())
         meta, results = data["meta"], data["results"]
-        runs.append(short_run(meta, f"docs/figures/{path.name}"))
+        runs.append(short_run(meta, source_name(path)))
         if data["models"]:
             info = data["models"][0]
             speed = {r["method"]: r["samples_per_s"] for r in results
@@ -550,9 +562,11 @@ def headline(directory: Path) -> str:
                                  f"({speed['ddp']:.0f})")
                 lines.append(text + (", " + " and ".join(notes) if notes else "") + ".")
             if "ddp_rr" in speed and speed.get("ddp"):
+                against = ([f"{speed['ddp_rr'] / speed['ringreduce']:.2f} × "
+                            "`DistributedOptimizer`"] if speed.get("ringreduce") else [])
+                against.append(f"{speed['ddp_rr'] / speed['ddp']:.2f} × DDP on gloo")
                 lines.append(f"- **DDP on the `\"ringreduce\"` backend**, same model: "
-                             f"{speed['ddp_rr']:.0f} samples/s, "
-                             f"{speed['ddp_rr'] / speed['ddp']:.2f} × DDP on gloo.")
+                             f"{speed['ddp_rr']:.0f} samples/s, {' and '.join(against)}.")
     if not lines:
         lines = ["- No benchmark results in `docs/figures/` yet."]
     if runs:
