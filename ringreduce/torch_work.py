@@ -16,26 +16,13 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from .engine import Handle
+from .engine import Finished, Handle
 
 _FUTURES = threading.Lock()     # a work's future is made once
 _WORK_INIT = dist.Work.__init__
 
 
-class Finished:
-    """The handle of a collective that ran to completion on the caller's thread."""
-
-    def wait(self) -> None:
-        return None
-
-    def done(self) -> bool:
-        return True
-
-    def add_done_callback(self, callback: Callable[[Any], Any]) -> None:
-        callback(self)
-
-
-FINISHED = Finished()
+FINISHED = Finished("dist.allreduce", None, None)     # (done: shared by every such Work)
 
 
 class CollectiveWork(dist.Work):
@@ -58,19 +45,20 @@ class CollectiveWork(dist.Work):
         self._finishing = None if finish is None else threading.Lock()
 
     def _settle(self) -> None:
-        """Wait for the handle and run `finish` once; raise the collective's error."""
-        if self._finish is None:
-            self._handle.wait()
-            return
+        """Wait for the handle and, where torch's outputs are to be written, write them once:
+        a thread that comes while another writes them waits for it. Raises the collective's
+        error, or the writing's (every time it is asked)."""
         result = self._handle.wait()
+        if self._finishing is None:
+            return
         with self._finishing:
-            finish, self._finish = self._finish, None
-            if finish is not None:
+            if self._finish is not None:
                 try:
                     with torch.no_grad():
-                        finish(result)
+                        self._finish(result)
                 except BaseException as exc:
                     self._error = exc
+                self._finish = None
         if self._error is not None:
             raise self._error
 
@@ -78,10 +66,7 @@ class CollectiveWork(dist.Work):
         """Block until the collective is done and the outputs are written; raises its error
         (MismatchError, ShutDownError ...). torch's timeout is not used: a stalled peer gets
         ringreduce's stall report (RINGREDUCE_STALL_CHECK_TIME) instead."""
-        if self._finish is None and self._error is None:
-            self._handle.wait()         # (the most frequent case, in short)
-        else:
-            self._settle()
+        self._settle()
         return True
 
     def get_future(self) -> Future:
@@ -101,7 +86,8 @@ class CollectiveWork(dist.Work):
         self._future.set_result(self._value)
 
     def is_completed(self) -> bool:
-        return self._handle.done()
+        """Done, and torch's outputs written."""
+        return self._handle.done() and self._finish is None
 
     def is_success(self) -> bool:
         if not self._handle.done():
@@ -113,6 +99,9 @@ class CollectiveWork(dist.Work):
         return True
 
     def exception(self) -> Optional[BaseException]:
+        """The error, once done (None before: it does not wait)."""
+        if not self._handle.done():
+            return None
         try:
             self._settle()
         except BaseException as exc:

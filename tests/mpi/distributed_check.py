@@ -292,6 +292,50 @@ def case_errors():
     expect(ValueError, "GLOO", dist.monitored_barrier)
 
 
+def case_one_rank_errs():
+    """A mistake made on rank 0 alone: an error there, the others' results right, and the
+    group usable after it."""
+    def async_then_wait(x, op=SUM):         # rank 0 begins on its thread, the others queue
+        work = dist.all_reduce(x, op=op, async_op=r == 0)
+        return work.wait() if work is not None else None
+    expect(hvd.MismatchError, ["shape", "(3,)", "(4,)"], async_then_wait,
+           torch.ones(3 if r == 0 else 4))
+    expect(hvd.MismatchError, "op", async_then_wait, torch.ones(2),
+           dist.ReduceOp.MAX if r == 0 else SUM)
+    want = [rand(2, seed=50, rank=k) for k in range(n)]
+    outputs = [torch.empty(2) for _ in range(n - 1 if r == 0 else n)]
+    if r == 0:
+        expect(ValueError, ["allgather on rank 0", f"takes {n} output"], dist.all_gather,
+               outputs, rand(2, seed=50))
+    else:
+        dist.all_gather(outputs, rand(2, seed=50))
+        for k in range(n):
+            check_equal(outputs[k], want[k], f"all_gather from {k} beside rank 0's mistake")
+    out = torch.empty(2 * n + (1 if r == 0 else 0))
+    if r == 0:
+        expect(ValueError, "all_gather_into_tensor on rank 0", dist.all_gather_into_tensor,
+               out, rand(2, seed=50))
+    else:
+        dist.all_gather_into_tensor(out, rand(2, seed=50))
+        check_equal(out, torch.cat(want), "all_gather_into_tensor beside rank 0's mistake")
+    # wrong output_split_sizes on rank 0: the error from the future and from wait(), each time
+    x = torch.arange(2 * n, dtype=torch.float32) + 100 * r
+    got = torch.empty(2 * n)
+    splits = [2] * n if r else [1] * (n - 1) + [n + 1]
+    work = dist.all_to_all_single(got, x, output_split_sizes=splits, async_op=True)
+    if r == 0:
+        expect(ValueError, "output_split_sizes", work.get_future().wait)
+        expect(ValueError, "output_split_sizes", work.wait)
+        expect(ValueError, "output_split_sizes", work.wait)
+        assert isinstance(work.exception(), ValueError) and not work.is_success()
+    else:
+        work.wait()
+        want = torch.cat([torch.arange(2 * r, 2 * r + 2, dtype=torch.float32) + 100 * k
+                          for k in range(n)])
+        check_equal(got, want, "all_to_all_single beside rank 0's mistake")
+    check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
+
+
 # ---------------------------------------------------------------- DDP, FSDP, torchmetrics
 
 BATCH = 24          # divides by 1, 2, 3 (and each half by 2 and 3)
@@ -499,7 +543,7 @@ assert dist.get_backend() == "ringreduce" and dist.get_world_size() == n
 GLOO = dist.new_group(backend="gloo")
 cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadcast, case_all_gather,
          case_reduce_scatter, case_all_to_all, case_reduce_gather_scatter, case_send_recv,
-         case_subgroup, case_errors, case_ddp, case_fsdp, case_torchmetrics]
+         case_subgroup, case_errors, case_one_rank_errs, case_ddp, case_fsdp, case_torchmetrics]
 run_cases([announced(case) for case in cases + ([case_stall] if LIGHTNING else [])], r)
 dist.destroy_process_group()
 print(f"OK rank {r}", flush=True)
