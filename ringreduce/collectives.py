@@ -21,7 +21,7 @@ from .differentiable import requires_grad
 from .engine import Handle
 from .kernels import ReduceOp
 from .process_sets import ProcessSet, active, global_process_set
-from .small_way import allreduce_now, begun, queued_work
+from .small_way import allreduce_now, queued_work, started
 
 Average = ReduceOp.Average
 Sum = ReduceOp.Sum
@@ -51,7 +51,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
     """Start an allreduce of `tensor`; `synchronize(handle)` returns a new reduced tensor."""
     if average is None and prescale_factor == 1.0 and compression is Compression.none:
         work = queued_work(active(process_set, "allreduce_async()"), tensor, name, op,
-                           postscale_factor, False)
+                           postscale_factor)
         if work is not None:
             return submit(work)
     return submit(allreduce_work(tensor, average, name, op, prescale_factor, postscale_factor,
@@ -64,13 +64,10 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place allreduce; `tensor` is overwritten when the handle completes."""
     if average is None and prescale_factor == 1.0:
-        ps = active(process_set, "allreduce_async_()")
-        handle = begun(ps, tensor, name, op, postscale_factor)
+        handle = started(active(process_set, "allreduce_async_()"), tensor, name, op,
+                         postscale_factor)
         if handle is not None:
             return handle
-        work = queued_work(ps, tensor, name, op, postscale_factor, True)
-        if work is not None:
-            return submit(work)
     return submit(allreduce_work(tensor, average, name, op, prescale_factor, postscale_factor,
                                  Compression.none, True, process_set))
 

@@ -157,34 +157,38 @@ def allreduce_now(ps: Any, tensor: Any, name: Optional[str], op: Any, postscale:
     return handle.wait()
 
 
-def begun(ps: Any, tensor: Any, name: Optional[str], op: Any,
-          postscale: float) -> Optional[Handle]:
-    """A small asynchronous in-place allreduce begun on this thread when the set's engine is
-    idle and its way `begins`: our part is posted at once, and if every member's is there
-    already it completes here (a synchronous call's cost, not a hand-off's); otherwise the rest
-    runs first in the queue. None when the call is not that case (queue it whole)."""
+def started(ps: Any, tensor: Any, name: Optional[str], op: Any,
+            postscale: float) -> Optional[Handle]:
+    """A small asynchronous in-place allreduce, started: begun on this thread when the set's
+    engine is idle and its way `begins` (our part is posted at once, and if every member's is
+    there already it completes here: a synchronous call's cost, not a hand-off's; otherwise
+    the rest runs first in the queue), else queued whole. None when the call is not small
+    (the general path takes it)."""
     small = ps.transport.small
-    if small is None or not small.begins:
+    case = None if small is None else small.case(tensor, op)
+    if case is None:
         return None
-    case = small.case(tensor, op)
-    if case is None or not ps.engine.claim_idle(name):
-        return None
-    try:
+    if small.begins and ps.engine.claim_idle(name):
+        try:
+            name = ps.auto_name("allreduce") if name is None else name
+            handle = ps.engine.begin_now(name, lambda: small.begin(tensor, name, case,
+                                                                   postscale))
+        finally:
+            ps.engine.release_idle()
+    else:
         name = ps.auto_name("allreduce") if name is None else name
-        handle = ps.engine.begin_now(name, lambda: small.begin(tensor, name, case, postscale))
-    finally:
-        ps.engine.release_idle()
+        handle = ps.engine.submit(name, small.work(tensor, name, case, postscale, True))
     timeline.record(name, "submitted")
     return handle
 
 
-def queued_work(ps: Any, tensor: Any, name: Optional[str], op: Any, postscale: float,
-                in_place: bool) -> Optional[tuple]:
-    """An asynchronous allreduce's work (set, name, what runs) by the small way, where the
-    call takes it (a handle costs enough already); else None."""
+def queued_work(ps: Any, tensor: Any, name: Optional[str], op: Any,
+                postscale: float) -> Optional[tuple]:
+    """An asynchronous out-of-place allreduce's work (set, name, what runs) by the small way,
+    where the call takes it (a handle costs enough already); else None."""
     small = ps.transport.small
     case = None if small is None else small.case(tensor, op)
     if case is None:
         return None
     name = ps.auto_name("allreduce") if name is None else name
-    return ps, name, small.work(tensor, name, case, postscale, in_place)
+    return ps, name, small.work(tensor, name, case, postscale, False)

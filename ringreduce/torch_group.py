@@ -14,20 +14,22 @@ Each call returns a `CollectiveWork` (torch_work.py); a synchronous `all_reduce`
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import world
-from .collectives import (Sum, allgather_async, allreduce_, allreduce_async, allreduce_async_,
-                          alltoall_async, barrier_async, broadcast_async_,
-                          grouped_allgather_async, grouped_allreduce_async_,
-                          grouped_reducescatter_async, reducescatter_async)
+from .collective_work import allreduce_work, submit
+from .collectives import (Sum, allgather_async, allreduce_, allreduce_async, alltoall_async,
+                          barrier_async, broadcast_async_, grouped_allgather_async,
+                          grouped_allreduce_async_, grouped_reducescatter_async,
+                          reducescatter_async)
+from .compression import Compression
 from .errors import RingReduceError, UnsupportedError
 from .point_to_point import Channel
 from .process_sets import ActiveSet, ProcessSet, active, close_group, global_process_set
-from .small_way import begun
+from .small_way import started
 from .torch_arguments import SUM, copy_flat, one, reduction, same_size
 from .torch_work import FINISHED, CollectiveWork
 
@@ -101,23 +103,29 @@ class RingReduceGroup(dist.ProcessGroup):
         """A call's list of `side` tensors ("input", "output") holds one per rank of the
         group, each the size of `like`."""
         if len(tensors) != self.size():
-            raise ValueError(f"ringreduce backend: {kind} takes {self.size()} {side} tensors "
-                             f"(one per rank of {self._label}), got {len(tensors)}")
+            raise ValueError(f"ringreduce backend: {kind} on rank {self.rank()} takes "
+                             f"{self.size()} {side} tensors (one per rank of {self._label}), "
+                             f"got {len(tensors)}")
         for i, t in enumerate(tensors):
             same_size(t, like, kind, f"{side} {i}")
 
-    def _check_pairs(self, what: str, outputs: list, inputs: list, gathers: bool) -> None:
-        """A coalesced call's tensors pair up, and in each pair the whole side (the output of
-        a gather, the input of a scatter) holds size() times the other."""
-        if len(outputs) != len(inputs):
-            raise ValueError(f"ringreduce backend: {what}: {len(outputs)} outputs for "
-                             f"{len(inputs)} inputs")
-        whole, part = ("an output", "its input") if gathers else ("an input", "its output")
-        for output, input in zip(outputs, inputs):
-            big, small = (output, input) if gathers else (input, output)
-            if big.numel() != small.numel() * self.size():
-                raise ValueError(f"ringreduce backend: {what}: {whole} must hold "
-                                 f"{self.size()} times {part}")
+    def _rows(self, input: torch.Tensor, kind: str) -> torch.Tensor:
+        """A reduce-scatter's input as one row per rank (the signature then holds its shape,
+        so a rank with another size is a MismatchError everywhere)."""
+        if input.numel() % self.size():
+            raise ValueError(f"ringreduce backend: {kind} on rank {self.rank()}: an input "
+                             f"must hold a multiple of {self.size()} elements (a row per "
+                             f"rank), got {input.numel()}")
+        return input.detach().reshape(self.size(), -1)
+
+    def _check_output(self, output: torch.Tensor, arrived: torch.Tensor, kind: str) -> None:
+        """Checks of torch's output tensors run when the collective is done, before they are
+        written: a mistake made on one rank fails that rank's wait() alone, and the others'
+        collective completes instead of waiting for a call that was never made."""
+        if output.numel() != arrived.numel() or output.dtype != arrived.dtype:
+            raise ValueError(f"ringreduce backend: {kind} on rank {self.rank()}: the output "
+                             f"is {output.dtype} {tuple(output.shape)}, but {arrived.numel()} "
+                             f"{arrived.dtype} elements arrived for it")
 
     # -------------------------------------------------- reductions
 
@@ -131,16 +139,16 @@ class RingReduceGroup(dist.ProcessGroup):
         tensor = tensors[0] if len(tensors) == 1 else one(tensors, "allreduce")
         ps = self._active("allreduce")
         name = ps.auto_name("dist.allreduce")
-        if opts is not None and not opts.asyncOp:
+        if opts is not None and not getattr(opts, "asyncOp", True):    # (torch >= 2.8 has it)
             # dist.all_reduce(t) waits at once: the synchronous call runs on this thread when
             # the set's engine is idle (the handle's queue costs as much as a small allreduce)
             allreduce_(tensor, name=name, op=op, prescale_factor=pre,
                        process_set=self._process_set)
             return CollectiveWork(FINISHED, tensors)
-        handle = begun(ps, tensor, name, op, 1.0) if pre == 1.0 else None    # small, in step
+        handle = started(ps, tensor, name, op, 1.0) if pre == 1.0 else None    # small
         if handle is None:
-            handle = allreduce_async_(tensor, name=name, op=op, prescale_factor=pre,
-                                      process_set=self._process_set)
+            handle = submit(allreduce_work(tensor, None, name, op, pre, 1.0, Compression.none,
+                                           True, self._process_set))
         return CollectiveWork(handle, tensors)
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> CollectiveWork:
@@ -170,18 +178,13 @@ class RingReduceGroup(dist.ProcessGroup):
                        opts: Any) -> CollectiveWork:
         output, inputs = one(output_tensors, "reduce_scatter"), one(input_tensors,
                                                                       "reduce_scatter")
-        self._one_per_rank(inputs, output, "reduce_scatter", "input")
+        self._one_per_rank(inputs, inputs[0], "reduce_scatter", "input")
         stacked = torch.stack([t.detach().reshape(-1) for t in inputs])
         return self._reduce_scatter(output, stacked, opts, "reduce_scatter", output_tensors)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any) -> CollectiveWork:
-        if input.numel() != output.numel() * self.size() or input.dtype != output.dtype:
-            raise ValueError(f"ringreduce backend: reduce_scatter_tensor: the input "
-                             f"({input.dtype}, {input.numel()} elements) must hold "
-                             f"{self.size()} times the output ({output.dtype}, "
-                             f"{output.numel()} elements)")
-        rows = input.detach().reshape(self.size(), -1)
+        rows = self._rows(input, "reduce_scatter_tensor")
         return self._reduce_scatter(output, rows, opts, "reduce_scatter_tensor", [output])
 
     _reduce_scatter_base = reduce_scatter_single
@@ -193,19 +196,25 @@ class RingReduceGroup(dist.ProcessGroup):
         ps, name = self._names(kind)
         handle = reducescatter_async(rows, name=name, op=op, prescale_factor=pre,
                                      process_set=ps)
-        return CollectiveWork(handle, value, lambda mine: copy_flat(output, mine))
+
+        def finish(mine: torch.Tensor) -> None:
+            self._check_output(output, mine, kind)
+            copy_flat(output, mine)
+
+        return CollectiveWork(handle, value, finish)
 
     def reduce_scatter_single_coalesced(self, outputs: list, inputs: list,
                                         opts: Any) -> CollectiveWork:
         what = "reduce_scatter_tensor_coalesced"
-        self._check_pairs(what, outputs, inputs, gathers=False)
+        rows = [self._rows(i, what) for i in inputs]
         op, pre = reduction(opts.reduceOp, what)
         ps, name = self._names(what)
-        handle = grouped_reducescatter_async(
-            [i.detach().reshape(self.size(), -1) for i in inputs], name=name, op=op,
-            prescale_factor=pre, process_set=ps)
+        handle = grouped_reducescatter_async(rows, name=name, op=op, prescale_factor=pre,
+                                             process_set=ps)
 
         def finish(mine: list) -> None:
+            for output, part in zip(outputs, mine):
+                self._check_output(output, part, what)
             for output, part in zip(outputs, mine):
                 copy_flat(output, part)
 
@@ -225,27 +234,32 @@ class RingReduceGroup(dist.ProcessGroup):
     def allgather(self, output_tensors: list, input_tensors: list,
                   opts: Any = None) -> CollectiveWork:
         outputs, tensor = one(output_tensors, "allgather"), one(input_tensors, "allgather")
-        self._one_per_rank(outputs, tensor, "allgather", "output")
         return self._gather_rows(tensor, "allgather", output_tensors, outputs)
 
     def gather(self, output_tensors: list, input_tensors: list, opts: Any) -> CollectiveWork:
         """Every rank's tensor, kept by the root (an allgather)."""
         tensor, root = one(input_tensors, "gather"), opts.rootRank
         self._global(root, "gather")
-        outputs = []
-        if self.rank() == root:
-            outputs = one(output_tensors, "gather")
-            self._one_per_rank(outputs, tensor, "gather", "output")
+        outputs = one(output_tensors, "gather") if self.rank() == root else None
         return self._gather_rows(tensor, "gather", output_tensors, outputs)
 
     def _gather_rows(self, tensor: torch.Tensor, kind: str, value: list,
-                     outputs: list) -> CollectiveWork:
+                     outputs: Optional[list]) -> CollectiveWork:
         """Each rank's `tensor` as one row (the signature then holds its whole shape, so a
-        rank with another shape is a MismatchError everywhere); row r goes to outputs[r]."""
+        rank with another shape is a MismatchError everywhere); row r goes to outputs[r]
+        (None: kept nowhere)."""
         ps, name = self._names(kind)
         handle = allgather_async(tensor.detach().unsqueeze(0), name=name, process_set=ps)
 
         def finish(rows: torch.Tensor) -> None:
+            if outputs is None:
+                return
+            if len(outputs) != len(rows):
+                raise ValueError(f"ringreduce backend: {kind} on rank {self.rank()} takes "
+                                 f"{len(rows)} output tensors (one per rank of "
+                                 f"{self._label}), got {len(outputs)}")
+            for out, row in zip(outputs, rows):
+                self._check_output(out, row, kind)
             for out, row in zip(outputs, rows):
                 copy_flat(out, row)
 
@@ -253,26 +267,28 @@ class RingReduceGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> CollectiveWork:
-        if output.numel() != input.numel() * self.size() or output.dtype != input.dtype:
-            raise ValueError(f"ringreduce backend: all_gather_into_tensor: the output "
-                             f"({output.dtype}, {output.numel()} elements) must hold "
-                             f"{self.size()} times the input ({input.dtype}, "
-                             f"{input.numel()} elements)")
-        ps, name = self._names("all_gather_into_tensor")
+        what = "all_gather_into_tensor"
+        ps, name = self._names(what)
         handle = allgather_async(input.detach().unsqueeze(0), name=name, process_set=ps)
-        return CollectiveWork(handle, [output], lambda rows: copy_flat(output, rows))
+
+        def finish(rows: torch.Tensor) -> None:
+            self._check_output(output, rows, what)
+            copy_flat(output, rows)
+
+        return CollectiveWork(handle, [output], finish)
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs: list, inputs: list,
                                     opts: Any = None) -> CollectiveWork:
         what = "all_gather_into_tensor_coalesced"
-        self._check_pairs(what, outputs, inputs, gathers=True)
         ps, name = self._names(what)
         handle = grouped_allgather_async([i.detach().unsqueeze(0) for i in inputs], name=name,
                                          process_set=ps)
 
         def finish(gathered: list) -> None:
+            for output, rows in zip(outputs, gathered):
+                self._check_output(output, rows, what)
             for output, rows in zip(outputs, gathered):
                 copy_flat(output, rows)
 
@@ -389,11 +405,6 @@ class RingReduceGroup(dist.ProcessGroup):
         return self._channel.recv(one(tensors, "recv"), None, tag)
 
     # -------------------------------------------------- what is not supported
-
-    def monitored_barrier(self, *args: Any, **kwargs: Any) -> None:
-        raise UnsupportedError("ringreduce backend: monitored_barrier is gloo's; use barrier() "
-                               "(a stalled rank gets ringreduce's stall report, "
-                               "RINGREDUCE_STALL_CHECK_TIME)")
 
     def _start_coalescing(self, *args: Any) -> None:
         """A coalescing manager given a device (torch's older form) is refused. torch has
