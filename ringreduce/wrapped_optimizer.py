@@ -127,6 +127,12 @@ class WrappedOptimizer:
             raise UsageError(f"ringreduce: this DistributedOptimizer on rank {self._rank} was "
                              "released (its gradient hooks are removed); wrap a new one")
 
+    def _patch_step_function(self) -> None:
+        """torch's __setstate__ (load_state_dict) wraps `type(self).step` with the step hooks
+        unless it is wrapped already: here that is our step, whose super() reaches the
+        user's class's step, wrapped once by torch, and the hooks would run twice a step."""
+        self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
+
     def __setstate__(self, state: dict) -> None:
         """load_state_dict() replaces `state` and `param_groups` with new objects: the plain
         optimizer an LR scheduler made before wrapping holds (and steps with, and sets the

@@ -138,6 +138,17 @@ def check_inheritance():
     assert opt.steps == plain.steps == 4, (opt.steps, plain.steps)
     assert_close(model, reference, "a user's optimizer class with super()")
     params_equal_across_ranks(model, "a user's optimizer class with super()")
+    hooked = {"wrapped": [], "plain": []}   # torch's step hooks run as often as on the plain
+    x, y = data(r)                          # optimizer, after a reload too
+    for key, net, optimizer in (("wrapped", model, opt), ("plain", reference, plain)):
+        optimizer.register_step_pre_hook(lambda *args, key=key: hooked[key].append(1))
+        for _ in range(2):
+            F.cross_entropy(net(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            optimizer.load_state_dict(optimizer.state_dict())
+    assert len(hooked["wrapped"]) == len(hooked["plain"]) > 0 and opt.steps == 6, \
+        ({k: len(v) for k, v in hooked.items()}, opt.steps)
 
 
 def check_features():
