@@ -17,7 +17,6 @@ from .collective_work import (allgather_work, allreduce_work, alltoall_work, bro
                               first, grouped_allreduce_work, reduce_op, reducescatter_work, run,
                               sparse_allreduce_work, submit)
 from .compression import Compression, Compressor
-from .differentiable import requires_grad
 from .engine import Handle
 from .kernels import ReduceOp
 from .process_sets import ProcessSet, active, global_process_set
@@ -77,16 +76,8 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce `tensor` over the set's ranks and return the result (differentiable)."""
-    if requires_grad(tensor):
-        return differentiable.allreduce(tensor, average, name, compression, op,
-                                        prescale_factor, postscale_factor, process_set)
-    if average is None and compression is Compression.none and prescale_factor == 1.0:
-        out = allreduce_now(active(process_set, "allreduce()"), tensor, name, op,
-                            postscale_factor, False)
-        if out is not None:
-            return out
-    return run(allreduce_work(tensor, average, name, op, prescale_factor, postscale_factor,
-                              compression, False, process_set))
+    return differentiable.allreduce(tensor, average, name, compression, op, prescale_factor,
+                                    postscale_factor, process_set)
 
 
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -129,12 +120,8 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
                       postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Reduce several tensors in one fused allreduce (differentiable)."""
-    if any(requires_grad(t) for t in tensors):
-        return differentiable.grouped_allreduce(tensors, average, name, compression, op,
-                                                prescale_factor, postscale_factor, process_set)
-    return run(grouped_allreduce_work(list(tensors), name, op, average, prescale_factor,
-                                      postscale_factor, compression, False,
-                                      "grouped_allreduce", process_set))
+    return differentiable.grouped_allreduce(tensors, average, name, compression, op,
+                                            prescale_factor, postscale_factor, process_set)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -179,9 +166,7 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every member's `tensor` along dimension 0 (differentiable: the gradient is
     this rank's rows of the incoming gradients averaged over the set, as Horovod's)."""
-    if requires_grad(tensor):
-        return differentiable.allgather([tensor], name, process_set)[0]
-    return run(first(allgather_work([tensor], name, process_set)))
+    return differentiable.allgather([tensor], name, process_set, "allgather")[0]
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
@@ -193,9 +178,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str]
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather several tensors as one collective (differentiable)."""
-    if any(requires_grad(t) for t in tensors):
-        return differentiable.allgather(tensors, name, process_set)
-    return run(allgather_work(list(tensors), name, process_set, "grouped_allgather"))
+    return differentiable.allgather(tensors, name, process_set, "grouped_allgather")
 
 
 # ---------------------------------------------------------------- broadcast
@@ -215,9 +198,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Return global rank `root_rank`'s `tensor` on every member (differentiable)."""
-    if requires_grad(tensor):
-        return differentiable.broadcast(tensor, root_rank, name, process_set)
-    return run(broadcast_work(tensor, root_rank, name, False, "broadcast", process_set))
+    return differentiable.broadcast(tensor, root_rank, name, process_set)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -239,10 +220,8 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = Non
              process_set: ProcessSet = global_process_set) -> Any:
     """All-to-all; returns the output, and the received splits too when `splits` is given
     (differentiable: the gradient goes back by the all-to-all of the received splits)."""
-    if requires_grad(tensor):
-        out, received = differentiable.alltoall(tensor, splits, name, process_set)
-        return out if splits is None else (out, received)
-    return run(alltoall_work(tensor, splits, name, process_set, splits is not None))
+    out, received = differentiable.alltoall(tensor, splits, name, process_set)
+    return out if splits is None else (out, received)
 
 
 # ---------------------------------------------------------------- reducescatter
@@ -262,12 +241,8 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
                   postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce-scatter (differentiable: the gradient is the allgather of the incoming ones,
     scaled as the forward scaled)."""
-    if requires_grad(tensor):
-        return differentiable.reducescatter([tensor], name, compression, op, process_set,
-                                            prescale_factor, postscale_factor,
-                                            "reducescatter")[0]
-    return run(first(reducescatter_work([tensor], name, op, prescale_factor, postscale_factor,
-                                        compression, process_set)))
+    return differentiable.reducescatter([tensor], name, compression, op, process_set,
+                                        prescale_factor, postscale_factor, "reducescatter")[0]
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
@@ -285,12 +260,9 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
                           prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """Reduce-scatter several tensors as one collective (differentiable)."""
-    if any(requires_grad(t) for t in tensors):
-        return differentiable.reducescatter(tensors, name, compression, op, process_set,
-                                            prescale_factor, postscale_factor,
-                                            "grouped_reducescatter")
-    return run(reducescatter_work(list(tensors), name, op, prescale_factor, postscale_factor,
-                                  compression, process_set, "grouped_reducescatter"))
+    return differentiable.reducescatter(tensors, name, compression, op, process_set,
+                                        prescale_factor, postscale_factor,
+                                        "grouped_reducescatter")
 
 
 # ---------------------------------------------------------------- join, barrier, handles

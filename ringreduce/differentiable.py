@@ -18,6 +18,7 @@ from .collective_work import (allgather_work, allreduce_work, alltoall_work, bro
 from .compression import Compression, Compressor
 from .kernels import ReduceOp
 from .process_sets import ProcessSet, active
+from .small_way import allreduce_now
 
 
 def requires_grad(tensor: Any) -> bool:
@@ -28,9 +29,16 @@ def requires_grad(tensor: Any) -> bool:
 def allreduce(tensor: torch.Tensor, average: Optional[bool], name: Optional[str],
               compression: type[Compressor], op: Any, prescale: float, postscale: float,
               process_set: ProcessSet) -> torch.Tensor:
+    """(The public allreduce: a small one goes the small way, inside autograd's forward and
+    backward too.)"""
     if requires_grad(tensor):
         return _AllreduceFunction.apply(tensor, average, name, compression, op, prescale,
                                         postscale, process_set)
+    if average is None and compression is Compression.none and prescale == 1.0:
+        out = allreduce_now(active(process_set, "allreduce()"), tensor, name, op, postscale,
+                            False)
+        if out is not None:
+            return out
     return run(allreduce_work(tensor, average, name, op, prescale, postscale, compression,
                               False, process_set))
 
@@ -46,12 +54,13 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool],
                                       compression, False, "grouped_allreduce", process_set))
 
 
-def allgather(tensors: Sequence[torch.Tensor], name: Optional[str],
-              process_set: ProcessSet) -> list[torch.Tensor]:
-    """Allgathers of several tensors as one collective (a grouped allgather)."""
+def allgather(tensors: Sequence[torch.Tensor], name: Optional[str], process_set: ProcessSet,
+              kind: str) -> list[torch.Tensor]:
+    """Allgathers of several tensors as one collective; `kind` names it, with or without
+    autograd, so a rank whose tensor needs a gradient pairs with one whose does not."""
     if any(requires_grad(t) for t in tensors):
-        return list(_AllgatherFunction.apply((name, process_set), *tensors))
-    return run(allgather_work(list(tensors), name, process_set, "grouped_allgather"))
+        return list(_AllgatherFunction.apply((name, process_set, kind), *tensors))
+    return run(allgather_work(list(tensors), name, process_set, kind))
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str],
@@ -117,10 +126,10 @@ class _AllgatherFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, args, *tensors):
-        name, process_set = args
+        name, process_set, kind = args
         ctx.process_set = process_set
         ctx.shapes = [t.shape for t in tensors]
-        return tuple(allgather(tensors, name, process_set))
+        return tuple(allgather(tensors, name, process_set, kind))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -204,5 +213,5 @@ class _ReducescatterFunction(torch.autograd.Function):
             if ctx.post != 1.0:
                 g = g * ctx.post
             scaled.append(g.contiguous())
-        gathered = allgather(scaled, None, ctx.process_set)
+        gathered = allgather(scaled, None, ctx.process_set, "grouped_allgather")
         return (None, *[g.to(dtype) for g, dtype in zip(gathered, dtypes)])

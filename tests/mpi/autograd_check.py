@@ -133,5 +133,14 @@ for op, pre, post in ((hvd.Sum, 1.0, 1.0), (hvd.Average, 0.5, 3.0)):
           reference(lambda xs: list((sum(xs) * factor).split(counts)), [full] * n,
                     [(c, 2) for c in counts], 11)[r] * n)
 
+# only rank 0's input needs a gradient: the forward pairs with the others' plain calls, each
+# kind by its own name counter, and gives the same values
+for name, call in (("allgather", hvd.allgather), ("broadcast", lambda x: hvd.broadcast(x, 0)),
+                   ("allreduce", hvd.allreduce), ("reducescatter", hvd.reducescatter)):
+    x = x_of(r, (n, 2), 12)
+    plain = call(x)
+    mixed = call(x.clone().requires_grad_(r == 0))
+    check(f"{name} with a gradient on rank 0 alone", mixed.detach(), plain)
+
 hvd.shutdown()
 print(f"OK rank {r}", flush=True)
