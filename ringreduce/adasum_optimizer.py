@@ -85,6 +85,6 @@ class AdasumOptimizer(GradientReduction):
         with torch.no_grad():
             for bucket in self._buckets:
                 for p, delta in zip(bucket.params, bucket.views):
-                    p.copy_(self._start[id(p)]).add_(delta)
+                    torch.add(self._start[id(p)], delta, out=p)
         self._finish_step()
         return loss

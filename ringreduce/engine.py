@@ -247,14 +247,14 @@ class Engine:
         Errors reach the caller from `wait()`, as for queued work."""
         try:
             ready, rest, whole = begin()
-        except BaseException as exc:    # nothing was posted: the collective failed
-            return Finished(name, None, exc)
+        except Exception as exc:    # nothing was posted: the collective failed (an interrupt
+            return Finished(name, None, exc)    # of the caller's thread goes to the caller)
         if ready:
             try:
                 return Finished(name, _call(name, rest), None)
             except OutOfOrder:
                 rest = _settle_first
-            except BaseException as exc:
+            except Exception as exc:
                 return Finished(name, None, exc)
         remaining = [rest]
 

@@ -43,8 +43,7 @@ class Transport:
                  watch: StallWatch, ranks: Sequence[int], homogeneous: bool) -> None:
         """`homogeneous`: every node holds as many members. Shared memory needs it, so that
         each local rank's chunk has the same size as its peers' on the other nodes."""
-        self.comm, self.cross, self.settings, self.watch = comm, cross, settings, watch
-        self.size, self.ranks = comm.size, list(ranks)
+        self.comm, self.settings, self.watch, self.size = comm, settings, watch, comm.size
         self.node = (NodeWindow(local, settings.shared_small_bytes, settings.block_bytes, watch)
                      if settings.shared_memory and local.size > 1 and homogeneous else None)
         self.one_node = self.node is not None and cross.size == 1

@@ -227,7 +227,7 @@ class BetweenNodesSmall(Way):
         count, nbytes, address = src.numel(), src.nbytes, src.data_ptr()
         out = address if dst is src else dst.data_ptr()
         if spec.prescale != 1.0:
-            _native.copy_stream(between.data_address, address, nbytes)
+            kernels.copy_stream(between.data_address, address, nbytes)
             _native.finish(spec.code, between.data_address, count, 1.0, spec.prescale)
             address = 0         # in place already
         if not self.exchange(address, out, nbytes, count, spec.code, spec.op,
