@@ -99,6 +99,8 @@ def test_api_reference_names_every_public_name():
     assert not missing, f"not in docs/api/*.md: {missing}"
     for module in ("elastic", "checkpoint", "lightning", "runner"):
         assert module in directives, f"no `::: ringreduce.{module}` in docs/api/"
+    distributed = set(re.findall(r"^::: ringreduce\.distributed\.(\w+)\s*$", text, re.M))
+    assert {"init_process_group", "BACKEND"} <= distributed, distributed
 
 
 def test_performance_tables_match_their_json():
