@@ -1,6 +1,7 @@
 """The torch.distributed backend "ringreduce" (ringreduce/distributed.py) under a real mpiexec:
 the cases are in tests/mpi/distributed_check.py, one launch per rank count (at 2 ranks with
 Lightning's strategies and a stalled rank too)."""
+import re
 import subprocess
 import sys
 
@@ -8,8 +9,12 @@ import pytest
 
 from conftest import run_ok
 
-pytest.importorskip("torchmetrics", reason="the test extra is not installed "
-                    "(pip install -e '.[test]')")
+
+def needs_test_extra() -> None:
+    """The checks sync torchmetrics metrics (and at 2 ranks run Lightning's strategies)."""
+    pytest.importorskip("torchmetrics", reason="the test extra is not installed "
+                        "(pip install -e '.[test]')")
+
 
 CASES = ("case_all_reduce", "case_all_reduce_coalesced", "case_coalesced", "case_broadcast",
          "case_all_gather", "case_reduce_scatter", "case_all_to_all", "case_reduce_gather_scatter",
@@ -26,16 +31,20 @@ def expect_cases(output: str, cases, n: int) -> None:
 
 
 def test_backend_at_two_ranks_with_lightning_and_a_stall():
+    needs_test_extra()
     pytest.importorskip("lightning", reason="the lightning extra is not installed")
     output = run_ok(2, "distributed_check.py", "lightning", timeout=240).output
     expect_cases(output, CASES + AT_TWO, 2)
+    group = re.search(r"STALL GROUP ('\w+')", output)
+    assert group, output[-4000:]
     stall = [line for line in output.splitlines() if "ringreduce: stall: rank 0" in line]
-    assert any("allreduce 'dist.allreduce.noname." in line
+    assert any(f"allreduce 'dist.allreduce.noname.0' on torch group {group[1]}" in line
                and "which ranks [1] have not submitted" in line for line in stall), \
         output[-4000:]
 
 
 def test_backend_at_three_ranks():
+    needs_test_extra()
     expect_cases(run_ok(3, "distributed_check.py", timeout=240).output, CASES, 3)
 
 

@@ -518,10 +518,16 @@ def case_lightning_ddp():
 
 
 def case_stall():
-    """A rank that comes 2.5 s late: the other logs our stall report (the test reads it)."""
+    """A rank that comes 2.5 s late to an all_reduce on a group of its own: the other logs our
+    stall report naming that group's first call (the test reads it)."""
+    late = dist.new_group(list(range(n)))
+    if r == 0:
+        print(f"STALL GROUP '{late.group_name}'", flush=True)
     if r == 1:
         time.sleep(2.5)
-    check_equal(reduced(torch.ones(3)), torch.full((3,), float(n)), "all_reduce after a stall")
+    check_equal(reduced(torch.ones(3), SUM, late), torch.full((3,), float(n)),
+                "all_reduce after a stall")
+    dist.destroy_process_group(late)
 
 
 # ---------------------------------------------------------------- run
