@@ -122,15 +122,21 @@ def check_inline_and_queued_small_allreduce_agree():
                                            (torch.float64, hvd.Sum, 0.5),
                                            (torch.int64, hvd.Sum, 1.0),
                                            (torch.float32, hvd.Sum, 2.0)]):
-        big = hvd.allreduce_async(torch.ones(1 << 18), op=hvd.Sum, name=f"mixed.big.{i}")
-        if i % n != r:
-            hvd.synchronize(big)
-        what = f"mixed.{i} {dtype} {op.name}"
-        got = hvd.allreduce(inputs(r, 33, dtype, op, salt=i), op=op, name=what,
-                            postscale_factor=post)
-        check_equal(got, reference(33, dtype, op, post=post, salt=i), what)
-        same_on_every_rank(got, what)
-        assert torch.equal(hvd.synchronize(big), torch.full((1 << 18,), float(n)))
+        for call in ("allreduce", "allreduce_async_"):  # the asynchronous one: begun on the
+            big = hvd.allreduce_async(torch.ones(1 << 18), op=hvd.Sum,  # idle ranks' threads
+                                      name=f"mixed.big.{i}.{call}")
+            if i % n != r:
+                hvd.synchronize(big)
+            what = f"mixed.{i} {dtype} {op.name} {call}"
+            x = inputs(r, 33, dtype, op, salt=i)
+            if call == "allreduce":
+                got = hvd.allreduce(x, op=op, name=what, postscale_factor=post)
+            else:
+                got = hvd.synchronize(hvd.allreduce_async_(x, op=op, name=what,
+                                                           postscale_factor=post))
+            check_equal(got, reference(33, dtype, op, post=post, salt=i), what)
+            same_on_every_rank(got, what)
+            assert torch.equal(hvd.synchronize(big), torch.full((1 << 18,), float(n)))
 
 
 def check_grouped():
