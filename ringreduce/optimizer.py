@@ -94,7 +94,7 @@ def _wrap(optimizer: torch.optim.Optimizer, life_cycle: type[WrappedOptimizer],
     """An instance of a subclass of the optimizer's class with `life_cycle` first in its bases,
     sharing the optimizer's param_groups and state."""
     plain_class = type(optimizer)
-    cls = type(plain_class.__name__, (life_cycle, plain_class), {"_plain_class": plain_class})
+    cls = type(plain_class.__name__, (life_cycle, plain_class), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)   # share param_groups, state, defaults, hooks
     # An LR scheduler made before wrapping replaced the plain optimizer's step() with its own

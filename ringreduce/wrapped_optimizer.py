@@ -49,12 +49,10 @@ class Options:
 
 class WrappedOptimizer:
     """The base of every life cycle; see the module's docstring. Set by `DistributedOptimizer()`
-    before `_setup`: `_plain_class` (the wrapped class, on the subclass), `_plain_step` (the
-    step() an LR scheduler put on the plain optimizer, or None) and `_plain` (that optimizer,
-    kept alive for it)."""
+    before `_setup`: `_plain_step` (the step() an LR scheduler put on the plain optimizer, or
+    None) and `_plain` (that optimizer, kept alive for it)."""
 
     _adasum = False                 # whether parameter deltas are combined, not gradients
-    _plain_class: type
     _plain_step: Optional[Callable[..., Any]]
     param_groups: list[dict]
 
@@ -108,7 +106,7 @@ class WrappedOptimizer:
         """The wrapped class's own step on this rank alone, reducing nothing: a step here would
         meet the other members' only if every member stepped (broadcast_optimizer_state's
         state initialization, as Horovod's)."""
-        self._plain_class.step(self)
+        super().step()      # type: ignore[misc]  (the wrapped class's)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         check_passes(passes)
