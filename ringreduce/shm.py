@@ -80,12 +80,10 @@ class NodeWindow:
         if output is None:
             if not _native.small_begin(self.node, src, nbytes, digest, SPIN_SECONDS):
                 self._wait()
-        else:       # publish, make dst while the peers catch up, then wait
-            ready = _native.small_begin(self.node, src, nbytes, digest, -1.0)
-            dst = output()
-            if not ready and not _native.node_wait(self.node, SPIN_SECONDS):
-                self._wait()
-        return _native.small_end(self.node, dst, count, dtype, op, divisor, scale) == 0
+            return _native.small_end(self.node, dst, count, dtype, op, divisor, scale) == 0
+        # publish, make dst while the peers catch up, then wait
+        ready = _native.small_begin(self.node, src, nbytes, digest, -1.0)
+        return self.small_complete(ready, output(), count, dtype, op, divisor, scale)
 
     def small_publish(self, src: int, nbytes: int, digest: int) -> bool:
         """`small`'s first half, which hardly waits: our slot and flag up, the peers' flags
