@@ -127,6 +127,17 @@ class RingReduceGroup(dist.ProcessGroup):
                              f"is {output.dtype} {tuple(output.shape)}, but {arrived.numel()} "
                              f"{arrived.dtype} elements arrived for it")
 
+    def _written(self, handle: Any, outputs: list, kind: str) -> CollectiveWork:
+        """The Work of a coalesced call whose results (one per output) go into torch's
+        output tensors, each checked first."""
+        def finish(results: list) -> None:
+            for output, result in zip(outputs, results):
+                self._check_output(output, result, kind)
+            for output, result in zip(outputs, results):
+                copy_flat(output, result)
+
+        return CollectiveWork(handle, list(outputs), finish)
+
     # -------------------------------------------------- reductions
 
     def allreduce(self, tensors: list, opts: Any = None) -> CollectiveWork:
@@ -209,16 +220,9 @@ class RingReduceGroup(dist.ProcessGroup):
         rows = [self._rows(i, what) for i in inputs]
         op, pre = reduction(opts.reduceOp, what)
         ps, name = self._names(what)
-        handle = grouped_reducescatter_async(rows, name=name, op=op, prescale_factor=pre,
-                                             process_set=ps)
-
-        def finish(mine: list) -> None:
-            for output, part in zip(outputs, mine):
-                self._check_output(output, part, what)
-            for output, part in zip(outputs, mine):
-                copy_flat(output, part)
-
-        return CollectiveWork(handle, list(outputs), finish)
+        return self._written(grouped_reducescatter_async(rows, name=name, op=op,
+                                                         prescale_factor=pre, process_set=ps),
+                             outputs, what)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -283,16 +287,8 @@ class RingReduceGroup(dist.ProcessGroup):
                                     opts: Any = None) -> CollectiveWork:
         what = "all_gather_into_tensor_coalesced"
         ps, name = self._names(what)
-        handle = grouped_allgather_async([i.detach().unsqueeze(0) for i in inputs], name=name,
-                                         process_set=ps)
-
-        def finish(gathered: list) -> None:
-            for output, rows in zip(outputs, gathered):
-                self._check_output(output, rows, what)
-            for output, rows in zip(outputs, gathered):
-                copy_flat(output, rows)
-
-        return CollectiveWork(handle, list(outputs), finish)
+        return self._written(grouped_allgather_async([i.detach().unsqueeze(0) for i in inputs],
+                                                     name=name, process_set=ps), outputs, what)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
