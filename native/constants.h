@@ -42,4 +42,10 @@
 /* rr_copy_stream uses non-temporal stores from this many bytes on. */
 #define RR_STREAM_MIN 65536
 
+/* How a rank writes its staging area in a large node allreduce (node.c, write_way). */
+#define RR_WRITE_PLAIN 0        /* plain stores: the lines stay in the cache for the peers */
+#define RR_WRITE_STREAM 1       /* non-temporal stores (rr_copy_stream) */
+#define RR_WRITE_WAYS 2
+#define RR_PROBE_EVERY 64       /* blocks between tries of the way not in use */
+
 #endif

@@ -30,8 +30,8 @@ size_t rr_dtype_size(int dtype);
 
 /* memcpy with non-temporal stores from RR_STREAM_MIN bytes on (where the CPU has AVX): the
  * fastest single-thread copy of a large buffer to memory, which bench_allreduce.py uses as its
- * yardstick. (The node allreduce's copies keep plain stores: its output's lines are in the
- * cache already, and streaming them measured slower.) Complete when it returns. */
+ * yardstick, and one of the two ways the node allreduce writes its staging areas (node.c,
+ * write_way). Complete (fenced) when it returns. */
 void rr_copy_stream(void *dst, const void *src, size_t bytes);
 
 /* The compression casts. */

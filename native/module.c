@@ -224,26 +224,28 @@ static PyObject *large_chunk(PyObject *self, PyObject *capsule) {
     return Py_BuildValue("nn", (Py_ssize_t)first, (Py_ssize_t)count);
 }
 
-/* large_profile(node, reset) -> seconds in each phase (RR_PHASE_* order) of the large
- * allreduces so far; `reset` starts the sums again. */
+/* large_profile(node, reset) -> (seconds in each phase (RR_PHASE_* order) of the large
+ * allreduces so far, blocks written each RR_WRITE_* way); `reset` starts the sums again. */
 static PyObject *large_profile(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (check_args(nargs, 2, "large_profile")) return NULL;
     rr_node *node = node_of(args[0]);
     int reset = PyObject_IsTrue(args[1]);
     if (node == NULL || reset < 0) return NULL;
     double seconds[RR_PHASES];
-    rr_large_profile(node, seconds, reset);
-    PyObject *result = PyTuple_New(RR_PHASES);
-    if (result == NULL) return NULL;
+    int64_t blocks[RR_WRITE_WAYS];
+    rr_large_profile(node, seconds, blocks, reset);
+    PyObject *phases = PyTuple_New(RR_PHASES);
+    if (phases == NULL) return NULL;
     for (int p = 0; p < RR_PHASES; p++) {
         PyObject *value = PyFloat_FromDouble(seconds[p]);
         if (value == NULL) {
-            Py_DECREF(result);
+            Py_DECREF(phases);
             return NULL;
         }
-        PyTuple_SET_ITEM(result, p, value);
+        PyTuple_SET_ITEM(phases, p, value);
     }
-    return result;
+    return Py_BuildValue("N(LL)", phases, (long long)blocks[RR_WRITE_PLAIN],
+                         (long long)blocks[RR_WRITE_STREAM]);
 }
 
 /* copy_stream(dst, src, nbytes): memcpy with non-temporal stores for large copies. */

@@ -15,7 +15,8 @@
  * from our input and every peer's area into the output and our area; flag; copy every peer's
  * finished chunk out of its area. Each chunk is computed by one rank and copied, so results are
  * bitwise identical. Blocks are small enough that the areas stay in the shared cache, so the
- * only traffic to memory is reading the input and writing the output. Staged data sits at the
+ * only traffic to memory is reading the input and writing the output, unless writing the
+ * areas with non-temporal stores measures faster (write_way). Staged data sits at the
  * same offset within a page as the rank's input (the header's per-rank word tells the peers
  * where): copies between addresses a little apart modulo 4 KiB run several times slower, as
  * loads falsely wait on stores ("4K aliasing"). A wait that outlasts the spin returns to
@@ -50,8 +51,11 @@ struct rr_node {
         int phase;
         int between_nodes;              /* stop after reducing our chunk: Python runs the ring */
         int begun;                      /* a begin checked this job (and no run failed it) */
+        int way;                        /* how the current block is written: RR_WRITE_* */
     } job;
     double seconds[RR_PHASES];          /* time in each phase of large allreduces, summed */
+    double write_cost[RR_WRITE_WAYS];   /* seconds per byte each way last took; 0: untried */
+    int64_t blocks[RR_WRITE_WAYS];      /* slots and blocks written each way (and measured) */
 };
 
 static size_t round_up(size_t value, size_t multiple) {
@@ -175,6 +179,47 @@ static int digests_agree(rr_node *node, int64_t flag) {
     return 1;
 }
 
+/* How to write our slot or area next (small allreduces and blocks alike). Plain stores leave its lines in the cache, where
+ * the peers read them fastest; but writing a line that a peer's cache holds first takes it
+ * back from there, and where that is slow (seen on a VM now and then, for seconds to minutes:
+ * plain copies into the area 4-6x slower than out of it), non-temporal stores, which skip
+ * that round trip, make the whole allreduce up to 4x faster. Where plain stores are quick,
+ * non-temporal ones make it 1.7x slower (the peers then read from memory). So each rank
+ * measures: it writes the way that cost less per byte when last used, and every
+ * RR_PROBE_EVERY blocks the other way (each way is tried early). Streaming must cost under
+ * half as much, as the writer does not see what it costs the readers. Either way the flag's fence
+ * orders the stores, so the way changes the speed only. */
+static int write_way(rr_node *node) {
+    const double *cost = node->write_cost;
+    if (cost[RR_WRITE_PLAIN] == 0) return RR_WRITE_PLAIN;
+    if (cost[RR_WRITE_STREAM] == 0) return RR_WRITE_STREAM;
+    int cheaper = 2 * cost[RR_WRITE_STREAM] < cost[RR_WRITE_PLAIN] ? RR_WRITE_STREAM
+                                                                   : RR_WRITE_PLAIN;
+    int64_t written = node->blocks[RR_WRITE_PLAIN] + node->blocks[RR_WRITE_STREAM];
+    return written % RR_PROBE_EVERY == RR_PROBE_EVERY - 1 ? !cheaper : cheaper;
+}
+
+static void write_area(int way, char *dst, const char *src, size_t bytes) {
+    if (way == RR_WRITE_STREAM) rr_copy_stream(dst, src, bytes);
+    else memcpy(dst, src, bytes);
+}
+
+/* Before writing `bytes` into our slot or area: the way, and in *start the time, where the
+ * write is measured (RR_STREAM_MIN bytes or more: smaller ones are plain either way). */
+static int begin_write(rr_node *node, size_t bytes, double *start) {
+    if (bytes < RR_STREAM_MIN) return RR_WRITE_PLAIN;
+    *start = rr_now();
+    return write_way(node);
+}
+
+static void end_write(rr_node *node, int way, size_t bytes, double start) {
+    if (bytes < RR_STREAM_MIN) return;
+    double cost = (rr_now() - start) / (double)bytes;
+    double *last = &node->write_cost[way];
+    *last = *last == 0 ? cost : (*last + cost) / 2;
+    node->blocks[way]++;
+}
+
 static void publish_header(rr_node *node, int64_t flag, int64_t digest, size_t nbytes,
                            int64_t per_rank) {
     int64_t *header = header_of(node, node->me, flag);
@@ -209,7 +254,10 @@ rr_status rr_small_begin(rr_node *node, const void *src, size_t nbytes, int64_t 
                          double spin_seconds) {
     int64_t flag = raised(node) + 1;
     size_t shift = ((uintptr_t)src - (uintptr_t)slot_of(node, node->me, 0)) % RR_PAGE;
-    memcpy(slot_of(node, node->me, flag) + shift, src, nbytes);
+    double start = 0;
+    int way = begin_write(node, nbytes, &start);
+    write_area(way, slot_of(node, node->me, flag) + shift, src, nbytes);
+    end_write(node, way, nbytes, start);
     publish_header(node, flag, digest, nbytes, (int64_t)shift);
     raise_flag(node, flag);
     return spin_until_ready(node, spin_seconds);
@@ -283,8 +331,9 @@ static void lap(rr_node *node, int p, double *t) {
     *t = t1;
 }
 
-void rr_large_profile(rr_node *node, double *seconds, int reset) {
+void rr_large_profile(rr_node *node, double *seconds, int64_t *blocks, int reset) {
     for (int p = 0; p < RR_PHASES; p++) seconds[p] = node->seconds[p];
+    for (int w = 0; w < RR_WRITE_WAYS; w++) blocks[w] = node->blocks[w];
     if (reset) memset(node->seconds, 0, sizeof node->seconds);
 }
 
@@ -311,10 +360,15 @@ rr_status rr_large_run(rr_node *node, double spin_seconds) {
                                (int64_t)node->shift[me]);
             }
             char *mine = area_of(node, me, flag) + node->shift[me];
+            size_t bytes = (m - (hi - lo)) * size;
+            double start = 0;
+            int way = node->job.way = begin_write(node, bytes, &start);
             for (int c = 0; c < n; c++) {
                 size_t clo = chunk_lo(node, m, c), chi = chunk_lo(node, m, c + 1);
-                if (c != me) memcpy(mine + clo * size, src + clo * size, (chi - clo) * size);
+                if (c != me)
+                    write_area(way, mine + clo * size, src + clo * size, (chi - clo) * size);
             }
+            end_write(node, way, bytes, start);
             raise_flag(node, flag);
             lap(node, RR_PHASE_COPY_IN, &t);
             node->job.phase = REDUCE;
@@ -351,8 +405,9 @@ rr_status rr_large_run(rr_node *node, double spin_seconds) {
             if (node->job.between_nodes) return RR_BETWEEN_NODES;
         }   /* fall through */
         case PUBLISH: {
-            memcpy(area_of(node, me, node->job.flag) + node->shift[me] + lo * size,
-                   dst + lo * size, (hi - lo) * size);
+            write_area(node->job.way,
+                       area_of(node, me, node->job.flag) + node->shift[me] + lo * size,
+                       dst + lo * size, (hi - lo) * size);
             raise_flag(node, node->job.flag + 1);
             lap(node, RR_PHASE_PUBLISH, &t);
             node->job.phase = COPY_OUT;

@@ -50,8 +50,9 @@ rr_status rr_large_begin(rr_node *node, const void *src, void *dst, size_t count
                          int between_nodes);
 rr_status rr_large_run(rr_node *node, double spin_seconds);
 void rr_large_chunk(rr_node *node, size_t *first, size_t *count);
-/* Seconds spent in each RR_PHASE_* of large allreduces since the last reset. */
-void rr_large_profile(rr_node *node, double *seconds, int reset);
+/* Seconds spent in each RR_PHASE_* of large allreduces since the last reset, and the blocks
+ * this rank has written its area each RR_WRITE_* way (since attaching: not reset). */
+void rr_large_profile(rr_node *node, double *seconds, int64_t *blocks, int reset);
 
 int64_t rr_allreduce_digest(const char *name, size_t name_len, const char *op, size_t op_len,
                             const char *dtype, size_t dtype_len, const int64_t *shape,

@@ -101,7 +101,14 @@ class NodeWindow:
     def profile(self, reset: bool = False) -> dict[str, float]:
         """Seconds spent in each phase of this window's large allreduces (since the last
         reset), for benchmarks: where the time goes, against the bytes each phase moves."""
-        return dict(zip(PHASES, _native.large_profile(self.node, reset)))
+        phases, _ = _native.large_profile(self.node, reset)
+        return dict(zip(PHASES, phases))
+
+    def blocks_written(self) -> dict[str, int]:
+        """How many blocks of large allreduces this rank has written into its area with plain
+        and with non-temporal ("streamed") stores: native/node.c measures both and chooses."""
+        _, blocks = _native.large_profile(self.node, False)
+        return dict(zip(("plain", "streamed"), blocks))
 
     def large(self, src: int, dst: int, count: int, dtype: int, op: int, divisor: float,
               scale: float, digest: int,

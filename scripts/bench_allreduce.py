@@ -213,30 +213,36 @@ def bench_profile(nbytes: int, dtype: torch.dtype, iters: int) -> dict | None:
     """Where an in-place allreduce of SIZE bytes spends its time on this node, phase by phase
     (native/node.c), with the bytes each phase reads and writes per rank (B = SIZE, n ranks):
     copy_in B(n-1)/n each way, reduce B/n from each of n places + B/n written, publish B/n
-    each way, copy_out B(n-1)/n each way."""
+    each way, copy_out B(n-1)/n each way; and how many blocks rank 0 staged with plain and
+    with non-temporal stores (native/node.c measures both ways and writes the cheaper)."""
     node = global_set("bench_profile").transport.node
     if node is None or nbytes <= node.small_bytes:     # the block path only
         return None
     t = torch.zeros(nbytes // dtype.itemsize, dtype=dtype)
     hvd.allreduce_(t, op=hvd.Sum)
     node.profile(reset=True)
+    before = node.blocks_written()
     COMM.Barrier()
     start = time.perf_counter()
     for _ in range(iters):
         hvd.allreduce_(t, op=hvd.Sum)
     total = (time.perf_counter() - start) / iters
     phases = {k: v / iters for k, v in node.profile(reset=True).items()}
+    written = {k: v - before[k] for k, v in node.blocks_written().items()}
     n = hvd.local_size()        # the node's ranks share its allreduce
     touched = {"copy_in": 2 * nbytes * (n - 1) / n, "reduce": nbytes * (n + 1) / n,
                "publish": 2 * nbytes / n, "copy_out": 2 * nbytes * (n - 1) / n}
     return {"size_bytes": nbytes, "dtype": str(dtype).removeprefix("torch."), "time_s": total,
             "phases": {k: {"time_s": v, "bytes_touched": touched.get(k)}
-                       for k, v in phases.items()}}
+                       for k, v in phases.items()},
+            "blocks_written": written}
 
 
 def print_profile(p: dict) -> None:
     print(f"  profile {size_label(p['size_bytes'])} {p['dtype']} in place, rank 0: "
-          f"{p['time_s'] * 1e6:.0f} us per call", flush=True)
+          f"{p['time_s'] * 1e6:.0f} us per call; blocks staged with plain stores "
+          f"{p['blocks_written']['plain']}, non-temporal {p['blocks_written']['streamed']}",
+          flush=True)
     for phase, v in p["phases"].items():
         rate = (f"{v['bytes_touched'] / v['time_s'] / 1e9:7.1f} GB/s over "
                 f"{v['bytes_touched'] / 2**20:.0f} MiB read+written" if v["bytes_touched"]

@@ -348,6 +348,49 @@ def test_the_node_protocol_refuses_what_it_cannot_reduce_before_publishing():
             _native.node_detach(node)
 
 
+def test_the_node_writes_its_staging_both_ways_and_the_results_stay_exact():
+    """Each rank writes its slot or area with plain or non-temporal stores, whichever it
+    measured cheaper, and tries each way early and the other one every 64 blocks. A large
+    allreduce of 200 blocks of 128 KiB per rank (and two 128 KiB small ones) therefore writes
+    both ways on both ranks; the sums are exact either way."""
+    segments, nodes = _two_local_ranks(small_bytes=256 << 10, block_bytes=256 << 10)
+    count = 200 * (256 << 10) // 4
+    x = [np.arange(count, dtype=np.int32) * (r + 1) + r for r in range(2)]
+    out = [np.zeros_like(v) for v in x]
+    try:
+        for r in range(2):
+            _native.large_begin(nodes[r], x[r].ctypes.data, out[r].ctypes.data, count,
+                                _native.I32, hvd.Sum, 1.0, 1.0, 5, False)
+        done = [False, False]
+        for _ in range(1000):
+            for r in range(2):
+                done[r] = done[r] or _native.large_run(nodes[r], -1.0) == 1
+            if all(done):
+                break
+        assert all(done)
+        want = x[0] + x[1]
+        assert all(np.array_equal(o, want) for o in out)
+        for node in nodes:
+            plain, streamed = _native.large_profile(node, False)[1]
+            assert plain + streamed == 200 and plain > 0 and streamed > 0, (plain, streamed)
+
+        small = [v[:32768] for v in x]          # 128 KiB each: measured, so counted
+        dst = [np.zeros_like(v) for v in small]
+        for _ in range(2):
+            assert not _native.small_begin(nodes[0], small[0].ctypes.data, 128 << 10, 7, -1.0)
+            assert _native.small_begin(nodes[1], small[1].ctypes.data, 128 << 10, 7, -1.0)
+            assert _native.node_wait(nodes[0], -1.0)
+            for r in range(2):
+                assert _native.small_end(nodes[r], dst[r].ctypes.data, 32768, _native.I32,
+                                         hvd.Sum, 1.0, 1.0) == 0
+                assert np.array_equal(dst[r], small[0] + small[1])
+        for node in nodes:
+            assert sum(_native.large_profile(node, False)[1]) == 202
+    finally:
+        for node in nodes:
+            _native.node_detach(node)
+
+
 # native/p2p.c's exchange, reached as the extension's exported C function: crossnode.py uses it
 # only through doubling() and mpi_test(), and its failures (a send refused after the receive was
 # posted, a truncated message) cannot be provoked through doubling(); the extension itself has
