@@ -270,6 +270,10 @@ def allreduce_tables(data: dict, source: str) -> str:
                 cells.append(cell)
             rows.append([f"{phase.replace('_', ' ')}: {PHASES.get(phase, '')}"] + cells)
         rows.append(["whole call"] + [duration(p["time_s"]) for p in chosen])
+        if all("blocks_written" in p for p in chosen):
+            rows.append(["blocks staged with non-temporal stores (of all)"] +
+                        [f"{p['blocks_written']['streamed']} of "
+                         f"{sum(p['blocks_written'].values())}" for p in chosen])
         title = f"where the time goes, {dtype} in place, rank 0 (--profile)"
         out += [f"**{title}**: per phase, its time, share of the call and rate over the bytes "
                 "it reads and writes", "",
