@@ -20,7 +20,7 @@ Models (float32):
     cnn       ResNet-18 (BasicBlock, BatchNorm, written here: no torchvision) on 3x64x64 images,
               1000 classes: about 11.7M parameters
 
-Methods, measured one after another in this process (default order, by expected peak memory):
+Methods (default order, by expected peak memory, the order of the memory pass):
     none             plain optimizer, no gradient communication: each rank trains alone (ceiling)
     ringreduce_view  hvd.DistributedOptimizer(..., gradient_as_bucket_view=True): grads are
                      views of the bucket buffers (no pack/unpack copies)
@@ -35,9 +35,13 @@ Methods, measured one after another in this process (default order, by expected 
                      (defaults: 25 MB buckets, broadcast_buffers=True, which for the cnn also
                      broadcasts the BatchNorm buffers from rank 0 at each forward)
 
-Timing: --warmup steps, then --reps repetitions of --steps steps; each repetition starts after
-an MPI barrier and its time is the largest over the ranks. A step is zero_grad, forward,
-backward, optimizer step (which waits for the reduction).
+Two passes per model. Memory: one method at a time alone in the process, built and run for
+its --warmup steps (at least one), then freed. Speed: every method built and run for --warmup
+steps, then --reps rounds in which each method in turn runs --steps steps, so that a slow
+spell of the machine (this VM has them, lasting seconds to minutes) lands on every method
+rather than on one method's repetitions. Each repetition starts after an MPI barrier and its
+time is the largest over the ranks. A step is zero_grad, forward, backward, optimizer step
+(which waits for the reduction).
 
 Columns:
     samples/s   ranks * batch * steps / time, median over the repetitions (the whole job)
@@ -47,10 +51,10 @@ Columns:
     step(ms)    time of one step (1000 * time / steps, the same median repetition)
     sync        whether all ranks hold the same parameters afterwards (checksums of the
                 parameters agree to 1e-6 relative; "-" for none, whose ranks diverge)
-    peakRSS     peak resident memory of the rank (MiB) while the method ran, largest over the
-                ranks: before each method the kernel's peak counter is reset to the current RSS
-                (write "5" to /proc/self/clear_refs, Linux >= 4.0) and VmHWM of
-                /proc/self/status is read after the timed steps. Where the reset is refused,
+    peakRSS     peak resident memory of the rank (MiB) while the method ran (memory pass),
+                largest over the ranks: before each method the kernel's peak counter is reset
+                to the current RSS (write "5" to /proc/self/clear_refs, Linux >= 4.0) and VmHWM
+                of /proc/self/status is read after its steps. Where the reset is refused,
                 it is getrusage(RUSAGE_SELF).ru_maxrss instead, which is cumulative over the
                 process (it never goes down): the row then says "(cumulative)", and the
                 default method order, by increasing expected memory, keeps it readable.
@@ -66,7 +70,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import os
 import resource
 import statistics
 import time
@@ -206,47 +209,77 @@ def maxrss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MiB   # KiB on Linux
 
 
-def run_method(name: str, method: str, batches, args) -> dict:
+class Trainer:
+    """One method on a fresh copy of the seeded model: `step(i)` trains on batch i."""
+
+    def __init__(self, name: str, method: str, batches, lr: float) -> None:
+        torch.manual_seed(0)
+        self.method, self.batches = method, batches
+        self.model = BUILD[name]()
+        self.model.train()
+        self.module, self.opt, self.between = setup(method, self.model, lr)
+
+    def step(self, i: int) -> None:
+        x, y = self.batches[i % len(self.batches)]
+        self.opt.zero_grad()
+        F.cross_entropy(self.module(x), y).backward()
+        if self.between is not None:
+            self.between()
+        self.opt.step()
+
+    def in_sync(self) -> bool:
+        checksum = sum(p.detach().double().sum().item() for p in self.model.parameters())
+        sums = COMM.allgather(checksum)
+        return max(sums) - min(sums) <= 1e-6 * max(1.0, max(abs(s) for s in sums))
+
+
+def measure_memory(name: str, method: str, batches, args) -> dict:
+    """The memory pass: the method alone in the process, built and run for its warm-up."""
     cumulative = not reset_peak_rss()
     start_rss = status_mib("VmRSS")
-    torch.manual_seed(0)
-    model = BUILD[name]()
-    model.train()
-    module, opt, between = setup(method, model, args.lr)
-
-    def step(i: int) -> None:
-        x, y = batches[i % len(batches)]
-        opt.zero_grad()
-        F.cross_entropy(module(x), y).backward()
-        if between is not None:
-            between()
-        opt.step()
-
-    for i in range(args.warmup):
-        step(i)
-    times = []
-    for _ in range(args.reps):
-        COMM.Barrier()
-        start = time.perf_counter()
-        for i in range(args.steps):
-            step(i)
-        times.append(COMM.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    seconds = statistics.median(times)
+    trainer = Trainer(name, method, batches, args.lr)
+    for i in range(max(1, args.warmup)):
+        trainer.step(i)
     peak = maxrss_mib() if cumulative else status_mib("VmHWM")
-
-    checksum = sum(p.detach().double().sum().item() for p in model.parameters())
-    sums = COMM.allgather(checksum)
-    in_sync = max(sums) - min(sums) <= 1e-6 * max(1.0, max(abs(s) for s in sums))
+    del trainer
+    release_memory()
     return {
-        "model": name, "method": method, "time_s": seconds, "rep_times_s": times,
-        "samples_per_s": NRANKS * args.batch * args.steps / seconds,
-        "step_ms": 1000 * seconds / args.steps,
-        "params_in_sync": None if method == "none" else in_sync,
         "peak_rss_mib_per_rank": COMM.allgather(peak),
         "start_rss_mib_per_rank": COMM.allgather(start_rss),
         "peak_rss_increase_mib_per_rank": COMM.allgather(peak - start_rss),
         "peak_rss_cumulative": any(COMM.allgather(cumulative)),
     }
+
+
+def measure_speed(name: str, methods: list[str], batches, args) -> list[dict]:
+    """The timing pass: every method built and warmed up, then their repetitions take turns,
+    so that a slow spell of the machine lands on all of them, not on one method's reps."""
+    trainers = [Trainer(name, method, batches, args.lr) for method in methods]
+    for trainer in trainers:
+        for i in range(args.warmup):
+            trainer.step(i)
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for _ in range(args.reps):
+        for trainer in trainers:
+            COMM.Barrier()
+            start = time.perf_counter()
+            for i in range(args.steps):
+                trainer.step(i)
+            times[trainer.method].append(COMM.allreduce(time.perf_counter() - start,
+                                                        op=MPI.MAX))
+    rows = []
+    for trainer in trainers:
+        seconds = statistics.median(times[trainer.method])
+        rows.append({
+            "model": name, "method": trainer.method, "time_s": seconds,
+            "rep_times_s": times[trainer.method],
+            "samples_per_s": NRANKS * args.batch * args.steps / seconds,
+            "step_ms": 1000 * seconds / args.steps,
+            "params_in_sync": None if trainer.method == "none" else trainer.in_sync(),
+        })
+    del trainers
+    release_memory()
+    return rows
 
 
 # ---------------------------------------------------------------------------- output
@@ -349,10 +382,8 @@ def main() -> None:
             print(f"\n{name}: {params:,} parameters, gradients {info['grad_mib']:.1f} MiB "
                   "(float32)")
             print(HEADER, flush=True)
-        rows = []
-        for method in methods:
-            rows.append(run_method(name, method, batches, args))
-            release_memory()
+        memory = [measure_memory(name, method, batches, args) for method in methods]
+        rows = [{**r, **m} for r, m in zip(measure_speed(name, methods, batches, args), memory)]
         base = {r["method"]: r["samples_per_s"] for r in rows}
         for r in rows:
             r["vs_none"] = r["samples_per_s"] / base["none"] if "none" in base else None

@@ -48,3 +48,23 @@ def test_allreduce_benchmark_reports_its_yardsticks_and_profile(tmp_path):
     spent = sum(p["time_s"] for p in profile["phases"].values())
     assert 0 < spent <= profile["time_s"] * 1.01, (spent, profile["time_s"])
     assert all(p["time_s"] > 0 for k, p in profile["phases"].items() if not k.startswith("wait"))
+    written = profile["blocks_written"]
+    assert set(written) == {"plain", "streamed"} and sum(written.values()) == 3, written
+
+
+def test_training_benchmark_reports_every_method_in_sync_with_its_memory_pass(tmp_path):
+    """A tiny bench_train.py run: each method's repetitions, its memory pass, its ratios, and
+    parameters in sync across the ranks for every method that communicates."""
+    out = tmp_path / "train.json"
+    script = Path(__file__).parents[1] / "scripts" / "bench_train.py"
+    result = run_mpi(2, str(script), "--models", "mlp10m", "--methods",
+                     "none,ringreduce,ddp_rr,ddp", "--steps", "1", "--reps", "3", "--warmup",
+                     "1", "--batch", "4", "--json", str(out), timeout=180)
+    assert result.returncode == 0, result.output[-4000:]
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(rows) == ["none", "ringreduce", "ddp_rr", "ddp"]
+    for method, r in rows.items():
+        assert len(r["rep_times_s"]) == 3 and r["time_s"] in r["rep_times_s"], r
+        assert r["params_in_sync"] is (None if method == "none" else True), r
+        assert len(r["peak_rss_increase_mib_per_rank"]) == 2, r
+        assert r["vs_ringreduce"] == r["samples_per_s"] / rows["ringreduce"]["samples_per_s"]
