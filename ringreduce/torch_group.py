@@ -92,6 +92,16 @@ class RingReduceGroup(dist.ProcessGroup):
                                   "destroyed (destroy_process_group)")
         return active(self._process_set, kind)
 
+    def _refuse(self, kind: str, name: str, error: Exception) -> None:
+        """A mistake in this rank's arguments, found before its collective could begin: the
+        members still meet on the call's name, through a signature check that carries the
+        error, so the other ranks' calls fail at once with a MismatchError quoting it (instead
+        of waiting for a call never made) and the automatic names stay in step. The caller
+        then raises `error` here."""
+        ps = self._active(kind)
+        signature = {"collective": kind, "name": name, "refused": str(error)}
+        submit((ps, name, lambda: ps.transport.check(signature)))
+
     def _global(self, group_rank: int, what: str) -> int:
         ranks = self._process_set.ranks
         if not 0 <= group_rank < len(ranks):
@@ -187,26 +197,36 @@ class RingReduceGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, output_tensors: list, input_tensors: list,
                        opts: Any) -> CollectiveWork:
-        output, inputs = one(output_tensors, "reduce_scatter"), one(input_tensors,
-                                                                      "reduce_scatter")
-        self._one_per_rank(inputs, inputs[0], "reduce_scatter", "input")
-        stacked = torch.stack([t.detach().reshape(-1) for t in inputs])
-        return self._reduce_scatter(output, stacked, opts, "reduce_scatter", output_tensors)
+        kind = "reduce_scatter"
+        ps, name = self._names(kind)
+        try:
+            output, inputs = one(output_tensors, kind), one(input_tensors, kind)
+            self._one_per_rank(inputs, inputs[0], kind, "input")
+            stacked = torch.stack([t.detach().reshape(-1) for t in inputs])
+            return self._reduce_scatter(output, stacked, opts, kind, output_tensors, name)
+        except (TypeError, ValueError) as error:
+            self._refuse(kind, name, error)
+            raise
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any) -> CollectiveWork:
-        rows = self._rows(input, "reduce_scatter_tensor")
-        return self._reduce_scatter(output, rows, opts, "reduce_scatter_tensor", [output])
+        kind = "reduce_scatter_tensor"
+        ps, name = self._names(kind)
+        try:
+            return self._reduce_scatter(output, self._rows(input, kind), opts, kind, [output],
+                                        name)
+        except (TypeError, ValueError) as error:
+            self._refuse(kind, name, error)
+            raise
 
     _reduce_scatter_base = reduce_scatter_single
 
     def _reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor, opts: Any, kind: str,
-                        value: list) -> CollectiveWork:
+                        value: list, name: str) -> CollectiveWork:
         """Row r of `rows` reduced over the group lands in rank r's `output`."""
         op, pre = reduction(opts.reduceOp, kind)
-        ps, name = self._names(kind)
         handle = reducescatter_async(rows, name=name, op=op, prescale_factor=pre,
-                                     process_set=ps)
+                                     process_set=self._process_set)
 
         def finish(mine: torch.Tensor) -> None:
             self._check_output(output, mine, kind)
@@ -217,12 +237,16 @@ class RingReduceGroup(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs: list, inputs: list,
                                         opts: Any) -> CollectiveWork:
         what = "reduce_scatter_tensor_coalesced"
-        rows = [self._rows(i, what) for i in inputs]
-        op, pre = reduction(opts.reduceOp, what)
         ps, name = self._names(what)
-        return self._written(grouped_reducescatter_async(rows, name=name, op=op,
-                                                         prescale_factor=pre, process_set=ps),
-                             outputs, what)
+        try:
+            rows = [self._rows(i, what) for i in inputs]
+            op, pre = reduction(opts.reduceOp, what)
+            handle = grouped_reducescatter_async(rows, name=name, op=op, prescale_factor=pre,
+                                                 process_set=ps)
+        except (TypeError, ValueError) as error:
+            self._refuse(what, name, error)
+            raise
+        return self._written(handle, outputs, what)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -313,18 +337,22 @@ class RingReduceGroup(dist.ProcessGroup):
     def scatter(self, output_tensors: list, input_tensors: list, opts: Any) -> CollectiveWork:
         """The root's inputs[r] lands in rank r's output: an all-to-all in which only the
         root sends (one row to each rank)."""
-        output, root = one(output_tensors, "scatter"), opts.rootRank
-        self._global(root, "scatter")
-        shape = tuple(output.shape)
-        if self.rank() == root:
-            inputs = one(input_tensors, "scatter")
-            self._one_per_rank(inputs, output, "scatter", "input")
-            rows = torch.stack([t.detach().reshape(shape) for t in inputs])
-            splits = [1] * self.size()
-        else:
-            rows, splits = output.new_empty((0, *shape)), [0] * self.size()
         ps, name = self._names("scatter")
-        handle = alltoall_async(rows, splits, name=name, process_set=ps)
+        try:
+            output, root = one(output_tensors, "scatter"), opts.rootRank
+            self._global(root, "scatter")
+            shape = tuple(output.shape)
+            if self.rank() == root:
+                inputs = one(input_tensors, "scatter")
+                self._one_per_rank(inputs, output, "scatter", "input")
+                rows = torch.stack([t.detach().reshape(shape) for t in inputs])
+                splits = [1] * self.size()
+            else:
+                rows, splits = output.new_empty((0, *shape)), [0] * self.size()
+            handle = alltoall_async(rows, splits, name=name, process_set=ps)
+        except (TypeError, ValueError) as error:
+            self._refuse("scatter", name, error)
+            raise
         return CollectiveWork(handle, output_tensors,
                               lambda result: copy_flat(output, result[0]))
 
@@ -333,16 +361,20 @@ class RingReduceGroup(dist.ProcessGroup):
                           opts: Any = None) -> CollectiveWork:
         what = "all_to_all_single"
         n = self.size()
-        if input_split_sizes:
-            splits = list(input_split_sizes)
-        elif input.dim() > 0 and input.shape[0] % n == 0:
-            splits = [input.shape[0] // n] * n
-        else:
-            raise ValueError(f"ringreduce backend: {what}: dimension 0 of the input "
-                             f"({tuple(input.shape)}) does not divide by the {n} ranks; pass "
-                             "input_split_sizes")
         ps, name = self._names(what)
-        handle = alltoall_async(input.detach(), splits, name=name, process_set=ps)
+        try:
+            if input_split_sizes:
+                splits = list(input_split_sizes)
+            elif input.dim() > 0 and input.shape[0] % n == 0:
+                splits = [input.shape[0] // n] * n
+            else:
+                raise ValueError(f"ringreduce backend: {what} on rank {self.rank()}: dimension "
+                                 f"0 of the input ({tuple(input.shape)}) does not divide by the "
+                                 f"{n} ranks; pass input_split_sizes")
+            handle = alltoall_async(input.detach(), splits, name=name, process_set=ps)
+        except (TypeError, ValueError) as error:
+            self._refuse(what, name, error)
+            raise
         wanted = list(output_split_sizes) if output_split_sizes else None
 
         def finish(result: tuple) -> None:
@@ -365,13 +397,17 @@ class RingReduceGroup(dist.ProcessGroup):
                  opts: Any = None) -> CollectiveWork:
         """inputs[r] goes to rank r; rank r's lands in outputs[r] (flattened on the way)."""
         n = self.size()
-        if len(output_tensors) != n or len(input_tensors) != n:
-            raise ValueError(f"ringreduce backend: all_to_all takes {n} input and {n} output "
-                             "tensors")
-        flat = torch.cat([t.detach().reshape(-1) for t in input_tensors])
         ps, name = self._names("all_to_all")
-        handle = alltoall_async(flat, [t.numel() for t in input_tensors], name=name,
-                                process_set=ps)
+        try:
+            if len(output_tensors) != n or len(input_tensors) != n:
+                raise ValueError(f"ringreduce backend: all_to_all on rank {self.rank()} takes "
+                                 f"{n} input and {n} output tensors")
+            flat = torch.cat([t.detach().reshape(-1) for t in input_tensors])
+            handle = alltoall_async(flat, [t.numel() for t in input_tensors], name=name,
+                                    process_set=ps)
+        except (TypeError, ValueError) as error:
+            self._refuse("all_to_all", name, error)
+            raise
 
         def finish(result: tuple) -> None:
             out, received = result

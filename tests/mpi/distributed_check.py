@@ -336,6 +336,31 @@ def case_one_rank_errs():
     check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
 
 
+def case_one_rank_refuses_its_inputs():
+    """A mistake in rank 0's inputs, found before its collective could begin: ValueError
+    there, at once a MismatchError quoting it on every other rank (not a wait for a call
+    never made), and the group usable after each."""
+    def refused(call, words):
+        if r == 0:
+            expect(ValueError, ["on rank 0", words], call, True)
+        else:
+            expect(hvd.MismatchError, ["rank 0", words], call, False)
+    rows = [torch.ones(2) for _ in range(n)]
+    refused(lambda bad: dist.reduce_scatter(torch.empty(2), rows + [torch.ones(2)] * bad),
+            f"takes {n} input")
+    refused(lambda bad: dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * n + bad)),
+            f"multiple of {n}")
+    refused(lambda bad: dist.scatter(torch.empty(2), (rows[:n - 1] if bad else rows)
+                                     if r == 0 else None, src=0),
+            f"takes {n} input")
+    refused(lambda bad: dist.all_to_all_single(torch.empty(2 * n), torch.ones(2 * n + bad)),
+            "does not divide")
+    refused(lambda bad: dist.all_to_all([torch.empty(1) for _ in range(n)],
+                                        [torch.ones(1) for _ in range(n + bad)]),
+            f"takes {n} input")
+    check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
+
+
 # ---------------------------------------------------------------- DDP, FSDP, torchmetrics
 
 BATCH = 24          # divides by 1, 2, 3 (and each half by 2 and 3)
@@ -549,7 +574,8 @@ assert dist.get_backend() == "ringreduce" and dist.get_world_size() == n
 GLOO = dist.new_group(backend="gloo")
 cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadcast, case_all_gather,
          case_reduce_scatter, case_all_to_all, case_reduce_gather_scatter, case_send_recv,
-         case_subgroup, case_errors, case_one_rank_errs, case_ddp, case_fsdp, case_torchmetrics]
+         case_subgroup, case_errors, case_one_rank_errs,
+         case_one_rank_refuses_its_inputs, case_ddp, case_fsdp, case_torchmetrics]
 run_cases([announced(case) for case in cases + ([case_stall] if LIGHTNING else [])], r)
 dist.destroy_process_group()
 print(f"OK rank {r}", flush=True)
