@@ -93,6 +93,21 @@ def submit(work: Work) -> Handle:
     return handle
 
 
+def refuse(ps: ActiveSet, name: str, kind: str, error: Exception,
+           signed_as: Optional[str] = None) -> None:
+    """A mistake in this rank's arguments, found before its collective could begin: the
+    members still meet on the call's name, through a signature check that carries the error,
+    so the other ranks' calls fail at once with a MismatchError quoting it (instead of waiting
+    for a call never made) and the automatic names stay in step. The caller then raises
+    `error`. Once per error: a front end that wraps these calls refuses only what is new.
+    `signed_as`: the name the call's first signature carries, where it is not `name`."""
+    if getattr(error, "refused", False):
+        return
+    error.refused = True    # type: ignore[attr-defined]
+    signature = {"collective": kind, "name": signed_as or name, "refused": str(error)}
+    submit((ps, name, lambda: ps.transport.check(signature)))
+
+
 def run(work: Work) -> Any:
     """Run a collective synchronously, inline on this thread when the set's engine is idle."""
     ps, name, fn = work
@@ -120,9 +135,13 @@ def allreduce_work(tensor: torch.Tensor, average: Optional[bool], name: Optional
                                                    compression, in_place, kind, process_set)
         return ps, name, lambda: grouped()[0]
     ps = active(process_set, f"{kind}()")
-    op = reduce_op(op, average, kind, adasum_ok=True)
     name = ps.auto_name(kind) if name is None else name
-    t = _tensor(tensor, kind, name, ps)
+    try:
+        op = reduce_op(op, average, kind, adasum_ok=True)
+        t = _tensor(tensor, kind, name, ps)
+    except (TypeError, ValueError) as error:
+        refuse(ps, name, kind, error)
+        raise
     if op == ReduceOp.Adasum:
         adasum.check_supported(ps.size, t.dtype)
     spec = _allreduce_spec(t, op, pre, post, name)
@@ -147,10 +166,14 @@ def grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str],
     """Several tensors as one allreduce (compressed, each, on the wire): one fused buffer per
     dtype, or one tensor straight from its input into the output; its result is the list."""
     ps = active(process_set, f"{kind}()")
-    op = reduce_op(op, average, kind, adasum_ok=True)
     name = ps.auto_name(kind) if name is None else name
-    checked = [_tensor(t, kind, f"{name}[{i}]" if len(tensors) > 1 else name, ps)
-               for i, t in enumerate(tensors)]
+    try:
+        op = reduce_op(op, average, kind, adasum_ok=True)
+        checked = [_tensor(t, kind, f"{name}[{i}]" if len(tensors) > 1 else name, ps)
+                   for i, t in enumerate(tensors)]
+    except (TypeError, ValueError) as error:
+        refuse(ps, name, kind, error)
+        raise
     wires, contexts = zip(*(compression.compress(t) for t in checked)) if checked else ((), ())
     if op == ReduceOp.Adasum:
         for wire in wires:
@@ -221,7 +244,11 @@ def allgather_work(tensors: Sequence[torch.Tensor], name: Optional[str],
     names = _group_name(ps, name, kind, len(tensors))
     gathers = []
     for tensor, each in zip(tensors, names):
-        t = _tensor(tensor, kind, each, ps)
+        try:
+            t = _tensor(tensor, kind, each, ps)
+        except (TypeError, ValueError) as error:
+            refuse(ps, names[0], kind, error)
+            raise
         t = t.reshape(1) if t.dim() == 0 else t
         signature = {"collective": "allgather", "name": each, "dtype": NAMES[t.dtype],
                      "trailing shape": tuple(t.shape[1:])}
@@ -240,8 +267,12 @@ def broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
     """Global rank `root_rank`'s tensor on every member: into a new tensor, or in place."""
     ps = active(process_set, f"{kind}()")
     name = ps.auto_name(kind) if name is None else name
-    t = _tensor(tensor, kind, name, ps)
-    root = ps.root(root_rank, kind, name)
+    try:
+        t = _tensor(tensor, kind, name, ps)
+        root = ps.root(root_rank, kind, name)
+    except (TypeError, ValueError) as error:
+        refuse(ps, name, kind, error)
+        raise
     dtype, shape = _describe(t)
     signature = {"collective": "broadcast", "name": name, "root_rank": int(root_rank),
                  "dtype": dtype, "shape": shape}
@@ -267,24 +298,12 @@ def alltoall_work(tensor: torch.Tensor, splits: Any, name: Optional[str],
     """The result is the output, with the received splits too when `with_splits`."""
     ps = active(process_set, "alltoall()")
     name = ps.auto_name("alltoall") if name is None else name
-    t = _tensor(tensor, "alltoall", name, ps)
-    where = f"ringreduce: alltoall of tensor '{name}' on rank {ps.ranks[ps.rank]}"
-    if t.dim() == 0:
-        raise ValueError(f"{where}: needs a tensor with at least one dimension")
-    if splits is None:
-        if t.shape[0] % ps.size:
-            raise ValueError(f"{where}: dimension 0 ({t.shape[0]}) does not divide by the "
-                             f"{ps.size} ranks; pass splits=")
-        send_splits = np.full(ps.size, t.shape[0] // ps.size, dtype=np.int64)
-    else:
-        given = np.asarray(splits.tolist() if isinstance(splits, torch.Tensor) else splits)
-        if given.dtype.kind not in "iu":
-            raise ArgumentTypeError(f"{where}: splits must be integers, got {given.tolist()!r}")
-        send_splits = given.astype(np.int64).reshape(-1)
-        if send_splits.size != ps.size or (send_splits < 0).any() or \
-                send_splits.sum() != t.shape[0]:
-            raise ValueError(f"{where}: splits {send_splits.tolist()} must be {ps.size} "
-                             f"non-negative counts summing to dimension 0 ({t.shape[0]})")
+    try:
+        t = _tensor(tensor, "alltoall", name, ps)
+        send_splits = _send_splits(t, splits, ps, name)
+    except (TypeError, ValueError) as error:
+        refuse(ps, name, "alltoall", error)
+        raise
     signature = {"collective": "alltoall", "name": name, "dtype": NAMES[t.dtype],
                  "trailing shape": tuple(t.shape[1:])}
 
@@ -295,6 +314,27 @@ def alltoall_work(tensor: torch.Tensor, splits: Any, name: Optional[str],
     return ps, name, work
 
 
+def _send_splits(t: torch.Tensor, splits: Any, ps: ActiveSet, name: str) -> np.ndarray:
+    """How many rows of `t` go to each member: `splits`, checked, or an even split."""
+    where = f"ringreduce: alltoall of tensor '{name}' on rank {ps.ranks[ps.rank]}"
+    if t.dim() == 0:
+        raise ValueError(f"{where}: needs a tensor with at least one dimension")
+    if splits is None:
+        if t.shape[0] % ps.size:
+            raise ValueError(f"{where}: dimension 0 ({t.shape[0]}) does not divide by the "
+                             f"{ps.size} ranks; pass splits=")
+        return np.full(ps.size, t.shape[0] // ps.size, dtype=np.int64)
+    given = np.asarray(splits.tolist() if isinstance(splits, torch.Tensor) else splits)
+    if given.dtype.kind not in "iu":
+        raise ArgumentTypeError(f"{where}: splits must be integers, got {given.tolist()!r}")
+    send_splits = given.astype(np.int64).reshape(-1)
+    if send_splits.size != ps.size or (send_splits < 0).any() or \
+            send_splits.sum() != t.shape[0]:
+        raise ValueError(f"{where}: splits {send_splits.tolist()} must be {ps.size} "
+                         f"non-negative counts summing to dimension 0 ({t.shape[0]})")
+    return send_splits
+
+
 def reducescatter_work(tensors: Sequence[torch.Tensor], name: Optional[str], op: Any,
                        prescale_factor: float, postscale_factor: float,
                        compression: type[Compressor], process_set: ProcessSet,
@@ -302,14 +342,20 @@ def reducescatter_work(tensors: Sequence[torch.Tensor], name: Optional[str], op:
     """Reduce each tensor over the set; set rank r keeps the r-th block of rows of each (lower
     ranks get the extra rows). The result is the list of this rank's blocks."""
     ps = active(process_set, f"{kind}()")
-    op = reduce_op(op, None, kind)
     names = _group_name(ps, name, kind, len(tensors))
+    try:
+        op = reduce_op(op, None, kind)
+        checked = [_tensor(tensor, kind, each, ps) for tensor, each in zip(tensors, names)]
+        for t, each in zip(checked, names):
+            if t.dim() == 0:
+                raise ValueError(f"ringreduce: {kind} of tensor '{each}' on rank "
+                                 f"{ps.ranks[ps.rank]}: needs a tensor with at least one "
+                                 "dimension")
+    except (TypeError, ValueError) as error:
+        refuse(ps, names[0], kind, error)
+        raise
     scatters = []
-    for tensor, each in zip(tensors, names):
-        t = _tensor(tensor, kind, each, ps)
-        if t.dim() == 0:
-            raise ValueError(f"ringreduce: {kind} of tensor '{each}' on rank "
-                             f"{ps.ranks[ps.rank]}: needs a tensor with at least one dimension")
+    for t, each in zip(checked, names):
         wire, context = compression.compress(t)
         scatters.append(_reducescatter_one(ps, wire.clone(), context, compression, each, op,
                                            prescale_factor, postscale_factor))
@@ -342,13 +388,16 @@ def sparse_allreduce_work(tensor: torch.Tensor, name: Optional[str], op: Any,
     set's size for Average; the dense shape is part of both signatures."""
     ps = active(process_set, "sparse_allreduce_async()")
     name = ps.auto_name("sparse_allreduce") if name is None else name
-    op = reduce_op(op, None, "sparse_allreduce_async")
-    if op not in (ReduceOp.Sum, ReduceOp.Average):
-        raise ValueError(f"ringreduce: sparse_allreduce_async of tensor '{name}' on rank "
-                         f"{ps.ranks[ps.rank]}: op must be Sum or Average, not {op.name}")
-    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
-        raise TypeError(f"ringreduce: sparse_allreduce_async of tensor '{name}' on rank "
-                        f"{ps.ranks[ps.rank]}: expected a sparse COO tensor")
+    where = f"ringreduce: sparse_allreduce_async of tensor '{name}' on rank {ps.ranks[ps.rank]}"
+    try:
+        op = reduce_op(op, None, "sparse_allreduce_async")
+        if op not in (ReduceOp.Sum, ReduceOp.Average):
+            raise ValueError(f"{where}: op must be Sum or Average, not {op.name}")
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+            raise TypeError(f"{where}: expected a sparse COO tensor")
+    except (TypeError, ValueError) as error:
+        refuse(ps, name, "sparse_allreduce", error, signed_as=f"{name}.indices")
+        raise
     dense_shape = tuple(tensor.shape)
     gathers = []
     for part, piece in (("indices", tensor._indices().t()), ("values", tensor._values())):

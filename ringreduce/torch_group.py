@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import world
-from .collective_work import allreduce_work, submit
+from .collective_work import allreduce_work, refuse, submit
 from .collectives import (Sum, allgather_async, allreduce_, allreduce_async, alltoall_async,
                           barrier_async, broadcast_async_, grouped_allgather_async,
                           grouped_allreduce_async_, grouped_reducescatter_async,
@@ -93,14 +93,9 @@ class RingReduceGroup(dist.ProcessGroup):
         return active(self._process_set, kind)
 
     def _refuse(self, kind: str, name: str, error: Exception) -> None:
-        """A mistake in this rank's arguments, found before its collective could begin: the
-        members still meet on the call's name, through a signature check that carries the
-        error, so the other ranks' calls fail at once with a MismatchError quoting it (instead
-        of waiting for a call never made) and the automatic names stay in step. The caller
-        then raises `error` here."""
-        ps = self._active(kind)
-        signature = {"collective": kind, "name": name, "refused": str(error)}
-        submit((ps, name, lambda: ps.transport.check(signature)))
+        """A mistake in this rank's arguments (collective_work.refuse): the other ranks' call
+        `name` fails at once with a MismatchError quoting it."""
+        refuse(self._active(kind), name, kind, error)
 
     def _global(self, group_rank: int, what: str) -> int:
         ranks = self._process_set.ranks

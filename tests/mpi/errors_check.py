@@ -89,6 +89,31 @@ if n > 1:
            torch.ones(2, 1 + (r > 0)), name="ag_mm")
     expect(hvd.MismatchError, ["'scale_mm'", "'prescale'"], hvd.allreduce, torch.ones(4),
            name="scale_mm", prescale_factor=1.0 if r == 0 else 2.0)
+    # A mistake in the arguments of the last rank alone, named or not: TypeError/ValueError
+    # there, at once a MismatchError quoting it on the others (not a wait for a call never
+    # made), and the automatic names still in step afterwards.
+    last = r == n - 1
+    refused = ["cannot run", f"arguments of rank {n - 1}"]
+    flags = torch.ones(3, dtype=torch.bool if last else torch.float32)
+    if last:
+        expect(TypeError, ["'one_bad'", "bool"], hvd.allreduce, flags, name="one_bad")
+        expect(ValueError, ["does not divide"], hvd.alltoall, torch.ones(n + 1, 2))
+        expect(ValueError, ["root_rank"], hvd.broadcast_, torch.ones(2), n)
+        expect(TypeError, ["'one_bad_group[1]'", "bool"], hvd.grouped_allreduce,
+               [torch.ones(2), flags], name="one_bad_group")
+        expect(ValueError, ["at least one dimension"], hvd.reducescatter, torch.tensor(1.0))
+    else:
+        expect(hvd.MismatchError, refused + ["'one_bad'", "bool"], hvd.allreduce, flags,
+               name="one_bad")
+        expect(hvd.MismatchError, refused + ["does not divide"], hvd.alltoall,
+               torch.ones(n, 2))
+        expect(hvd.MismatchError, refused + ["root_rank"], hvd.broadcast_, torch.ones(2), 0)
+        expect(hvd.MismatchError, refused + ["bool"], hvd.grouped_allreduce,
+               [torch.ones(2), flags], name="one_bad_group")
+        expect(hvd.MismatchError, refused + ["at least one dimension"], hvd.reducescatter,
+               torch.ones(n))
+    assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
+    assert torch.equal(hvd.alltoall(torch.ones(n, 2)), torch.ones(n, 2))
     # A different number of parameters per rank: the bucket's signature names them.
     layers = [torch.nn.Linear(2, 2) for _ in range(1 + (r == 0))]
     model = torch.nn.Sequential(*layers)
