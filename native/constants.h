@@ -46,6 +46,6 @@
 #define RR_WRITE_PLAIN 0        /* plain stores: the lines stay in the cache for the peers */
 #define RR_WRITE_STREAM 1       /* non-temporal stores (rr_copy_stream) */
 #define RR_WRITE_WAYS 2
-#define RR_PROBE_EVERY 64       /* blocks between tries of the way not in use */
+#define RR_PROBE_EVERY 64       /* writes between tries of the way not in use */
 
 #endif

@@ -179,16 +179,16 @@ static int digests_agree(rr_node *node, int64_t flag) {
     return 1;
 }
 
-/* How to write our slot or area next (small allreduces and blocks alike). Plain stores leave its lines in the cache, where
- * the peers read them fastest; but writing a line that a peer's cache holds first takes it
- * back from there, and where that is slow (seen on a VM now and then, for seconds to minutes:
- * plain copies into the area 4-6x slower than out of it), non-temporal stores, which skip
- * that round trip, make the whole allreduce up to 4x faster. Where plain stores are quick,
- * non-temporal ones make it 1.7x slower (the peers then read from memory). So each rank
- * measures: it writes the way that cost less per byte when last used, and every
- * RR_PROBE_EVERY blocks the other way (each way is tried early). Streaming must cost under
- * half as much, as the writer does not see what it costs the readers. Either way the flag's fence
- * orders the stores, so the way changes the speed only. */
+/* How to write our slot or area next (small allreduces and blocks alike). Plain stores leave
+ * the lines in the cache, where the peers read them fastest; but writing a line that a peer's
+ * cache holds first takes it back from there, and where that is slow (seen on a VM now and
+ * then, for seconds to minutes: plain copies into the area 4-6x slower than out of it),
+ * non-temporal stores, which skip that round trip, make the whole allreduce up to 4x faster.
+ * Where plain stores are quick, non-temporal ones make it 1.7x slower (the peers then read
+ * from memory). So each rank measures: it writes the way that cost less per byte when last
+ * used, and every RR_PROBE_EVERY writes the other way (each way is tried early). Streaming
+ * must cost under half as much, as the writer does not see what it costs the readers. Either
+ * way the flag's fence orders the stores, so the way changes the speed only. */
 static int write_way(rr_node *node) {
     const double *cost = node->write_cost;
     if (cost[RR_WRITE_PLAIN] == 0) return RR_WRITE_PLAIN;

@@ -19,7 +19,7 @@ from . import adasum, cuda, ring, timeline
 from .buffers import CODES, NAMES, SUPPORTED, as_array, fresh
 from .compression import Compression, Compressor
 from .engine import Handle
-from .errors import ArgumentTypeError, UnsupportedError
+from .errors import ArgumentTypeError, RingReduceError, UnsupportedError
 from .kernels import ReduceOp
 from .process_sets import ActiveSet, ProcessSet, active
 from .reduce_spec import ReduceSpec
@@ -98,14 +98,18 @@ def refuse(ps: ActiveSet, name: str, kind: str, error: Exception,
     """A mistake in this rank's arguments, found before its collective could begin: the
     members still meet on the call's name, through a signature check that carries the error,
     so the other ranks' calls fail at once with a MismatchError quoting it (instead of waiting
-    for a call never made) and the automatic names stay in step. The caller then raises
-    `error`. Once per error: a front end that wraps these calls refuses only what is new.
-    `signed_as`: the name the call's first signature carries, where it is not `name`."""
+    for a call never made) and the automatic names stay in step. The meeting is over when this
+    returns, so the name is free again; then the caller raises `error`. Once per error: a
+    front end that wraps these calls refuses only what is new. `signed_as`: the name the
+    call's first signature carries, where it is not `name`."""
     if getattr(error, "refused", False):
         return
     error.refused = True    # type: ignore[attr-defined]
     signature = {"collective": kind, "name": signed_as or name, "refused": str(error)}
-    submit((ps, name, lambda: ps.transport.check(signature)))
+    try:
+        run((ps, name, lambda: ps.transport.check(signature)))
+    except (RingReduceError, ValueError):
+        pass    # the others' calls failed (or the name is taken): this rank raises `error`
 
 
 def run(work: Work) -> Any:

@@ -105,8 +105,8 @@ class NodeWindow:
         return dict(zip(PHASES, phases))
 
     def blocks_written(self) -> dict[str, int]:
-        """How many blocks of large allreduces this rank has written into its area with plain
-        and with non-temporal ("streamed") stores: native/node.c measures both and chooses."""
+        """How many slots and blocks (of 64 KiB or more) this rank has written with plain and
+        with non-temporal ("streamed") stores: native/node.c measures both and chooses."""
         _, blocks = _native.large_profile(self.node, False)
         return dict(zip(("plain", "streamed"), blocks))
 

@@ -14,7 +14,8 @@ Each call returns a `CollectiveWork` (torch_work.py); a synchronous `all_reduce`
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -92,10 +93,16 @@ class RingReduceGroup(dist.ProcessGroup):
                                   "destroyed (destroy_process_group)")
         return active(self._process_set, kind)
 
-    def _refuse(self, kind: str, name: str, error: Exception) -> None:
-        """A mistake in this rank's arguments (collective_work.refuse): the other ranks' call
-        `name` fails at once with a MismatchError quoting it."""
-        refuse(self._active(kind), name, kind, error)
+    @contextlib.contextmanager
+    def _refusing(self, kind: str, name: str) -> Iterator[None]:
+        """Around a call's argument checks: a mistake found there (TypeError, ValueError) is
+        refused to the other ranks (collective_work.refuse), whose call `name` then fails at
+        once with a MismatchError quoting it; then it is raised here."""
+        try:
+            yield
+        except (TypeError, ValueError) as error:
+            refuse(self._active(kind), name, kind, error)
+            raise
 
     def _global(self, group_rank: int, what: str) -> int:
         ranks = self._process_set.ranks
@@ -193,26 +200,20 @@ class RingReduceGroup(dist.ProcessGroup):
     def reduce_scatter(self, output_tensors: list, input_tensors: list,
                        opts: Any) -> CollectiveWork:
         kind = "reduce_scatter"
-        ps, name = self._names(kind)
-        try:
+        _, name = self._names(kind)
+        with self._refusing(kind, name):
             output, inputs = one(output_tensors, kind), one(input_tensors, kind)
             self._one_per_rank(inputs, inputs[0], kind, "input")
             stacked = torch.stack([t.detach().reshape(-1) for t in inputs])
             return self._reduce_scatter(output, stacked, opts, kind, output_tensors, name)
-        except (TypeError, ValueError) as error:
-            self._refuse(kind, name, error)
-            raise
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any) -> CollectiveWork:
         kind = "reduce_scatter_tensor"
-        ps, name = self._names(kind)
-        try:
+        _, name = self._names(kind)
+        with self._refusing(kind, name):
             return self._reduce_scatter(output, self._rows(input, kind), opts, kind, [output],
                                         name)
-        except (TypeError, ValueError) as error:
-            self._refuse(kind, name, error)
-            raise
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -233,14 +234,11 @@ class RingReduceGroup(dist.ProcessGroup):
                                         opts: Any) -> CollectiveWork:
         what = "reduce_scatter_tensor_coalesced"
         ps, name = self._names(what)
-        try:
+        with self._refusing(what, name):
             rows = [self._rows(i, what) for i in inputs]
             op, pre = reduction(opts.reduceOp, what)
             handle = grouped_reducescatter_async(rows, name=name, op=op, prescale_factor=pre,
                                                  process_set=ps)
-        except (TypeError, ValueError) as error:
-            self._refuse(what, name, error)
-            raise
         return self._written(handle, outputs, what)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -333,7 +331,7 @@ class RingReduceGroup(dist.ProcessGroup):
         """The root's inputs[r] lands in rank r's output: an all-to-all in which only the
         root sends (one row to each rank)."""
         ps, name = self._names("scatter")
-        try:
+        with self._refusing("scatter", name):
             output, root = one(output_tensors, "scatter"), opts.rootRank
             self._global(root, "scatter")
             shape = tuple(output.shape)
@@ -345,9 +343,6 @@ class RingReduceGroup(dist.ProcessGroup):
             else:
                 rows, splits = output.new_empty((0, *shape)), [0] * self.size()
             handle = alltoall_async(rows, splits, name=name, process_set=ps)
-        except (TypeError, ValueError) as error:
-            self._refuse("scatter", name, error)
-            raise
         return CollectiveWork(handle, output_tensors,
                               lambda result: copy_flat(output, result[0]))
 
@@ -357,7 +352,7 @@ class RingReduceGroup(dist.ProcessGroup):
         what = "all_to_all_single"
         n = self.size()
         ps, name = self._names(what)
-        try:
+        with self._refusing(what, name):
             if input_split_sizes:
                 splits = list(input_split_sizes)
             elif input.dim() > 0 and input.shape[0] % n == 0:
@@ -367,9 +362,6 @@ class RingReduceGroup(dist.ProcessGroup):
                                  f"0 of the input ({tuple(input.shape)}) does not divide by the "
                                  f"{n} ranks; pass input_split_sizes")
             handle = alltoall_async(input.detach(), splits, name=name, process_set=ps)
-        except (TypeError, ValueError) as error:
-            self._refuse(what, name, error)
-            raise
         wanted = list(output_split_sizes) if output_split_sizes else None
 
         def finish(result: tuple) -> None:
@@ -393,16 +385,13 @@ class RingReduceGroup(dist.ProcessGroup):
         """inputs[r] goes to rank r; rank r's lands in outputs[r] (flattened on the way)."""
         n = self.size()
         ps, name = self._names("all_to_all")
-        try:
+        with self._refusing("all_to_all", name):
             if len(output_tensors) != n or len(input_tensors) != n:
                 raise ValueError(f"ringreduce backend: all_to_all on rank {self.rank()} takes "
                                  f"{n} input and {n} output tensors")
             flat = torch.cat([t.detach().reshape(-1) for t in input_tensors])
             handle = alltoall_async(flat, [t.numel() for t in input_tensors], name=name,
                                     process_set=ps)
-        except (TypeError, ValueError) as error:
-            self._refuse("all_to_all", name, error)
-            raise
 
         def finish(result: tuple) -> None:
             out, received = result
