@@ -187,13 +187,13 @@ static int digests_agree(rr_node *node, int64_t flag) {
  * Where plain stores are quick, non-temporal ones make it 1.7x slower (the peers then read
  * from memory). So each rank measures: it writes the way that cost less per byte when last
  * used, and every RR_PROBE_EVERY writes the other way (each way is tried early). Streaming
- * must cost under half as much, as the writer does not see what it costs the readers. Either
+ * must cost under a third as much, as the writer does not see what it costs the readers. Either
  * way the flag's fence orders the stores, so the way changes the speed only. */
 static int write_way(rr_node *node) {
     const double *cost = node->write_cost;
     if (cost[RR_WRITE_PLAIN] == 0) return RR_WRITE_PLAIN;
     if (cost[RR_WRITE_STREAM] == 0) return RR_WRITE_STREAM;
-    int cheaper = 2 * cost[RR_WRITE_STREAM] < cost[RR_WRITE_PLAIN] ? RR_WRITE_STREAM
+    int cheaper = 3 * cost[RR_WRITE_STREAM] < cost[RR_WRITE_PLAIN] ? RR_WRITE_STREAM
                                                                    : RR_WRITE_PLAIN;
     int64_t written = node->blocks[RR_WRITE_PLAIN] + node->blocks[RR_WRITE_STREAM];
     return written % RR_PROBE_EVERY == RR_PROBE_EVERY - 1 ? !cheaper : cheaper;
