@@ -1,9 +1,10 @@
 """What each public collective hands its set's engine: the arguments checked on the caller's
-thread (so a local mistake raises on the rank that made it, before any MPI traffic), the
-signature the members compare, and the closure that asks the set's transport to move the data.
-A piece of `Work` is (the active set, the collective's name, what runs); the API module
-(collectives.py) runs it inline or queues it, the autograd functions (differentiable.py) run it
-in their forward. Results are written to the caller's tensor only after the collective succeeded.
+thread (a local mistake raises on the rank that made it, before any of its data moves, and
+meets the other ranks' call as a refusal: `refuse`), the signature the members compare, and
+the closure that asks the set's transport to move the data. A piece of `Work` is (the active
+set, the collective's name, what runs); the API module (collectives.py) runs it inline or
+queues it, the autograd functions (differentiable.py) run it in their forward. Results are
+written to the caller's tensor only after the collective succeeded.
 """
 from __future__ import annotations
 

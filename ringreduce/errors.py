@@ -41,7 +41,8 @@ class ArgumentTypeError(TypeError, ValueError):
     """An argument of the wrong type where Horovod raises ValueError (for instance `alltoall`
     splits that are not integers: Horovod's users catch `(torch.FatalError, ValueError)`).
     Also a `TypeError`, as it was before, so either `except` clause catches it. Like every
-    argument error it is raised on the rank that made the mistake, before any traffic."""
+    argument error it is raised on the rank that made the mistake, before any of its data
+    moves (the other ranks' call of that name fails with MismatchError quoting it)."""
 
 
 class MismatchError(RingReduceError):
