@@ -1,6 +1,6 @@
 """What each public collective hands its set's engine: the arguments checked on the caller's
 thread (a local mistake raises on the rank that made it, before any of its data moves, and
-meets the other ranks' call as a refusal: `refuse`), the signature the members compare, and
+meets the other ranks' call as a refusal: `refusing`), the signature the members compare, and
 the closure that asks the set's transport to move the data. A piece of `Work` is (the active
 set, the collective's name, what runs); the API module (collectives.py) runs it inline or
 queues it, the autograd functions (differentiable.py) run it in their forward. Results are
@@ -94,23 +94,35 @@ def submit(work: Work) -> Handle:
     return handle
 
 
-def refuse(ps: ActiveSet, name: str, kind: str, error: Exception,
-           signed_as: Optional[str] = None) -> None:
-    """A mistake in this rank's arguments, found before its collective could begin: the
-    members still meet on the call's name, through a signature check that carries the error,
-    so the other ranks' calls fail at once with a MismatchError quoting it (instead of waiting
-    for a call never made) and the automatic names stay in step. The meeting is over when this
-    returns, so the name is free again; then the caller raises `error`. Once per error: a
-    front end that wraps these calls refuses only what is new. `signed_as`: the name the
+class refusing:
+    """Around a call's argument checks: a mistake found there (TypeError, ValueError), which
+    the other ranks cannot see, still meets their call of `name`, through a signature check
+    that carries the error, so theirs fails at once with a MismatchError quoting it (instead
+    of waiting for a call never made) and the automatic names stay in step. The meeting is
+    over before the error leaves the block (the name is free again). Once per error: a front
+    end whose checks wrap these calls refuses only what is new. `signed_as`: the name the
     call's first signature carries, where it is not `name`."""
-    if getattr(error, "refused", False):
-        return
-    error.refused = True    # type: ignore[attr-defined]
-    signature = {"collective": kind, "name": signed_as or name, "refused": str(error)}
-    try:
-        run((ps, name, lambda: ps.transport.check(signature)))
-    except (RingReduceError, ValueError):
-        pass    # the others' calls failed (or the name is taken): this rank raises `error`
+
+    __slots__ = ("ps", "name", "kind", "signed_as")
+
+    def __init__(self, ps: ActiveSet, name: str, kind: str,
+                 signed_as: Optional[str] = None) -> None:
+        self.ps, self.name, self.kind, self.signed_as = ps, name, kind, signed_as
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, _type: Any, error: Any, _traceback: Any) -> bool:
+        if isinstance(error, (TypeError, ValueError)) and not getattr(error, "refused", False):
+            error.refused = True
+            signature = {"collective": self.kind, "name": self.signed_as or self.name,
+                         "refused": str(error)}
+            ps = self.ps
+            try:
+                run((ps, self.name, lambda: ps.transport.check(signature)))
+            except (RingReduceError, ValueError):
+                pass    # the others' calls failed (or the name is taken): `error` goes on
+        return False
 
 
 def run(work: Work) -> Any:
@@ -141,12 +153,9 @@ def allreduce_work(tensor: torch.Tensor, average: Optional[bool], name: Optional
         return ps, name, lambda: grouped()[0]
     ps = active(process_set, f"{kind}()")
     name = ps.auto_name(kind) if name is None else name
-    try:
+    with refusing(ps, name, kind):
         op = reduce_op(op, average, kind, adasum_ok=True)
         t = _tensor(tensor, kind, name, ps)
-    except (TypeError, ValueError) as error:
-        refuse(ps, name, kind, error)
-        raise
     if op == ReduceOp.Adasum:
         adasum.check_supported(ps.size, t.dtype)
     spec = _allreduce_spec(t, op, pre, post, name)
@@ -172,13 +181,10 @@ def grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str],
     dtype, or one tensor straight from its input into the output; its result is the list."""
     ps = active(process_set, f"{kind}()")
     name = ps.auto_name(kind) if name is None else name
-    try:
+    with refusing(ps, name, kind):
         op = reduce_op(op, average, kind, adasum_ok=True)
         checked = [_tensor(t, kind, f"{name}[{i}]" if len(tensors) > 1 else name, ps)
                    for i, t in enumerate(tensors)]
-    except (TypeError, ValueError) as error:
-        refuse(ps, name, kind, error)
-        raise
     wires, contexts = zip(*(compression.compress(t) for t in checked)) if checked else ((), ())
     if op == ReduceOp.Adasum:
         for wire in wires:
@@ -247,13 +253,10 @@ def allgather_work(tensors: Sequence[torch.Tensor], name: Optional[str],
     one piece of work; its result is the list of outputs."""
     ps = active(process_set, f"{kind}()")
     names = _group_name(ps, name, kind, len(tensors))
-    gathers = []
+    refusal, gathers = refusing(ps, names[0], kind), []
     for tensor, each in zip(tensors, names):
-        try:
+        with refusal:
             t = _tensor(tensor, kind, each, ps)
-        except (TypeError, ValueError) as error:
-            refuse(ps, names[0], kind, error)
-            raise
         t = t.reshape(1) if t.dim() == 0 else t
         signature = {"collective": "allgather", "name": each, "dtype": NAMES[t.dtype],
                      "trailing shape": tuple(t.shape[1:])}
@@ -272,12 +275,9 @@ def broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
     """Global rank `root_rank`'s tensor on every member: into a new tensor, or in place."""
     ps = active(process_set, f"{kind}()")
     name = ps.auto_name(kind) if name is None else name
-    try:
+    with refusing(ps, name, kind):
         t = _tensor(tensor, kind, name, ps)
         root = ps.root(root_rank, kind, name)
-    except (TypeError, ValueError) as error:
-        refuse(ps, name, kind, error)
-        raise
     dtype, shape = _describe(t)
     signature = {"collective": "broadcast", "name": name, "root_rank": int(root_rank),
                  "dtype": dtype, "shape": shape}
@@ -303,12 +303,9 @@ def alltoall_work(tensor: torch.Tensor, splits: Any, name: Optional[str],
     """The result is the output, with the received splits too when `with_splits`."""
     ps = active(process_set, "alltoall()")
     name = ps.auto_name("alltoall") if name is None else name
-    try:
+    with refusing(ps, name, "alltoall"):
         t = _tensor(tensor, "alltoall", name, ps)
         send_splits = _send_splits(t, splits, ps, name)
-    except (TypeError, ValueError) as error:
-        refuse(ps, name, "alltoall", error)
-        raise
     signature = {"collective": "alltoall", "name": name, "dtype": NAMES[t.dtype],
                  "trailing shape": tuple(t.shape[1:])}
 
@@ -348,7 +345,7 @@ def reducescatter_work(tensors: Sequence[torch.Tensor], name: Optional[str], op:
     ranks get the extra rows). The result is the list of this rank's blocks."""
     ps = active(process_set, f"{kind}()")
     names = _group_name(ps, name, kind, len(tensors))
-    try:
+    with refusing(ps, names[0], kind):
         op = reduce_op(op, None, kind)
         checked = [_tensor(tensor, kind, each, ps) for tensor, each in zip(tensors, names)]
         for t, each in zip(checked, names):
@@ -356,9 +353,6 @@ def reducescatter_work(tensors: Sequence[torch.Tensor], name: Optional[str], op:
                 raise ValueError(f"ringreduce: {kind} of tensor '{each}' on rank "
                                  f"{ps.ranks[ps.rank]}: needs a tensor with at least one "
                                  "dimension")
-    except (TypeError, ValueError) as error:
-        refuse(ps, names[0], kind, error)
-        raise
     scatters = []
     for t, each in zip(checked, names):
         wire, context = compression.compress(t)
@@ -394,20 +388,19 @@ def sparse_allreduce_work(tensor: torch.Tensor, name: Optional[str], op: Any,
     ps = active(process_set, "sparse_allreduce_async()")
     name = ps.auto_name("sparse_allreduce") if name is None else name
     where = f"ringreduce: sparse_allreduce_async of tensor '{name}' on rank {ps.ranks[ps.rank]}"
-    try:
+    refusal = refusing(ps, name, "sparse_allreduce", signed_as=f"{name}.indices")
+    with refusal:
         op = reduce_op(op, None, "sparse_allreduce_async")
         if op not in (ReduceOp.Sum, ReduceOp.Average):
             raise ValueError(f"{where}: op must be Sum or Average, not {op.name}")
         if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
             raise TypeError(f"{where}: expected a sparse COO tensor")
-    except (TypeError, ValueError) as error:
-        refuse(ps, name, "sparse_allreduce", error, signed_as=f"{name}.indices")
-        raise
     dense_shape = tuple(tensor.shape)
     gathers = []
     for part, piece in (("indices", tensor._indices().t()), ("values", tensor._values())):
         each = f"{name}.{part}"
-        t = _tensor(piece, "sparse_allreduce_async", each, ps)
+        with refusal:
+            t = _tensor(piece, "sparse_allreduce_async", each, ps)
         signature = {"collective": "sparse_allreduce", "name": each, "dense shape": dense_shape,
                      "dtype": NAMES[t.dtype], "trailing shape": tuple(t.shape[1:])}
         gathers.append(functools.partial(ps.transport.allgather, t, signature))

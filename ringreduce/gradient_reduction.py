@@ -284,9 +284,8 @@ class GradientReduction(WrappedOptimizer):
         backward pass), every rank raises UsageError, so that no rank steps."""
         self._begin_step()                   # also when no gradient came this step
         self._submit_ready_buckets(force=True)
-        sparse = [(n, p) for n, p in self._named
-                  if id(p) in self._planned_sparse or id(p) in self._found_sparse
-                  ] if self._planned_sparse or self._found_sparse else []
+        seen_sparse = self._planned_sparse | self._found_sparse
+        sparse = [(n, p) for n, p in self._named if id(p) in seen_sparse] if seen_sparse else []
         self._sparse |= self._found_sparse    # the next step's plan reduces them on their own
         results = sparse_gradients.gather(sparse, self._prefix, self._op, self._process_set)
         agreement = self._agreement.submit(self._broken is not None) if self._agrees else None

@@ -45,7 +45,7 @@ def describe_mismatch(signatures: Sequence[Signature], ranks: Sequence[int]) -> 
     its signature's "refused" field), that rank's error."""
     refused = [(r, s["refused"]) for r, s in zip(ranks, signatures) if "refused" in s]
     if refused:
-        name = next(str(s.get("name")) for s in signatures)
+        name = str(signatures[0].get("name"))
         who = ", ".join(str(r) for r, _ in refused)
         errors = "; ".join(f"rank {r}: {error}" for r, error in refused)
         return (f"ringreduce: {name!r} cannot run: a mistake in the arguments of "

@@ -14,14 +14,13 @@ Each call returns a `CollectiveWork` (torch_work.py); a synchronous `all_reduce`
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import world
-from .collective_work import allreduce_work, refuse, submit
+from .collective_work import allreduce_work, refusing, submit
 from .collectives import (Sum, allgather_async, allreduce_, allreduce_async, alltoall_async,
                           barrier_async, broadcast_async_, grouped_allgather_async,
                           grouped_allreduce_async_, grouped_reducescatter_async,
@@ -93,16 +92,10 @@ class RingReduceGroup(dist.ProcessGroup):
                                   "destroyed (destroy_process_group)")
         return active(self._process_set, kind)
 
-    @contextlib.contextmanager
-    def _refusing(self, kind: str, name: str) -> Iterator[None]:
-        """Around a call's argument checks: a mistake found there (TypeError, ValueError) is
-        refused to the other ranks (collective_work.refuse), whose call `name` then fails at
-        once with a MismatchError quoting it; then it is raised here."""
-        try:
-            yield
-        except (TypeError, ValueError) as error:
-            refuse(self._active(kind), name, kind, error)
-            raise
+    def _refusing(self, kind: str, name: str) -> refusing:
+        """Around a call's own argument checks (collective_work.refusing): a mistake there
+        makes the other ranks' call `name` fail at once with a MismatchError quoting it."""
+        return refusing(self._active(kind), name, kind)
 
     def _global(self, group_rank: int, what: str) -> int:
         ranks = self._process_set.ranks

@@ -102,6 +102,10 @@ if n > 1:
         expect(TypeError, ["'one_bad_group[1]'", "bool"], hvd.grouped_allreduce,
                [torch.ones(2), flags], name="one_bad_group")
         expect(ValueError, ["at least one dimension"], hvd.reducescatter, torch.tensor(1.0))
+        expect(TypeError, ["'one_bad_gather.1'", "bool"], hvd.grouped_allgather,
+               [torch.ones(2), flags], name="one_bad_gather")
+        expect(TypeError, ["'one_bad_sparse'", "sparse COO"], hvd.sparse_allreduce_async,
+               torch.ones(3), "one_bad_sparse", hvd.Sum)
     else:
         expect(hvd.MismatchError, refused + ["'one_bad'", "bool"], hvd.allreduce, flags,
                name="one_bad")
@@ -112,6 +116,11 @@ if n > 1:
                [torch.ones(2), flags], name="one_bad_group")
         expect(hvd.MismatchError, refused + ["at least one dimension"], hvd.reducescatter,
                torch.ones(n))
+        expect(hvd.MismatchError, refused + ["bool"], hvd.grouped_allgather,
+               [torch.ones(2), flags], name="one_bad_gather")
+        expect(hvd.MismatchError, refused + ["sparse COO"],
+               lambda: hvd.sparse_allreduce_async(torch.eye(3).to_sparse(), "one_bad_sparse",
+                                                  hvd.Sum)())
     assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
     assert torch.equal(hvd.alltoall(torch.ones(n, 2)), torch.ones(n, 2))
     # A different number of parameters per rank: the bucket's signature names them.
