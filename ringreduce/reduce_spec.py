@@ -22,7 +22,7 @@ class ReduceSpec:
     counts of the tensors fused in the buffer, which Adasum weighs each on its own."""
 
     __slots__ = ("dtype", "code", "op", "prescale", "postscale", "digest", "signature",
-                 "lengths")
+                 "lengths", "_label")
 
     def __init__(self, dtype: torch.dtype, op: ReduceOp, prescale: float = 1.0,
                  postscale: float = 1.0, digest: Optional[int] = None,
@@ -31,14 +31,17 @@ class ReduceSpec:
         self.dtype, self.code, self.op = dtype, CODES[dtype], op
         self.prescale, self.postscale = float(prescale), float(postscale)
         self.digest, self.signature, self.lengths = digest, signature, lengths
+        self._label: Optional[str] = None
 
     def describe(self) -> Signature:
         signature = self.signature
         return (signature() if callable(signature) else signature) or {"collective": "allreduce"}
 
     def __str__(self) -> str:
-        """How a stall report names the collective."""
-        return label(self.describe())
+        """How a stall report names the collective (made once: a bucket's spec is reused)."""
+        if self._label is None:
+            self._label = label(self.describe())
+        return self._label
 
     def unchecked(self) -> "ReduceSpec":
         """The same reduction, for buffers whose signature was checked already."""

@@ -63,7 +63,7 @@ class SmallWay:
         """The whole collective, to run on the engine or inline."""
         digest, make_spec = _signed(tensor, name, case, postscale)
         code, op, allreduce = case[1][0], case[0][1], self.allreduce
-        return lambda: allreduce(tensor, in_place, code, op, postscale, digest, make_spec)
+        return lambda: allreduce(tensor, in_place, code, op, postscale, digest, make_spec, name)
 
     def begin(self, tensor: torch.Tensor, name: str, case: tuple, postscale: float
               ) -> tuple[bool, Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
@@ -72,7 +72,7 @@ class SmallWay:
         digest, make_spec = _signed(tensor, name, case, postscale)
         code, op = case[1][0], case[0][1]
         divisor = self._average_divisor if op is _AVERAGE else 1.0
-        self._watch.begin(make_spec)
+        self._watch.begin(f"allreduce '{name}'")     # (signature.label, without a dict)
         address = tensor.data_ptr()
         ready = self._publish(address, tensor.nbytes, digest)
 
@@ -87,15 +87,15 @@ class SmallWay:
 
         allreduce = self.allreduce
         return ready, rest, lambda: allreduce(tensor, True, code, op, postscale, digest,
-                                              make_spec)
+                                              make_spec, name)
 
     def allreduce(self, src: torch.Tensor, in_place: bool, code: int, op: ReduceOp,
-                  postscale: float, digest: int, make_spec: Callable[[], ReduceSpec]
-                  ) -> torch.Tensor:
+                  postscale: float, digest: int, make_spec: Callable[[], ReduceSpec],
+                  name: str) -> torch.Tensor:
         """Allreduce `src` (dtype code `code`, its signature digested) through the exchange.
         Returns `src`, or out of place a new tensor, allocated once our data is on its way (the
         allocation costs as much as a message, and every member would wait for it)."""
-        self._watch.begin(make_spec)
+        self._watch.begin(f"allreduce '{name}'")
         address = src.data_ptr()
         made: Optional[torch.Tensor] = None
         if in_place:

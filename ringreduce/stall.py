@@ -25,7 +25,7 @@ log = logging.getLogger("ringreduce")
 _BUSY_SECONDS = 0.00005  # poll flat out this long (as MPI does): a peer is usually close
 _YIELD_SECONDS = 0.001   # then yield the core between polls (oversubscribed ranks), then sleep
 _GOODBYE_EVERY = 0.005   # seconds between looks for a departed member while waiting
-_REMEMBERED = 4096       # the descriptions of this many recent collectives, for stall reports
+_REMEMBERED = 4096       # the labels of this many recent collectives, for stall reports
 _JOINED_COUNT = 1 << 62  # what a joined rank publishes on the progress board
 _READ_SECONDS = 2.0      # how long a stall report waits for the members' counts (at most
                          # half the check interval, so that reports keep their interval)
@@ -125,7 +125,11 @@ class StallWatch:
         self.departures = Departures(comm)
         self.begun = 0
         self.quiet = False      # a joined rank waits for the others by design: no reports
-        self._recent: list[tuple[int, Any]] = [(0, "")] * _REMEMBERED   # (count, description)
+        # what collective #k was, at k % _REMEMBERED: strings only, so that remembering
+        # thousands of them keeps no per-call objects alive for the garbage collector to
+        # promote (which then pauses the process for a full collection, ~80 ms with torch)
+        self._recent_counts = [0] * _REMEMBERED
+        self._recent_labels = [""] * _REMEMBERED
 
     def free(self) -> None:
         if self.board is not None:
@@ -138,12 +142,13 @@ class StallWatch:
         if self.board is not None:
             self.board.publish(_JOINED_COUNT if joined else self.begun)
 
-    def begin(self, description: Any) -> None:
-        """Count one more collective begun on this rank, and remember what it was (a callable
-        making its name, or an object whose str() is: formatted only if a stall is reported).
-        ShutDownError when a member has left: the collective could never complete."""
+    def begin(self, label: str) -> None:
+        """Count one more collective begun on this rank, and remember how a report names it
+        (signature.label). ShutDownError when a member has left: the collective could never
+        complete."""
         begun = self.begun = self.begun + 1
-        self._recent[begun % _REMEMBERED] = (begun, description)
+        slot = begun % _REMEMBERED
+        self._recent_counts[slot], self._recent_labels[slot] = begun, label
         if self._published is not None:
             self._published[0] = begun      # the board's publish(), inline: the hot path
         if self.departures.gone:
@@ -184,10 +189,8 @@ class StallWatch:
                                                   // self.check_time)
 
     def _name(self, count: int) -> str:
-        remembered, description = self._recent[count % _REMEMBERED]
-        if remembered != count:
-            return ""
-        return str(description() if callable(description) else description)
+        slot = count % _REMEMBERED
+        return self._recent_labels[slot] if self._recent_counts[slot] == count else ""
 
     def _departed(self, gone: set[int]) -> str:
         names = sorted(self.ranks[r] for r in gone)

@@ -13,7 +13,6 @@ a join round and runs with their zeros, the others raise JoinedError (joining.py
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Callable, Optional, Sequence
 
@@ -76,7 +75,7 @@ class Transport:
     def allreduce(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
         """Allreduce `src` into `dst` (the same tensor, or a contiguous one of its size and
         dtype on its device); `dst` is written only once the signatures agree."""
-        self.watch.begin(spec)
+        self.watch.begin(str(spec))
         try:
             self._way(src, dst, spec)
         except PeersJoined:
@@ -112,7 +111,7 @@ class Transport:
     # ------------------------------------------------------------------ the other collectives
 
     def _begin(self, signature: Signature) -> None:
-        self.watch.begin(functools.partial(label, signature))
+        self.watch.begin(label(signature))
 
     def check(self, signature: Signature, per_rank: int = 0,
               precomputed: Optional[int] = None) -> np.ndarray:
