@@ -29,7 +29,10 @@ Methods (default order, by expected peak memory, the order of the memory pass):
                      comm.Allreduce (mpi4py, in place, NumPy views), divide by size, copy back
     ddp_rr           torch.nn.parallel.DistributedDataParallel on torch.distributed's default
                      group, on the "ringreduce" backend (ringreduce.distributed): DDP's buckets
-                     reduced by our transport
+                     reduced by our transport. DDP copies every gradient into its buckets
+                     (scaled by 1/size) and, after the reduction, back: two passes over the
+                     gradients that DistributedOptimizer skips for a parameter with a bucket of
+                     its own (reduced in place), e.g. the mlp's 74 MiB first layer
     ddp              torch.nn.parallel.DistributedDataParallel on a gloo group of every rank
                      (loopback TCP)
                      (defaults: 25 MB buckets, broadcast_buffers=True, which for the cnn also
