@@ -29,11 +29,12 @@ from .errors import RingReduceError
 
 _IDLE_POKE_SECONDS = 0.05
 _AWAKE_SECONDS = 0.005     # after a submission, the engine thread looks for more this long
-_PICKUP_SECONDS = 0.0002   # this often, so that a submission in a burst need not wake it
-                           # (which costs more than a small allreduce; a waiter runs it
-                           # meanwhile). Only during bursts: each look costs ~20 us of CPU, 11%
-                           # of a core taken from training when it looked for a second after
-                           # every step's buckets. Later, a submission wakes it (~30 us).
+_PICKUP_SECONDS = 0.0002   # at first this often, so that a submission in a burst need not
+_LONGEST_PICKUP = 0.0032   # wake it (which costs more than a small allreduce); each look that
+                           # finds nothing (its caller ran it: synchronize) doubles the pause.
+                           # Each look costs ~20 us of CPU: looking every 0.2 ms for a second
+                           # after each submission took 11% of a core from training. After the
+                           # burst, a submission wakes it (~30 us).
 _CALLBACKS = threading.Lock()     # a handle's callbacks are added and taken under it
 _FIRST_PAUSE, _LONGEST_PAUSE = 0.0002, 0.01   # between settling rounds that found no agreement
 
@@ -396,6 +397,7 @@ class Engine:
                     self._queue.appendleft(handle)
 
     def _loop(self) -> None:
+        pause = _PICKUP_SECONDS
         while True:
             with self._cv:
                 while not self._queue and not self._stopping:
@@ -404,10 +406,16 @@ class Engine:
                     if self._dozing or now - self._last_poke > _IDLE_POKE_SECONDS:
                         self._last_poke = now
                         self._poke_if_idle()
-                    self._cv.wait(_IDLE_POKE_SECONDS if self._dozing else _PICKUP_SECONDS)
+                    if self._dozing:
+                        self._cv.wait(_IDLE_POKE_SECONDS)
+                        pause = _PICKUP_SECONDS
+                    else:
+                        self._cv.wait(pause)
+                        pause = min(2 * pause, _LONGEST_PICKUP)
                 self._dozing = False
                 if not self._queue:
                     return
+            pause = _PICKUP_SECONDS     # work came while looking: look often again
             self._running.acquire()         # after a synchronous call in progress
             try:
                 self._run_next()
