@@ -28,7 +28,10 @@ Methods, each reducing (Sum) a buffer of SIZE bytes on every rank:
     dist_rr   torch.distributed.all_reduce(t, async_op=True).wait() on the "ringreduce" backend
               (ringreduce.distributed: the default group, our global set), in place
     gloo      torch.distributed.all_reduce with the gloo backend, over loopback TCP (a gloo
-              group of every rank next to that default group)
+              group of every rank next to that default group), timed while a thread of the
+              benchmark wakes every 0.2 ms (bench_common.cores_awake): gloo blocks in the
+              kernel for each message, and on a VM an idle vCPU is slow to wake (here a 4K
+              allreduce took 2.7-3.9 ms without that thread, 0.5-0.7 ms with it)
     memcpy    glibc's memcpy (np.copyto) of SIZE bytes, on rank 0 alone (the other ranks idle at
               a sleeping barrier) and on every rank at once
     stream    the same with our non-temporal-store copy (native/kernels.c rr_copy_stream)
@@ -170,7 +173,8 @@ def prepare_gloo(nbytes: int, dtype: torch.dtype):
 def bench_methods(prepare: dict, nbytes: int, dtype: torch.dtype, iters: int) -> dict:
     """Every available method's time (the slowest rank's median), None where not run."""
     calls = {m: p(nbytes, dtype) if p else None for m, p in prepare.items()}
-    timed = time_interleaved({m: c for m, c in calls.items() if c is not None}, iters)
+    timed = time_interleaved({m: c for m, c in calls.items() if c is not None}, iters,
+                             awake=frozenset({"gloo"}))
     return {m: slowest(timed[m]) if m in timed else None for m in prepare}
 
 

@@ -3,6 +3,7 @@ metadata that says which run a result file is from (commit, machine, versions, e
 and writing the results."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -11,6 +12,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 from mpi4py import MPI
@@ -39,24 +41,55 @@ def samples(fn, iters: int, barrier) -> list[float]:
     return times
 
 
-def time_interleaved(calls: dict, iters: int, rounds: int = 5) -> dict:
+@contextlib.contextmanager
+def cores_awake(interval: float = 0.0002):
+    """While in use, a thread of ours wakes every `interval` seconds and does nothing. On a VM
+    a vCPU left idle takes long to wake, and a library that blocks in the kernel for each
+    message pays that per message: on this one, gloo's 4 KiB allreduce at 2 ranks took 2.7 to
+    3.9 ms without this thread and 0.5 to 0.7 ms with it (ringreduce's engine thread, which
+    once looked for work this often, did the same by accident). Measured under it, gloo is
+    at its best here."""
+    stop = threading.Event()
+
+    def wake() -> None:
+        while not stop.wait(interval):
+            pass
+
+    thread = threading.Thread(target=wake, name="cores-awake", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def time_interleaved(calls: dict, iters: int, rounds: int = 5, awake: frozenset = frozenset()
+                     ) -> dict:
     """time_it for several methods at once, in `rounds` rounds that take them in turn: this
     machine has hiccups of tens of milliseconds, which would otherwise land on one method's
     whole median. `calls`: name -> (fn, barrier); fn None on a rank that sits the method out
     (it waits in a sleeping barrier after each of that method's rounds, with every rank).
-    Returns name -> this rank's median (0.0 where it sat out)."""
+    Methods named in `awake` run under cores_awake(). Returns name -> this rank's median (0.0
+    where it sat out)."""
     rounds = max(1, min(rounds, iters))
     times: dict = {name: [] for name in calls}
     partial = {name: any(MPI.COMM_WORLD.allgather(fn is None))
                for name, (fn, _) in calls.items()}
-    for fn, _ in calls.values():
+
+    def helped(name: str):
+        return cores_awake() if name in awake else contextlib.nullcontext()
+
+    for name, (fn, _) in calls.items():
         if fn is not None:
-            warm_up(fn, iters)
+            with helped(name):
+                warm_up(fn, iters)
     for r in range(rounds):
         count = iters // rounds + (r < iters % rounds)
         for name, (fn, barrier) in calls.items():
             if fn is not None:
-                times[name] += samples(fn, count, barrier)
+                with helped(name):
+                    times[name] += samples(fn, count, barrier)
             if partial[name]:
                 sleeping_barrier()
     return {name: statistics.median(t) if t else 0.0 for name, t in times.items()}

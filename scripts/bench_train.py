@@ -34,7 +34,8 @@ Methods (default order, by expected peak memory, the order of the memory pass):
                      gradients that DistributedOptimizer skips for a parameter with a bucket of
                      its own (reduced in place), e.g. the mlp's 74 MiB first layer
     ddp              torch.nn.parallel.DistributedDataParallel on a gloo group of every rank
-                     (loopback TCP)
+                     (loopback TCP; without bench_common.cores_awake, which made gloo's small
+                     messages quicker but DDP on gloo no faster, the cnn slower)
                      (defaults: 25 MB buckets, broadcast_buffers=True, which for the cnn also
                      broadcasts the BatchNorm buffers from rank 0 at each forward)
 
