@@ -238,10 +238,11 @@ class Engine:
         self._inline = None
         self._running.release()
 
-    def begin_now(self, name: str, begin: Callable[[], tuple[bool, Callable[[], Any],
-                                                               Callable[[], Any]]]) -> Handle:
+    def begin_now(self, name: str, begin: Callable[..., tuple[bool, Callable[[], Any],
+                                                              Callable[[], Any]]],
+                  *args: Any) -> Handle:
         """By the holder of an idle claim: start asynchronous collective `name` on this thread
-        rather than hand it to the engine thread. `begin()` posts this rank's part without
+        rather than hand it to the engine thread. `begin(*args)` posts this rank's part without
         waiting and returns (ready, rest, whole): `ready` when every member's part is there
         already, `rest()` completes the collective, `whole()` runs it from the start (after a
         reorder). Ready, it completes here, as a synchronous call would; else `rest` goes first
@@ -250,7 +251,7 @@ class Engine:
         there too, never on this caller: what the others wait for may be its next submission.
         Errors reach the caller from `wait()`, as for queued work."""
         try:
-            ready, rest, whole = begin()
+            ready, rest, whole = begin(*args)
         except Exception as exc:    # nothing was posted: the collective failed (an interrupt
             return Finished(name, None, exc)    # of the caller's thread goes to the caller)
         if ready:

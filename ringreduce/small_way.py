@@ -11,6 +11,7 @@ general path would not have too.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -120,17 +121,19 @@ class SmallWay:
 def _signed(tensor: torch.Tensor, name: str, case: tuple,
             postscale: float) -> tuple[int, Callable[[], ReduceSpec]]:
     """The call's signature digest, and what makes its ReduceSpec: only where one is needed (a
-    mismatch, a join, a stall report), keeping no reference to the tensor."""
+    mismatch, a join, a stall report), keeping no reference to the tensor. (A partial, not a
+    closure: it is made on every call, and costs half as much.)"""
     (op_name, op), (_, dtype) = case
     torch_dtype, shape = tensor.dtype, tensor.shape
     digest = _native.allreduce_digest(name, op_name, dtype, shape, 1.0, float(postscale))
+    return digest, partial(_spec, torch_dtype, op, postscale, digest, name, op_name, dtype, shape)
 
-    def make_spec() -> ReduceSpec:
-        return ReduceSpec(torch_dtype, op, 1.0, postscale, digest, {
-            "collective": "allreduce", "name": name, "op": op_name, "prescale": 1.0,
-            "postscale": postscale, "dtype": dtype, "shape": tuple(shape)})
 
-    return digest, make_spec
+def _spec(torch_dtype: torch.dtype, op: ReduceOp, postscale: float, digest: int, name: str,
+          op_name: str, dtype: str, shape: torch.Size) -> ReduceSpec:
+    return ReduceSpec(torch_dtype, op, 1.0, postscale, digest, {
+        "collective": "allreduce", "name": name, "op": op_name, "prescale": 1.0,
+        "postscale": postscale, "dtype": dtype, "shape": tuple(shape)})
 
 
 def allreduce_now(ps: Any, tensor: Any, name: Optional[str], op: Any, postscale: float,
@@ -171,8 +174,7 @@ def started(ps: Any, tensor: Any, name: Optional[str], op: Any,
     if small.begins and ps.engine.claim_idle(name):
         try:
             name = ps.auto_name("allreduce") if name is None else name
-            handle = ps.engine.begin_now(name, lambda: small.begin(tensor, name, case,
-                                                                   postscale))
+            handle = ps.engine.begin_now(name, small.begin, tensor, name, case, postscale)
         finally:
             ps.engine.release_idle()
     else:
