@@ -607,8 +607,8 @@ if not dist.is_initialized():
 assert dist.get_backend() == "ringreduce" and dist.get_world_size() == n
 GLOO = dist.new_group(backend="gloo")
 cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadcast, case_all_gather,
-         case_calls_keep_nothing_alive, case_reduce_scatter, case_all_to_all, case_reduce_gather_scatter, case_send_recv,
-         case_subgroup, case_errors, case_one_rank_errs,
+         case_calls_keep_nothing_alive, case_reduce_scatter, case_all_to_all,
+         case_reduce_gather_scatter, case_send_recv, case_subgroup, case_errors, case_one_rank_errs,
          case_one_rank_refuses_its_inputs, case_ddp, case_fsdp, case_torchmetrics]
 run_cases([announced(case) for case in cases + ([case_stall] if LIGHTNING else [])], r)
 dist.destroy_process_group()
