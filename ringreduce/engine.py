@@ -32,9 +32,10 @@ _AWAKE_SECONDS = 0.005     # after a submission, the engine thread looks for mor
 _PICKUP_SECONDS = 0.0002   # this often, so that a submission in a burst need not wake it
 _LONGEST_PICKUP = 0.0032   # (which costs more than a small allreduce); but each look that
                            # finds a caller running the set's work (synchronize runs its own)
-                           # doubles the pause. Each look costs ~20 us of CPU: looking every
-                           # 0.2 ms for a second after each submission took 11% of a core
-                           # from training. After the burst, a submission wakes it (~30 us).
+                           # doubles the pause, until the engine thread runs work again. Each
+                           # look costs ~20 us of CPU: looking every 0.2 ms for a second after
+                           # each submission took 11% of a core from training. After the
+                           # burst, a submission wakes it (~30 us).
 _CALLBACKS = threading.Lock()     # a handle's callbacks are added and taken under it
 _FIRST_PAUSE, _LONGEST_PAUSE = 0.0002, 0.01   # between settling rounds that found no agreement
 
@@ -412,8 +413,8 @@ class Engine:
                         pause = _PICKUP_SECONDS
                     else:
                         self._cv.wait(pause)
-                        pause = (min(2 * pause, _LONGEST_PICKUP) if self._running.locked()
-                                 else _PICKUP_SECONDS)
+                        if self._running.locked():      # a caller runs the set's work
+                            pause = min(2 * pause, _LONGEST_PICKUP)
                 self._dozing = False
                 if not self._queue:
                     return
