@@ -66,10 +66,7 @@ class CollectiveWork(dist.Work):
         """Block until the collective is done and the outputs are written; raises its error
         (MismatchError, ShutDownError ...). torch's timeout is not used: a stalled peer gets
         ringreduce's stall report (RINGREDUCE_STALL_CHECK_TIME) instead."""
-        if self._finishing is None:     # (DDP's buckets, every all_reduce: one frame less)
-            self._handle.wait()
-        else:
-            self._settle()
+        self._settle()
         return True
 
     def get_future(self) -> Future:
