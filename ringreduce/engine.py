@@ -56,6 +56,9 @@ class Handle:
     `add_done_callback(fn)` calls `fn(handle)` once it is done (on the thread that finished
     it, or at once if it is done already)."""
 
+    __slots__ = ("name", "_work", "_engine", "_finished", "_pending", "_result", "_error",
+                 "_callbacks")     # (one or two per collective: slots make them cheaper)
+
     def __init__(self, name: str, work: Callable[[], Any],
                  engine: Optional["Engine"] = None) -> None:
         self.name = name
@@ -117,6 +120,8 @@ class Handle:
 class Finished(Handle):
     """The handle of a collective that ended on the caller's thread (Engine.begin_now): done
     from the start, so it needs no lock to wait on."""
+
+    __slots__ = ()
 
     def __init__(self, name: str, result: Any, error: Optional[BaseException]) -> None:
         self.name, self._work, self._engine = name, None, None
@@ -239,30 +244,25 @@ class Engine:
         self._inline = None
         self._running.release()
 
-    def begin_now(self, name: str, begin: Callable[..., tuple[bool, Callable[[], Any],
-                                                              Callable[[], Any]]],
+    def begin_now(self, name: str, begin: Callable[..., tuple[bool, Any, Callable[[], Any]]],
                   *args: Any) -> Handle:
         """By the holder of an idle claim: start asynchronous collective `name` on this thread
         rather than hand it to the engine thread. `begin(*args)` posts this rank's part without
-        waiting and returns (ready, rest, whole): `ready` when every member's part is there
-        already, `rest()` completes the collective, `whole()` runs it from the start (after a
-        reorder). Ready, it completes here, as a synchronous call would; else `rest` goes first
-        in the queue (nothing else may run before it: our part is posted), for the engine
-        thread or a waiter. If the members' next collectives differ, the order is settled
-        there too, never on this caller: what the others wait for may be its next submission.
-        Errors reach the caller from `wait()`, as for queued work."""
+        waiting and returns (done, value, whole). Done: every member's part was there already,
+        and `begin` completed the collective, as a synchronous call would; `value` is its
+        result. Otherwise `value` is `rest`, what completes it (None: the members' next
+        collectives differ, and the order is settled first), which goes first in the queue
+        (nothing else may run before it: our part is posted), for the engine thread or a
+        waiter; `whole()` runs it from the start (after a reorder). The order is never settled
+        on this caller: what the others wait for may be its next submission. Errors, `begin`'s
+        too, reach the caller from `wait()`, as for queued work."""
         try:
-            ready, rest, whole = begin(*args)
-        except Exception as exc:    # nothing was posted: the collective failed (an interrupt
-            return Finished(name, None, exc)    # of the caller's thread goes to the caller)
-        if ready:
-            try:
-                return Finished(name, _call(name, rest), None)
-            except OutOfOrder:
-                rest = _settle_first
-            except Exception as exc:
-                return Finished(name, None, exc)
-        remaining = [rest]
+            done, value, whole = begin(*args)
+        except Exception as exc:    # (an interrupt of the caller's thread goes to the caller)
+            return Finished(name, None, exc)
+        if done:
+            return Finished(name, value, None)
+        remaining = [_settle_first if value is None else value]
 
         def work() -> Any:          # `rest` the first time, `whole` if it must run again
             return (remaining.pop() if remaining else whole)()
