@@ -65,6 +65,7 @@ class GradientReduction(WrappedOptimizer):
         self._prefix = ps.optimizer_prefix()
         self._views = options.gradient_as_bucket_view
         self._broken: Optional[str] = None     # why this step cannot be completed
+        self._stepped_on: Optional[tuple] = None    # see _steps_again
         self._sparse: set[int] = set()         # parameters whose gradients come sparse
         self._hooked: set[int] = set()
         weakref.finalize(self, remove_hooks, self._hooks)
@@ -281,14 +282,17 @@ class GradientReduction(WrappedOptimizer):
         rank, and wait for all of them, also after one fails (so that the next step starts
         with nothing of this one pending, on every rank); then raise the first failure. The
         last of them is the step's agreement: where any rank's step is broken (an extra
-        backward pass), every rank raises UsageError, so that no rank steps."""
+        backward pass), or some ranks step again on the same gradients while others do not,
+        every rank raises UsageError, so that no rank steps."""
+        again = self._steps_again()
         self._begin_step()                   # also when no gradient came this step
         self._submit_ready_buckets(force=True)
         seen_sparse = self._planned_sparse | self._found_sparse
         sparse = [(n, p) for n, p in self._named if id(p) in seen_sparse] if seen_sparse else []
         self._sparse |= self._found_sparse    # the next step's plan reduces them on their own
         results = sparse_gradients.gather(sparse, self._prefix, self._op, self._process_set)
-        agreement = self._agreement.submit(self._broken is not None) if self._agrees else None
+        agreement = (self._agreement.submit(self._broken is not None, again) if self._agrees
+                     else None)
         failures: list[BaseException] = []
 
         def wait(outcome: Callable[[], Any]) -> Any:
@@ -317,8 +321,22 @@ class GradientReduction(WrappedOptimizer):
             sparse_gradients.hand_back_sparse(self._named, self._densified)
             self._densified = set()
         if (self._agreement.broken() if agreement is not None else self._broken is not None):
-            self._broken = self._agreement.why_skipped(self._broken)
+            own = self._broken
+            if own is None and again and self._agreement.steps_differ():
+                own = (f"optimizer.step() on rank {self._rank} came again on the gradients of "
+                       "its last step, with no backward pass or zero_grad() since, while other "
+                       "ranks stepped on new gradients")
+            self._broken = self._agreement.why_skipped(own)
             self._check_unbroken()
+
+    def _steps_again(self) -> bool:
+        """Whether this step comes with no backward pass since the last step, on its gradients
+        unchanged (no zero_grad(), no gradient set or changed in place: a tensor's version
+        counts in-place changes)."""
+        if not self._fresh or self._stepped_on is None:
+            return False
+        p, stepped_on, version = self._stepped_on
+        return p.grad is not None and p.grad is stepped_on() and p.grad._version == version
 
     def _mark_present(self, bucket: fusion.Bucket) -> None:
         """As a bucket is packed (before its unpack fills in missing gradients): this rank has
@@ -381,6 +399,8 @@ class GradientReduction(WrappedOptimizer):
     def _finish_step(self) -> None:
         self._reset_step()
         self._steps_taken += 1
+        p = next((p for _, p in self._named if p.grad is not None), None)    # see _steps_again
+        self._stepped_on = None if p is None else (p, weakref.ref(p.grad), p.grad._version)
         if self._consistency_every and self._steps_taken % self._consistency_every == 0:
             check_consistency(self._named, name=f"check_consistency.step{self._steps_taken}",
                               process_set=self._process_set)

@@ -1,11 +1,14 @@
 """The step's agreement: the last collective of a `DistributedOptimizer` step, after its buckets.
 
 One small allreduce (Max) of a byte per parameter with a dense gradient, 1 where this rank had
-a gradient for it, and a last byte, 1 where this rank's step is broken (an extra backward
-pass). From it every rank learns the same two things: which parameters no rank had a gradient
-for (they keep `.grad` None, as in one process, where zeros stood in for the ranks lacking
-one), and whether some rank's step is broken, so that every rank skips the step, not only the
-one that broke it.
+a gradient for it, and three last bytes: 1 where this rank's step is broken (an extra backward
+pass), 1 where it steps again on its last step's gradients, 1 where it does not. From it every
+rank learns the same two things: which parameters no rank had a gradient for (they keep
+`.grad` None, as in one process, where zeros stood in for the ranks lacking one), and whether
+the step is broken, so that every rank skips it, not only the one that broke it. A step is
+broken where some rank's is, and where some ranks step again while others do not: a second
+`step()` on one rank pairs its collectives with the others' next step, and every later step
+with another step's (all ranks stepping twice is a step like any other).
 """
 from __future__ import annotations
 
@@ -30,10 +33,11 @@ class StepAgreement:
                  parameter_names: Sequence[str]) -> None:
         self._set, self._process_set, self._prefix = members, process_set, prefix
         self.name = f"{prefix}presence"
-        self._marks = torch.zeros(len(parameter_names) + 1, dtype=torch.uint8)
+        self._marks = torch.zeros(len(parameter_names) + 3, dtype=torch.uint8)
         self._mark_array = self._marks.numpy()      # element writes: NumPy's are cheap
         signature = {"collective": "allreduce", "name": self.name,
-                     "parameters": tuple(parameter_names), "and": "broken"}
+                     "parameters": tuple(parameter_names),
+                     "and": ("broken", "again", "not again")}
         self._spec = ReduceSpec(torch.uint8, ReduceOp.Max, digest=digest(signature),
                                 signature=signature)
 
@@ -44,9 +48,11 @@ class StepAgreement:
     def mark_present(self, position: int) -> None:
         self._mark_array[position] = 1
 
-    def submit(self, broken: bool) -> Handle:
-        """Queue the allreduce, this rank's step broken or not."""
-        self._mark_array[-1] = broken
+    def submit(self, broken: bool, again: bool) -> Handle:
+        """Queue the allreduce: this rank's step broken or not, and stepping again on its last
+        step's gradients or not."""
+        marks = self._mark_array
+        marks[-3], marks[-2], marks[-1] = broken, again, not again
         transport, marks, spec = self._set.transport, self._marks, self._spec
         return submit((self._set, self.name, lambda: transport.allreduce(marks, marks, spec)))
 
@@ -55,8 +61,14 @@ class StepAgreement:
         return self._marks.tolist()
 
     def broken(self) -> bool:
-        """Once the allreduce is done: whether some rank's step is broken."""
-        return bool(self._mark_array[-1])
+        """Once the allreduce is done: whether some rank's step is broken, or the ranks'
+        steps are not the same step."""
+        return bool(self._mark_array[-3]) or self.steps_differ()
+
+    def steps_differ(self) -> bool:
+        """Once the allreduce is done: whether some ranks step again on their last step's
+        gradients while others step on new ones."""
+        return bool(self._mark_array[-2] and self._mark_array[-1])
 
     def why_skipped(self, own_reason: Optional[str]) -> str:
         """Why every rank skips the step, naming the ranks that broke it (collective: each

@@ -3,9 +3,9 @@
 leave_end     rank 0 reaches the end of its script while rank 1 waits in an allreduce
 leave_exit    the same through sys.exit(0)
 fewer         rank 0 has fewer batches than the others and finishes first
-recovery      one rank alone runs an extra backward pass, or unfreezes a parameter alone:
-              every rank raises, and after zero_grad() the step redone gives every rank the
-              same parameters as one process would
+recovery      one rank alone runs an extra backward pass, calls step() a second time, or
+              unfreezes a parameter: every rank raises, and after zero_grad() the step redone
+              gives every rank the same parameters as one process would
 optimizer     a parameter unfrozen after wrapping; parameters no rank has a gradient for;
               two DistributedOptimizers in one backward
 checkpoint    load failures and unloadable extras raise the same error on every rank
@@ -170,6 +170,44 @@ def recovery():
                 for _ in range(2):
                     sum(reference(batch(k, step)).sum() for k in range(n)).div(n).backward()
                 ref_opt.step()
+            params_equal(model, what)
+            for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+                assert torch.allclose(p, q, atol=1e-6), f"{what}: {name} differs from one process"
+
+    # one rank alone calls step() twice on the same gradients: its second step pairs with the
+    # others' next one, so every rank raises there, naming it; after zero_grad() the step
+    # redone gives every rank one process's parameters. Every rank stepping twice is allowed.
+    def train(model, opt, reference, ref_opt, step, steps=1):
+        opt.zero_grad()
+        model(batch(r, step)).sum().backward()
+        ref_opt.zero_grad()
+        sum(reference(batch(k, step)).sum() for k in range(n)).div(n).backward()
+        for _ in range(steps):
+            opt.step()
+            ref_opt.step()
+
+    for views in (False, True):
+        for culprit in range(n):
+            torch.manual_seed(6)
+            model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 1))
+            reference = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 1))
+            reference.load_state_dict(model.state_dict())
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           model.named_parameters(),
+                                           gradient_as_bucket_view=views)
+            ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+            what = f"views={views}, step() again on rank {culprit} alone"
+            train(model, opt, reference, ref_opt, 0)
+            train(model, opt, reference, ref_opt, 1, steps=2)      # every rank: allowed
+            skipped = [f"skipped on every rank because ranks [{culprit}] broke it",
+                       f"step() on rank {culprit} came again", "zero_grad()"]
+            if r == culprit:
+                expect(hvd.UsageError, skipped, opt.step)
+            else:       # the next step, which the culprit's second one met
+                opt.zero_grad()
+                model(batch(r, 2)).sum().backward()
+                expect(hvd.UsageError, skipped, opt.step)
+            train(model, opt, reference, ref_opt, 3)       # the recipe: zero_grad(), again
             params_equal(model, what)
             for (name, p), q in zip(model.named_parameters(), reference.parameters()):
                 assert torch.allclose(p, q, atol=1e-6), f"{what}: {name} differs from one process"
