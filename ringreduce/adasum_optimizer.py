@@ -15,14 +15,15 @@ from typing import Any
 import torch
 
 from . import fusion
-from .errors import UsageError
+from .errors import UnsupportedError, UsageError
 from .gradient_reduction import GradientReduction
 
 
 class AdasumOptimizer(GradientReduction):
     """See the module's docstring."""
 
-    _adasum = True
+    _direct_buckets = False     # every delta goes into a bucket's buffer
+    _marks_presence = False     # each parameter is stepped alone: no gradient is forgotten
 
     def _plan(self) -> None:
         super()._plan()
@@ -37,11 +38,24 @@ class AdasumOptimizer(GradientReduction):
     def _gradient_ready(self, p: torch.Tensor) -> None:
         self._step_alone(p)
 
+    def _sparse_gradient_leaves(self, p: torch.Tensor) -> bool:
+        """Adasum combines dense deltas: a sparse gradient is densified (sparse_as_dense),
+        and its step's delta stays dense; else refused."""
+        if not self._sparse_as_dense:
+            raise UnsupportedError(
+                f"ringreduce: parameter '{self._names[id(p)]}' on rank {self._rank} has a "
+                "sparse gradient, which Adasum cannot combine; pass sparse_as_dense=True")
+        p.grad = p.grad.to_dense()
+        return False
+
     def _pack(self, bucket: fusion.Bucket) -> Any:
         """The deltas are in the buffer already."""
         if bucket.buffer.is_cuda:
             return torch.cuda.current_stream(bucket.buffer.device).record_event()
         return None
+
+    def _unpack(self, bucket: fusion.Bucket) -> None:
+        """The combined deltas stay in the buffer, for step()."""
 
     def _step_alone(self, p: torch.Tensor) -> None:
         """The wrapped optimizer's step on `p` only; its delta into the bucket, `p` back to

@@ -26,7 +26,7 @@ from . import cuda, fusion, sparse_gradients, timeline
 from .collectives import submit
 from .compression import Compression
 from .engine import Handle
-from .errors import UnsupportedError, UsageError
+from .errors import UsageError
 from .kernels import ReduceOp
 from .objects import check_consistency
 from .process_sets import active
@@ -39,6 +39,12 @@ from .wrapped_optimizer import (STEP_AFTER_SYNCHRONIZE, Options, WrappedOptimize
 
 class GradientReduction(WrappedOptimizer):
     """See the module's docstring; `AdasumOptimizer` changes what a final gradient does."""
+
+    # A parameter alone in its bucket is reduced in place in its `.grad`, without a buffer.
+    _direct_buckets = True
+    # The step's agreement marks which parameters had a gradient on some rank (see
+    # _forget_gradients_nobody_had).
+    _marks_presence = True
 
     def _setup(self, options: Options) -> None:
         ps = self._set = active(options.process_set, "DistributedOptimizer()")
@@ -89,7 +95,7 @@ class GradientReduction(WrappedOptimizer):
 
         self._buckets = fusion.plan(dense, self._threshold, self._first_bucket, wire_dtype,
                                     explicit_groups(self._groups, dense), self._prefix,
-                                    direct=not self._adasum)
+                                    direct=self._direct_buckets)
         op, prescale, postscale = self._reduction
         self._specs = [ReduceSpec(b.buffer.dtype, op, prescale, postscale, digest(b.signature),
                                   b.signature, [p.numel() for p in b.params])
@@ -102,7 +108,7 @@ class GradientReduction(WrappedOptimizer):
         self._position = {id(p): i for i, (_, p) in enumerate(dense)}
         self._agreement = StepAgreement(self._set, self._process_set, self._prefix,
                                         [n for n, _ in dense])
-        self._counts_presence = not self._views and not self._adasum and len(dense) > 0
+        self._counts_presence = self._marks_presence and not self._views and len(dense) > 0
         self._agrees = self._set.size > 1
         for bucket in self._buckets:
             describe(bucket)
@@ -179,21 +185,9 @@ class GradientReduction(WrappedOptimizer):
             raise UsageError(self._broken)
         if count < self._passes:
             return
-        if p.grad is not None and p.grad.layout != torch.strided:
-            if self._sparse_as_dense and (self._adasum or self._set.size > 1):
-                # Horovod: reduced densely, handed back sparse (alone, it reduces nothing:
-                # the gradient stays as backward made it, reduced on its own below)
-                p.grad = p.grad.to_dense()
-                if not self._adasum:
-                    self._densified.add(key)
-            elif self._adasum:
-                raise UnsupportedError(
-                    f"ringreduce: parameter '{self._names[key]}' on rank {self._rank} has a "
-                    "sparse gradient, which Adasum cannot combine; pass sparse_as_dense=True")
-            else:
-                self._found_sparse.add(key)
-                if key in self._planned_sparse:     # reduced on its own at synchronize()
-                    return
+        if (p.grad is not None and p.grad.layout != torch.strided
+                and self._sparse_gradient_leaves(p)):
+            return
         bucket = self._bucket_of[key]
         if timeline.running():      # "waiting for gradients" starts at the first
             self._first_gradient_at.setdefault(bucket.index, time.perf_counter())
@@ -207,6 +201,19 @@ class GradientReduction(WrappedOptimizer):
         if self._waiting[bucket.index] == 0:
             timeline.record(bucket.name, "gradients ready")
         self._submit_ready_buckets()
+
+    def _sparse_gradient_leaves(self, p: torch.Tensor) -> bool:
+        """A final sparse gradient, as Horovod treats it: with sparse_as_dense in a set of more
+        than one, densified here and handed back sparse after the reduction; else allgathered
+        on its own at synchronize() (its bucket holds zeros for it until the next plan leaves
+        it out). True where it has left its bucket."""
+        key = id(p)
+        if self._sparse_as_dense and self._set.size > 1:
+            p.grad = p.grad.to_dense()
+            self._densified.add(key)
+            return False
+        self._found_sparse.add(key)
+        return key in self._planned_sparse
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
         """What a final gradient does before its bucket is packed (Adasum: the local step)."""
@@ -237,6 +244,15 @@ class GradientReduction(WrappedOptimizer):
         bucket.pack()
         return None
 
+    def _unpack(self, bucket: fusion.Bucket) -> None:
+        """The reduced buffer back into the gradients (on a GPU it waits: complete before
+        synchronize() returns)."""
+        with timeline.span(bucket.name, "unpack"):
+            if bucket.buffer.is_cuda:
+                cuda.unpack(bucket)
+            else:
+                bucket.unpack()
+
     def _direct_gradient(self, bucket: fusion.Bucket) -> torch.Tensor:
         """The tensor a direct bucket reduces in place: its parameter's gradient, or zeros
         standing in for a sparse one (which travels on its own)."""
@@ -256,12 +272,8 @@ class GradientReduction(WrappedOptimizer):
             tensor = bucket.buffer if gradient is None else gradient
             with timeline.span(bucket.name, "allreduce"), cuda.after(ready):
                 transport.allreduce(tensor, tensor, spec)
-            if not bucket.direct and not self._adasum:
-                with timeline.span(bucket.name, "unpack"):
-                    if bucket.buffer.is_cuda:
-                        cuda.unpack(bucket)   # and waits: complete before synchronize() returns
-                    else:
-                        bucket.unpack()
+            if not bucket.direct:
+                self._unpack(bucket)
             timeline.record(bucket.name, "reduce done")
 
         return work

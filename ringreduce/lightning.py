@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from . import distributed, world
+from .adasum_optimizer import AdasumOptimizer
 from .collectives import Average, Max, Min, Product, Sum, allgather, allreduce, barrier
 from .compression import Compression, Compressor
 from .errors import UsageError
@@ -226,7 +227,7 @@ def strategy_classes(package: str) -> SimpleNamespace:
             """The closure's backward (the step's last pass) is followed by `synchronize()`, in
             `backward` below, so that everything after it reads averaged gradients; the wrapped
             optimizer then steps without synchronizing again."""
-            if not hasattr(optimizer, "synchronize") or getattr(optimizer, "_adasum", False):
+            if not hasattr(optimizer, "synchronize") or isinstance(optimizer, AdasumOptimizer):
                 # Adasum combines parameter deltas at step() (no synchronize, as in Horovod).
                 return super().optimizer_step(optimizer, closure, model, **kwargs)
 

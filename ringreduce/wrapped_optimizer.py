@@ -52,7 +52,6 @@ class WrappedOptimizer:
     before `_setup`: `_plain_step` (the step() an LR scheduler put on the plain optimizer, or
     None) and `_plain` (that optimizer, kept alive for it)."""
 
-    _adasum = False                 # whether parameter deltas are combined, not gradients
     _plain_step: Optional[Callable[..., Any]]
     param_groups: list[dict]
 
