@@ -9,8 +9,8 @@ reduced (averaged, by default) across the set's ranks while backward runs.
   synchronize(): buckets that never filled are packed with zeros where this rank has no
       gradient and submitted, so every rank reduces the same buckets; sparse gradients are
       allgathered (Horovod's sparse allreduce); the step's agreement (step_agreement.py) tells
-      which parameters had a gradient on some rank and whether some rank's step is broken;
-      then wait.
+      which parameters had a gradient on some rank and whether the step is broken (on some
+      rank, or a second step() on some ranks only); then wait.
   step(): synchronize() unless inside skip_synchronize(), then the wrapped optimizer's step.
 """
 from __future__ import annotations
