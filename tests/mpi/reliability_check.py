@@ -142,16 +142,20 @@ def recovery():
     def batch(k, step):
         return torch.randn(3, 4, generator=torch.Generator().manual_seed(100 * step + k))
 
+    def models(seed, **options):
+        """A seeded model with its DistributedOptimizer, and one process's copy with its SGD."""
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 1))
+        reference = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 1))
+        reference.load_state_dict(model.state_dict())
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       model.named_parameters(), **options)
+        return model, opt, reference, torch.optim.SGD(reference.parameters(), lr=0.1)
+
     for views in (False, True):
         for culprit in range(n):
-            torch.manual_seed(4)
-            model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 1))
-            reference = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 1))
-            reference.load_state_dict(model.state_dict())
-            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                           model.named_parameters(), backward_passes_per_step=2,
-                                           gradient_as_bucket_view=views)
-            ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+            model, opt, reference, ref_opt = models(4, backward_passes_per_step=2,
+                                                    gradient_as_bucket_view=views)
             what = f"views={views}, extra pass on rank {culprit}"
             for _ in range(2):
                 model(batch(r, 0)).sum().backward()
@@ -188,14 +192,7 @@ def recovery():
 
     for views in (False, True):
         for culprit in range(n):
-            torch.manual_seed(6)
-            model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 1))
-            reference = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 1))
-            reference.load_state_dict(model.state_dict())
-            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                           model.named_parameters(),
-                                           gradient_as_bucket_view=views)
-            ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+            model, opt, reference, ref_opt = models(6, gradient_as_bucket_view=views)
             what = f"views={views}, step() again on rank {culprit} alone"
             train(model, opt, reference, ref_opt, 0)
             train(model, opt, reference, ref_opt, 1, steps=2)      # every rank: allowed
