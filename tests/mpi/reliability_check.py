@@ -152,6 +152,11 @@ def recovery():
                                        model.named_parameters(), **options)
         return model, opt, reference, torch.optim.SGD(reference.parameters(), lr=0.1)
 
+    def matches_one_process(model, reference, what):
+        params_equal(model, what)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.allclose(p, q, atol=1e-6), f"{what}: {name} differs from one process"
+
     for views in (False, True):
         for culprit in range(n):
             model, opt, reference, ref_opt = models(4, backward_passes_per_step=2,
@@ -174,9 +179,7 @@ def recovery():
                 for _ in range(2):
                     sum(reference(batch(k, step)).sum() for k in range(n)).div(n).backward()
                 ref_opt.step()
-            params_equal(model, what)
-            for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-                assert torch.allclose(p, q, atol=1e-6), f"{what}: {name} differs from one process"
+            matches_one_process(model, reference, what)
 
     # one rank alone calls step() twice on the same gradients: its second step pairs with the
     # others' next one, so every rank raises there, naming it; after zero_grad() the step
@@ -205,9 +208,7 @@ def recovery():
                 model(batch(r, 2)).sum().backward()
                 expect(hvd.UsageError, skipped, opt.step)
             train(model, opt, reference, ref_opt, 3)       # the recipe: zero_grad(), again
-            params_equal(model, what)
-            for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-                assert torch.allclose(p, q, atol=1e-6), f"{what}: {name} differs from one process"
+            matches_one_process(model, reference, what)
 
     # a parameter unfrozen on one rank only: MismatchError on every rank naming it; after
     # zero_grad() and the fix, the step goes through and the ranks agree
