@@ -30,8 +30,16 @@ Work = tuple[ActiveSet, str, Callable[[], Any]]   # the set, the collective's na
 
 # ---------------------------------------------------------------- argument checks
 
-def _tensor(tensor: Any, what: str, name: str, ps: ActiveSet) -> torch.Tensor:
-    """The dense, contiguous CPU tensor to work on, or a clear error naming tensor and rank."""
+# A collective that only moves data (allgather, broadcast, alltoall) takes any dtype whose
+# element has one of these sizes (bool, uint16 to uint64, float8, complex64 ...): the transport
+# moves a view of the same shape with this storage, and the signature names the real dtype.
+_MOVED_AS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _tensor(tensor: Any, what: str, name: str, ps: ActiveSet,
+            moves_only: bool = False) -> torch.Tensor:
+    """The dense, contiguous CPU tensor to work on, or a clear error naming tensor and rank;
+    `moves_only`: for a collective that only moves data (`_MOVED_AS`)."""
     if (tensor.__class__ is torch.Tensor and tensor.layout is torch.strided
             and tensor.dtype in CODES and tensor.device.type == "cpu"):
         return tensor.detach().contiguous()     # the common case, checked cheaply
@@ -42,15 +50,29 @@ def _tensor(tensor: Any, what: str, name: str, ps: ActiveSet) -> torch.Tensor:
         raise TypeError(f"{where}: sparse tensors ({tensor.layout}) are not supported; call "
                         ".to_dense() first, or use DistributedOptimizer(sparse_as_dense=True)")
     if tensor.dtype not in CODES:
-        names = ", ".join(NAMES[d] for d in SUPPORTED)
-        raise TypeError(f"{where}: dtype {tensor.dtype} is not supported (supported: {names})"
-                        + ("; cast booleans to uint8" if tensor.dtype == torch.bool else ""))
+        storage = _MOVED_AS.get(tensor.element_size()) if moves_only else None
+        if storage is None:
+            names = ", ".join(NAMES[d] for d in SUPPORTED)
+            raise TypeError(
+                f"{where}: dtype {tensor.dtype} is not supported (supported: {names}"
+                + ("; and any dtype of 1, 2, 4 or 8 bytes an element" if moves_only else "")
+                + ")" + ("; cast booleans to uint8" if tensor.dtype == torch.bool else ""))
+        tensor = tensor.detach().view(storage)
     if tensor.device.type == "cuda":
         return cuda.device_tensor(tensor, what, where)
     if tensor.device.type != "cpu":
         raise ValueError(f"{where}: tensor is on {tensor.device}; ringreduce reduces CPU and "
                          "CUDA tensors")
     return tensor.detach().contiguous()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return NAMES.get(dtype) or str(dtype).removeprefix("torch.")
+
+
+def _as(result: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A moved result as the caller's dtype again (see `_MOVED_AS`)."""
+    return result if result.dtype == dtype else result.view(dtype)
 
 
 def reduce_op(op: Any, average: Optional[bool], what: str,
@@ -256,12 +278,12 @@ def allgather_work(tensors: Sequence[torch.Tensor], name: Optional[str],
     refusal, gathers = refusing(ps, names[0], kind), []
     for tensor, each in zip(tensors, names):
         with refusal:
-            t = _tensor(tensor, kind, each, ps)
+            t = _tensor(tensor, kind, each, ps, moves_only=True)
         t = t.reshape(1) if t.dim() == 0 else t
-        signature = {"collective": "allgather", "name": each, "dtype": NAMES[t.dtype],
-                     "trailing shape": tuple(t.shape[1:])}
-        gathers.append(functools.partial(ps.transport.allgather, t, signature))
-    return ps, names[0], lambda: [gather() for gather in gathers]
+        signature = {"collective": "allgather", "name": each,
+                     "dtype": _dtype_name(tensor.dtype), "trailing shape": tuple(t.shape[1:])}
+        gathers.append((functools.partial(ps.transport.allgather, t, signature), tensor.dtype))
+    return ps, names[0], lambda: [_as(gather(), dtype) for gather, dtype in gathers]
 
 
 def first(work: Work) -> Work:
@@ -276,11 +298,10 @@ def broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
     ps = active(process_set, f"{kind}()")
     name = ps.auto_name(kind) if name is None else name
     with refusing(ps, name, kind):
-        t = _tensor(tensor, kind, name, ps)
+        t = _tensor(tensor, kind, name, ps, moves_only=True)
         root = ps.root(root_rank, kind, name)
-    dtype, shape = _describe(t)
     signature = {"collective": "broadcast", "name": name, "root_rank": int(root_rank),
-                 "dtype": dtype, "shape": shape}
+                 "dtype": _dtype_name(tensor.dtype), "shape": tuple(t.shape)}
 
     def work() -> torch.Tensor:
         # In place, straight into `t`, the caller's memory or our own copy of it: the signatures
@@ -291,9 +312,9 @@ def broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
         if in_place:
             if not _same_memory(out, tensor):
                 with torch.no_grad():
-                    tensor.copy_(out)
+                    tensor.copy_(_as(out, tensor.dtype))
             return tensor
-        return out.clone() if _same_memory(out, tensor) else out
+        return _as(out.clone() if _same_memory(out, tensor) else out, tensor.dtype)
 
     return ps, name, work
 
@@ -304,13 +325,15 @@ def alltoall_work(tensor: torch.Tensor, splits: Any, name: Optional[str],
     ps = active(process_set, "alltoall()")
     name = ps.auto_name("alltoall") if name is None else name
     with refusing(ps, name, "alltoall"):
-        t = _tensor(tensor, "alltoall", name, ps)
+        t = _tensor(tensor, "alltoall", name, ps, moves_only=True)
         send_splits = _send_splits(t, splits, ps, name)
-    signature = {"collective": "alltoall", "name": name, "dtype": NAMES[t.dtype],
+    dtype = tensor.dtype
+    signature = {"collective": "alltoall", "name": name, "dtype": _dtype_name(dtype),
                  "trailing shape": tuple(t.shape[1:])}
 
     def work() -> Any:
         out, received = ps.transport.alltoall(t, send_splits, signature)
+        out = _as(out, dtype)
         return (out, torch.from_numpy(received).to(torch.int32)) if with_splits else out
 
     return ps, name, work

@@ -37,6 +37,19 @@ def reduction(op: Any, what: str) -> tuple[ReduceOp, float]:
                            "(supported: SUM, AVG, PRODUCT, MIN, MAX, PREMUL_SUM)")
 
 
+def logical(tensor: torch.Tensor, op: ReduceOp, pre: float,
+            what: str) -> tuple[torch.Tensor, ReduceOp]:
+    """A bool tensor reduced as gloo reduces one: SUM and MAX as "any", PRODUCT and MIN as
+    "all", on its bytes (each 0 or 1) in place."""
+    if pre == 1.0 and op in (Sum, Max):
+        return tensor.view(torch.uint8), Max
+    if pre == 1.0 and op in (Product, Min):
+        return tensor.view(torch.uint8), Min
+    refused = "PREMUL_SUM" if pre != 1.0 else "AVG"     # (what reduction() leaves)
+    raise UnsupportedError(f"ringreduce backend: {what} of a bool tensor takes SUM, MAX (any), "
+                           f"PRODUCT or MIN (all), not {refused}")
+
+
 def one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     if len(tensors) != 1:
         raise UnsupportedError(f"ringreduce backend: {what} takes one tensor per call, got "

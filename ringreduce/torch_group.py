@@ -30,10 +30,11 @@ from .errors import RingReduceError, UnsupportedError
 from .point_to_point import Channel
 from .process_sets import ActiveSet, ProcessSet, active, close_group, global_process_set
 from .small_way import started
-from .torch_arguments import SUM, copy_flat, one, reduction, same_size
+from .torch_arguments import SUM, copy_flat, logical, one, reduction, same_size
 from .torch_work import FINISHED, CollectiveWork
 
 BACKEND = "ringreduce"
+_BOOL = torch.bool
 _KINDS: dict[str, str] = {}     # a kind of collective -> the prefix of its automatic names
 
 
@@ -153,6 +154,8 @@ class RingReduceGroup(dist.ProcessGroup):
         else:
             op, pre = reduction(opts.reduceOp, "allreduce")
         tensor = tensors[0] if len(tensors) == 1 else one(tensors, "allreduce")
+        if tensor.dtype is _BOOL:
+            tensor, op = logical(tensor, op, pre, "allreduce")
         ps = self._active("allreduce")
         name = ps.auto_name("dist.allreduce")
         if opts is not None and not getattr(opts, "asyncOp", True):    # (torch >= 2.8 has it)
@@ -179,6 +182,8 @@ class RingReduceGroup(dist.ProcessGroup):
         """An allreduce whose result only the root keeps."""
         tensor = one(tensors, "reduce")
         op, pre = reduction(opts.reduceOp, "reduce")
+        if tensor.dtype is _BOOL:
+            tensor, op = logical(tensor, op, pre, "reduce")
         root = opts.rootRank
         self._global(root, "reduce")
         ps, name = self._names("reduce")

@@ -4,9 +4,10 @@ Usage: distributed_check.py [lightning]
 
 Every collective against gloo's result on a gloo group of the same launch (reductions, within
 float tolerance) or a reference built from every rank's inputs (data movement, exact), with
-our results bitwise identical across ranks; subgroups; send/recv; the errors; DDP (plain,
-find_unused_parameters, no_sync with accumulation, fp16_compress_hook) against one process on
-the whole batch; FSDP (fully_shard) against DDP; torchmetrics syncing to the whole-data value;
+our results bitwise identical across ranks; subgroups; send/recv; the errors; the dtypes
+only moved (bool, uint16/64, float8, complex64), bool reductions, DDP with a bool buffer;
+DDP (plain, find_unused_parameters, no_sync with accumulation, fp16_compress_hook) against
+one process on the whole batch; FSDP (fully_shard) against DDP; torchmetrics syncing to the whole-data value;
 thousands of small calls on both front doors leaving no objects alive.
 With `lightning` (2 ranks): first our Lightning strategy, which starts torch.distributed's
 default group on our backend (torchmetrics syncs through it), then Lightning's own DDP
@@ -395,6 +396,72 @@ def case_one_rank_refuses_its_inputs():
     check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
 
 
+# dtypes we do not reduce, which torch's callers still move: DDP broadcasts a model's buffers
+# (a transformer's bool causal mask), libraries gather bool and uint tensors
+MOVED = (torch.bool, torch.uint16, torch.uint64, torch.float8_e4m3fn, torch.complex64)
+
+
+def moved(dtype, k, rows=2):
+    """Rank k's input of `dtype`: `rows` rows of 3, different on every rank."""
+    base = torch.arange(rows * 3).reshape(rows, 3) + 7 * k
+    if dtype == torch.bool:
+        return base % (k + 2) == 0
+    if dtype == torch.complex64:
+        return torch.complex(base.float(), -base.float())
+    return base.to(torch.float32 if dtype.is_floating_point else torch.int64).to(dtype)
+
+
+def same_bits(got, want, what):
+    """Same dtype, shape and bytes (float8 has no torch.equal)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, \
+        f"{what}: got {got.dtype}{tuple(got.shape)}, want {want.dtype}{tuple(want.shape)}"
+    check_equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8), what)
+
+
+def case_dtypes_moved_and_bool_reduced():
+    """Every data-moving collective takes any dtype of 1, 2, 4 or 8 bytes an element, on both
+    front doors, the dtype still in the signature; bool reduces as gloo reduces it; DDP takes
+    a model with a bool buffer."""
+    root = n - 1
+    for dtype in MOVED:
+        what = f"{dtype} "
+        x = moved(dtype, r)
+        dist.broadcast(x, src=root)
+        same_bits(x, moved(dtype, root), what + "broadcast")
+        outs = [torch.empty(2, 3, dtype=dtype) for _ in range(n)]
+        dist.all_gather(outs, moved(dtype, r))
+        for k in range(n):
+            same_bits(outs[k], moved(dtype, k), what + f"all_gather from {k}")
+        out = torch.empty(2 * n, 3, dtype=dtype)
+        dist.all_gather_into_tensor(out, moved(dtype, r))
+        same_bits(out, torch.cat([moved(dtype, k) for k in range(n)]), what + "into tensor")
+        got = torch.empty(n, 3, dtype=dtype)
+        dist.all_to_all_single(got, moved(dtype, r, rows=n))
+        same_bits(got, torch.stack([moved(dtype, k, rows=n)[r] for k in range(n)]),
+                  what + "all_to_all_single")
+        whole = torch.cat([moved(dtype, k) for k in range(n)])
+        same_bits(hvd.allgather(moved(dtype, r)), whole, what + "hvd.allgather")
+        same_bits(hvd.broadcast(moved(dtype, r), root), moved(dtype, root), what + "hvd.broadcast")
+    strided = moved(torch.bool, r, rows=3).t()          # not contiguous: written back in place
+    dist.broadcast(strided, src=0)
+    same_bits(strided, moved(torch.bool, 0, rows=3).t(), "bool broadcast transposed")
+    typed = torch.zeros(3, dtype=torch.bool if r == 0 else torch.uint8)
+    if n > 1:
+        expect(hvd.MismatchError, ["dtype", "bool", "uint8"], dist.broadcast, typed, src=0)
+    flags = torch.stack([moved(torch.bool, k) for k in range(n)])
+    for op, want in ((SUM, flags.any(0)), (dist.ReduceOp.MAX, flags.any(0)),
+                     (dist.ReduceOp.MIN, flags.all(0)), (dist.ReduceOp.PRODUCT, flags.all(0))):
+        for async_op in (False, True):
+            check_equal(reduced(moved(torch.bool, r), op, async_op=async_op), want,
+                        f"bool all_reduce {op} async_op={async_op}")
+    kept = moved(torch.bool, r)
+    dist.reduce(kept, dst=root, op=dist.ReduceOp.MIN)
+    check_equal(kept, flags.all(0) if r == root else moved(torch.bool, r), "bool reduce MIN")
+    expect(hvd.UnsupportedError, ["bool", "AVG"], dist.all_reduce, moved(torch.bool, r), AVG)
+    check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
+    same_model(train(Masked, DDP), train(Masked), "DDP with a bool buffer")
+
+
 # ---------------------------------------------------------------- DDP, FSDP, torchmetrics
 
 BATCH = 24          # divides by 1, 2, 3 (and each half by 2 and 3)
@@ -419,6 +486,18 @@ class WithUnused(nn.Module):
 
     def forward(self, x):
         return self.net(x)
+
+
+class Masked(nn.Module):
+    """Net with a bool buffer, as a causal mask is (DDP broadcasts buffers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+        self.register_buffer("keep", torch.arange(10) % 3 != 0)
+
+    def forward(self, x):
+        return self.net(x).masked_fill(~self.keep, 0.0)
 
 
 def train(make, wrap=None, steps=3, accumulate=1):
@@ -606,10 +685,11 @@ if not dist.is_initialized():
     rrd.init_process_group()
 assert dist.get_backend() == "ringreduce" and dist.get_world_size() == n
 GLOO = dist.new_group(backend="gloo")
-cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadcast, case_all_gather,
-         case_calls_keep_nothing_alive, case_reduce_scatter, case_all_to_all,
-         case_reduce_gather_scatter, case_send_recv, case_subgroup, case_errors, case_one_rank_errs,
-         case_one_rank_refuses_its_inputs, case_ddp, case_fsdp, case_torchmetrics]
+cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadcast,
+         case_all_gather, case_calls_keep_nothing_alive, case_reduce_scatter, case_all_to_all,
+         case_reduce_gather_scatter, case_send_recv, case_subgroup, case_errors,
+         case_one_rank_errs, case_one_rank_refuses_its_inputs,
+         case_dtypes_moved_and_bool_reduced, case_ddp, case_fsdp, case_torchmetrics]
 run_cases([announced(case) for case in cases + ([case_stall] if LIGHTNING else [])], r)
 dist.destroy_process_group()
 print(f"OK rank {r}", flush=True)
