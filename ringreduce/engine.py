@@ -17,13 +17,23 @@ first is in flight is Horovod's `ValueError`.
 Any exception raised while running a collective (ours, MPI's, a bug, even KeyboardInterrupt)
 is stored on its handle and re-raised by `wait()` in the caller's thread, as a RingReduceError
 with the cause chained, so the engine thread never dies and later collectives still run.
+
+A handle's done-callbacks (a torch future's `then()` chain: user code) run after the thread
+that finished it has let go of the set, since they may start another collective and wait for
+it (DDP's PowerSGD hook does). If that thread is the engine thread, a new engine thread takes
+over the queue the moment such a callback queues work, and the old one ends after its
+callbacks. An unnamed collective started by a callback of collective X's future is named
+'X.then.k' (`children_of`): such callbacks run on whichever thread finished X, while other
+threads go on submitting, so a count in call order would differ between ranks; this does not.
 """
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
-from typing import Any, Callable, Optional
+import warnings
+from typing import Any, Callable, Iterator, Optional
 
 from .errors import RingReduceError
 
@@ -54,10 +64,10 @@ class OutOfOrder(Exception):
 class Handle:
     """A future for one collective: `done()` polls, `wait()` returns its result or raises,
     `add_done_callback(fn)` calls `fn(handle)` once it is done (on the thread that finished
-    it, or at once if it is done already)."""
+    it, once that thread has let go of the set; or at once if it is done already)."""
 
     __slots__ = ("name", "_work", "_engine", "_finished", "_pending", "_result", "_error",
-                 "_callbacks")     # (one or two per collective: slots make them cheaper)
+                 "_callbacks", "_children")     # (one or two per collective: slots, cheaper)
 
     def __init__(self, name: str, work: Callable[[], Any],
                  engine: Optional["Engine"] = None) -> None:
@@ -70,6 +80,7 @@ class Handle:
         self._result: Any = None
         self._error: Optional[BaseException] = None
         self._callbacks: list[Callable[["Handle"], Any]] = []
+        self._children: Optional[Iterator[int]] = None     # see child_name
 
     def done(self) -> bool:
         return self._finished
@@ -91,15 +102,15 @@ class Handle:
             if not self._finished:
                 self._callbacks.append(callback)
                 return
-        callback(self)
+        _call_back(self, [callback])
 
-    def _set_done(self) -> None:
+    def _set_done(self) -> list[Callable[["Handle"], Any]]:
+        """Done; returns the callbacks to call (Engine._run_due calls them)."""
         with _CALLBACKS:
             self._finished = True
             self._pending.release()
             callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback(self)
+        return callbacks
 
     def _run(self) -> None:
         """Run the work and keep its result or error; OutOfOrder passes (the work runs again
@@ -125,9 +136,52 @@ class Finished(Handle):
 
     def __init__(self, name: str, result: Any, error: Optional[BaseException]) -> None:
         self.name, self._work, self._engine = name, None, None
-        self._finished, self._callbacks = True, []
+        self._finished, self._callbacks, self._children = True, [], None
         self._result = result
         self._error = None if error is None else _ours(name, error)
+
+
+def _call_back(handle: Handle, callbacks: list[Callable[[Handle], Any]]) -> None:
+    """Call `handle`'s done-callbacks; one that raises is reported, and the others still run
+    (the engine thread must not die of it)."""
+    for callback in callbacks:
+        try:
+            callback(handle)
+        except Exception as exc:
+            warnings.warn(f"ringreduce: a done-callback of collective '{handle.name}' raised "
+                          f"{type(exc).__name__}: {exc}")
+
+
+class _Parent(threading.local):
+    handle: Optional[Handle] = None     # the collective whose future's callback runs here
+
+
+PARENT = _Parent()
+
+
+class children_of:
+    """Around a callback of collective `handle`'s future: the unnamed collectives it starts
+    are named after it, 'X.then.k' for the k-th (`child_name`), the same on every rank."""
+
+    __slots__ = ("handle", "outer")
+
+    def __init__(self, handle: Handle) -> None:
+        self.handle = handle
+
+    def __enter__(self) -> None:
+        self.outer, PARENT.handle = PARENT.handle, self.handle
+
+    def __exit__(self, *_: Any) -> bool:
+        PARENT.handle = self.outer
+        return False
+
+
+def child_name() -> str:
+    """Inside `children_of(X)`: the automatic name of the next collective started there."""
+    handle = PARENT.handle
+    if handle._children is None:
+        handle._children = itertools.count()
+    return f"{handle.name}.then.{next(handle._children)}"
 
 
 def _settle_first() -> None:
@@ -167,7 +221,9 @@ class Engine:
     queued work, a caller for a synchronous one (taken only while nothing is queued). The
     engine thread takes it before it pops the next handle, so a caller never overtakes work
     queued before it. A non-blocking acquire is the fast path's whole claim; its name, if the
-    caller gave one, is `_inline` meanwhile, so that a duplicate is refused."""
+    caller gave one, is `_inline` meanwhile, so that a duplicate is refused. Whoever lets go
+    of it (`_let_go`) then calls the done-callbacks of what finished meanwhile (`_due`).
+    `_driver` is the engine thread of the moment (see the module's docstring)."""
 
     def __init__(self, thread_name: str, rank: int, poke: Callable[[], Any],
                  agreement: Callable[[], Agreement]) -> None:
@@ -181,8 +237,17 @@ class Engine:
         self._stopping = False
         self._dozing = True             # the engine thread sleeps long: a submission wakes it
         self._last_submission = self._last_poke = 0.0
+        self._due: collections.deque[tuple[Handle, list]] = collections.deque()
+        self._driver_in_callbacks = False
+        with self._cv:
+            self._start_driver(thread_name)
+
+    def _start_driver(self, thread_name: str) -> None:
+        """Under the condition's lock: a new engine thread (the old one, if any, ends)."""
         self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
         self._thread.start()
+        self._driver = self._thread.ident
+        self._driver_in_callbacks = False
 
     def submit(self, name: str, work: Callable[[], Any]) -> Handle:
         """Queue `work` to run after everything submitted before it; returns its handle."""
@@ -194,10 +259,18 @@ class Engine:
         handle = Handle(name, work, self)
         self._claim_name(name)
         self._queue.append(handle)
-        self._last_submission = time.monotonic()
-        if self._dozing:
-            self._cv.notify_all()
+        self._queued()
         return handle
+
+    def _queued(self) -> None:
+        """Under the condition's lock, after work was queued: wake the engine thread; or, if
+        this is the engine thread inside a done-callback (which may now wait for this very
+        work), start a new one to run the queue."""
+        self._last_submission = time.monotonic()
+        if self._driver_in_callbacks and threading.get_ident() == self._driver:
+            self._start_driver(self._thread.name)
+        elif self._dozing:
+            self._cv.notify_all()
 
     def run(self, name: str, work: Callable[[], Any]) -> Any:
         """Run `work` now and return its result: inline when the engine is idle, else queued."""
@@ -218,9 +291,9 @@ class Engine:
         except OutOfOrder:
             handle = self.reorder(name, work)
         finally:
-            self._running.release()
             if handle is None:
                 self._release_name(name)
+            self._let_go()
         return handle.wait()
 
     def claim_idle(self, name: Optional[str] = None) -> bool:
@@ -242,7 +315,32 @@ class Engine:
     def release_idle(self) -> None:
         """After a claim. The engine thread, if it waits, waits for the lock itself."""
         self._inline = None
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Let go of the set's work, then call the done-callbacks of what finished meanwhile
+        (user code, which may start another collective and wait for it)."""
         self._running.release()
+        if self._due:
+            self._run_due()
+
+    def _run_due(self) -> None:
+        """(On the engine thread: marked as in callbacks, for `_queued`; a synchronous
+        collective in a callback lets go of the set, and so runs this, again, inside.)"""
+        me = threading.get_ident()
+        driving = me == self._driver
+        if driving:
+            outer, self._driver_in_callbacks = self._driver_in_callbacks, True
+        try:
+            while True:
+                try:
+                    handle, callbacks = self._due.popleft()
+                except IndexError:
+                    return
+                _call_back(handle, callbacks)
+        finally:
+            if driving and me == self._driver:      # (not if a new engine thread took over)
+                self._driver_in_callbacks = outer
 
     def begin_now(self, name: str, begin: Callable[..., tuple[bool, Any, Callable[[], Any]]],
                   *args: Any) -> Handle:
@@ -271,9 +369,7 @@ class Engine:
         with self._cv:
             self._in_flight.add(name)   # (not a duplicate: the claim checked the name)
             self._queue.appendleft(handle)
-            self._last_submission = time.monotonic()
-            if self._dozing:
-                self._cv.notify_all()
+            self._queued()
         return handle
 
     def reorder(self, name: str, work: Callable[[], Any]) -> Handle:
@@ -286,6 +382,7 @@ class Engine:
         if not self._settled(handle):
             with self._cv:
                 self._queue.appendleft(handle)
+                self._queued()
                 self._cv.notify_all()
         return handle
 
@@ -340,9 +437,12 @@ class Engine:
         return handle.done()
 
     def _complete(self, handle: Handle) -> None:
-        """Its name is free before it is done: a caller woken by wait() may reuse the name."""
+        """Its name is free before it is done: a caller woken by wait() may reuse the name.
+        Its callbacks wait until this thread lets go of the set (`_let_go`)."""
         self._release_name(handle.name)
-        handle._set_done()
+        callbacks = handle._set_done()
+        if callbacks:
+            self._due.append((handle, callbacks))
 
     def _run_up_to(self, handle: Handle) -> None:
         """On a thread waiting for `handle`: while the engine is free, run the queue in order
@@ -352,7 +452,7 @@ class Engine:
                 if not self._run_next():
                     return
             finally:
-                self._running.release()
+                self._let_go()
 
     def _run_next(self) -> bool:
         """By the holder of `_running`: run the queue's first handle (back to the front if
@@ -400,8 +500,11 @@ class Engine:
 
     def _loop(self) -> None:
         pause = _PICKUP_SECONDS
+        me = threading.get_ident()
         while True:
             with self._cv:
+                if self._driver != me:       # a new engine thread took over (_queued)
+                    return
                 while not self._queue and not self._stopping:
                     now = time.monotonic()
                     self._dozing = now - self._last_submission > _AWAKE_SECONDS
@@ -423,9 +526,10 @@ class Engine:
             try:
                 self._run_next()
             finally:
-                self._running.release()
+                self._let_go()
 
     def _poke_if_idle(self) -> None:
+        """(Under the condition's lock: it finishes no collective, so no callbacks are due.)"""
         if self._running.acquire(False):
             try:
                 self._poke()

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import numpy as np
 
 from .config import Settings
-from .engine import Engine
+from .engine import PARENT, Engine, child_name
 from .errors import NotInitializedError
 from .mpi import mpi
 from .stall import StallWatch
@@ -123,7 +123,10 @@ class ActiveSet:
         counts one way per process; in-place variants count with their kind, as Horovod names
         `allreduce_` 'allreduce.noname.N' too). Calls pair by name: threads that submit
         unnamed collectives of one kind concurrently pair by whichever came first; name them
-        to pair them deliberately."""
+        to pair them deliberately. In a callback of a collective's future, the name comes
+        from that collective instead (engine.children_of)."""
+        if PARENT.handle is not None:
+            return child_name()
         kind = kind.rstrip("_")
         counter = self._names.get(kind)
         if counter is None:

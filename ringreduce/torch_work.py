@@ -4,7 +4,8 @@ A `CollectiveWork` wraps a collective's `Handle`: `wait()` waits for it (running
 queue on the caller's thread when the engine is idle, as `synchronize()` does), then copies
 the result into torch's output tensors where the collective does not write them in place;
 `get_future()` is completed from the handle's done-callback (`Future.set_result`, or
-`set_exception` with our error), so DDP's reducer and FSDP chain on it. `FINISHED` stands for
+`set_exception` with our error), so DDP's reducer and FSDP chain on it; Python callbacks
+chained on it run as the collective's (`CollectiveFuture`). `FINISHED` stands for
 the handle of a collective that already ran on the caller's thread (a synchronous all_reduce).
 """
 from __future__ import annotations
@@ -16,13 +17,52 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from .engine import Finished, Handle
+from .engine import Finished, Handle, children_of
 
 _FUTURES = threading.Lock()     # a work's future is made once
 _WORK_INIT = dist.Work.__init__
 
 
 FINISHED = Finished("dist.allreduce", None, None)     # (done: shared by every such Work)
+
+
+class CollectiveFuture(Future):
+    """The future of a collective's Work (`get_future()`). Callbacks given to `then()` or
+    `add_done_callback()`, and to the futures `then()` returns, run as the collective's
+    (engine.children_of), at once or later, on whichever thread completes it: the collectives
+    they start get names that agree across ranks (DDP's PowerSGD hook starts two a bucket).
+    A callback's error completes the future `then()` returned, as torch's message has it."""
+
+    def __init__(self, origin: Handle) -> None:
+        super().__init__()
+        self._origin = origin
+
+    def then(self, callback: Callable[[Future], Any]) -> "CollectiveFuture":
+        chained, origin = CollectiveFuture(self._origin), self._origin
+
+        def run(future: Future) -> None:
+            try:
+                with children_of(origin):
+                    value = callback(future)
+            except Exception as exc:
+                error = RuntimeError("Got the following error when running the callback: "
+                                     f"{type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+                chained.set_exception(error)
+            else:
+                chained.set_result(value)
+
+        super().add_done_callback(run)
+        return chained
+
+    def add_done_callback(self, callback: Callable[[Future], None]) -> None:
+        origin = self._origin
+
+        def run(future: Future) -> None:
+            with children_of(origin):
+                callback(future)
+
+        super().add_done_callback(run)
 
 
 class CollectiveWork(dist.Work):
@@ -73,7 +113,7 @@ class CollectiveWork(dist.Work):
         with _FUTURES:
             if self._future is not None:
                 return self._future
-            self._future = future = Future()
+            self._future = future = CollectiveFuture(self._handle)
         self._handle.add_done_callback(self._complete)
         return future
 

@@ -21,7 +21,7 @@ CASES = ("case_all_reduce", "case_all_reduce_coalesced", "case_coalesced", "case
          "case_all_to_all", "case_reduce_gather_scatter",
          "case_send_recv", "case_subgroup", "case_errors", "case_one_rank_errs",
          "case_one_rank_refuses_its_inputs", "case_dtypes_moved_and_bool_reduced", "case_ddp",
-         "case_fsdp", "case_torchmetrics")
+         "case_ddp_hooks_that_start_collectives", "case_fsdp", "case_torchmetrics")
 AT_TWO = ("case_lightning_ringreduce_strategy", "case_lightning_ddp", "case_stall")
 
 

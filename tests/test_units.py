@@ -5,6 +5,7 @@ import dataclasses
 import os
 import threading
 import time
+import warnings
 import zlib
 
 import numpy as np
@@ -649,5 +650,43 @@ def test_done_callbacks_run_once_and_a_waiter_gets_the_result():
         handles[0].add_done_callback(lambda h: seen.append(("late", h.wait())))
         assert sorted(seen) == sorted([(f"h{i}", i * i) for i in range(5)] + [("late", 0)])
         assert all(h.done() for h in handles)
+    finally:
+        e.shutdown()
+
+
+def test_a_done_callback_may_start_work_and_block_until_it_is_done():
+    """A torch future's then() callback runs after the engine thread finished a collective,
+    and may start another and block until it is done without running the queue itself
+    (torch's Future.wait(), as DDP's PowerSGD hook does): a new engine thread takes over the
+    queue, and the old one ends after its callbacks. A callback that raises is reported, and
+    the engine goes on."""
+    e = engine.Engine("test-engine", 0, lambda: None, _no_settling)
+    try:
+        gate, inner_done, got = threading.Event(), threading.Event(), []
+        blocker = e.submit("blocker", gate.wait)    # "first" then runs on the engine thread
+
+        def start_and_block(handle):
+            inner = e.submit("inner", lambda: 2)
+            inner.add_done_callback(lambda _: inner_done.set())
+            if inner_done.wait(10):                 # blocks, as torch's Future.wait() does
+                got.append((threading.current_thread().name, inner.wait()))
+
+        first = e.submit("first", lambda: 1)
+        first.add_done_callback(lambda handle: 1 / 0)
+        first.add_done_callback(start_and_block)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gate.set()                  # (no wait() here: a waiter would run the queue)
+            deadline = time.monotonic() + 30
+            while not got and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert got == [("test-engine", 2)], "the callback's collective never ran"
+        assert blocker.wait() and first.wait() == 1
+        assert any("'first' raised ZeroDivisionError" in str(w.message) for w in caught)
+        assert e.submit("after", lambda: 3).wait() == 3
+        deadline = time.monotonic() + 30
+        while sum(t.name == "test-engine" for t in threading.enumerate()) > 1:
+            assert time.monotonic() < deadline, "the old engine thread did not end"
+            time.sleep(0.01)
     finally:
         e.shutdown()

@@ -6,9 +6,10 @@ Every collective against gloo's result on a gloo group of the same launch (reduc
 float tolerance) or a reference built from every rank's inputs (data movement, exact), with
 our results bitwise identical across ranks; subgroups; send/recv; the errors; the dtypes
 only moved (bool, uint16/64, float8, complex64), bool reductions, DDP with a bool buffer;
-DDP (plain, find_unused_parameters, no_sync with accumulation, fp16_compress_hook) against
-one process on the whole batch; FSDP (fully_shard) against DDP; torchmetrics syncing to the whole-data value;
-thousands of small calls on both front doors leaving no objects alive.
+DDP (plain, find_unused_parameters, no_sync with accumulation, fp16_compress_hook, hooks
+whose callbacks start collectives: PowerSGD) against one process on the whole batch; FSDP
+(fully_shard) against DDP; torchmetrics syncing to the whole-data value; thousands of small
+calls on both front doors leaving no objects alive.
 With `lightning` (2 ranks): first our Lightning strategy, which starts torch.distributed's
 default group on our backend (torchmetrics syncs through it), then Lightning's own DDP
 strategy with process_group_backend="ringreduce", which starts it by env:// (torch's
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ringreduce as hvd
@@ -544,6 +545,48 @@ def case_ddp():
     same_model(train(Net, hooked), reference, "DDP fp16_compress_hook", rtol=1e-3, atol=1e-4)
 
 
+def counted_average_hook(state, bucket):
+    """Sums the bucket, then, in the future's callback, starts another collective (counting
+    the ranks) and waits for it there, as PowerSGD's callbacks do."""
+    def divide(fut):
+        count = torch.ones(1)
+        dist.all_reduce(count, async_op=True).get_future().wait()
+        return fut.value()[0].div_(count)
+
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(divide)
+
+
+def hooked(hook, make_state=lambda group: None, group=None, **options):
+    def wrap(model):
+        ddp = DDP(model, process_group=group, **options)
+        ddp.register_comm_hook(make_state(group), hook)
+        return ddp
+
+    return wrap
+
+
+def power_sgd(group):
+    return powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1,
+                                       start_powerSGD_iter=2)
+
+
+def case_ddp_hooks_that_start_collectives():
+    """A communication hook whose callbacks start collectives and wait for them (PowerSGD's
+    way): they run on the thread that finished the bucket's allreduce, while the training
+    thread starts the next buckets', in an order that differs between ranks; the names they
+    get pair them all the same. Exact against one process; PowerSGD against gloo (one bucket:
+    with several, gloo aborts) and, with several buckets, identical on every rank."""
+    same_model(train(Net, hooked(counted_average_hook, bucket_cap_mb=0.002)), train(Net),
+               "DDP, a hook starting a collective in its callback, small buckets")
+    same_model(train(Net, hooked(powerSGD_hook.powerSGD_hook, power_sgd), steps=4),
+               train(Net, hooked(powerSGD_hook.powerSGD_hook, power_sgd, GLOO), steps=4),
+               "PowerSGD against gloo's")
+    several = train(Net, hooked(powerSGD_hook.powerSGD_hook, power_sgd, bucket_cap_mb=0.002),
+                    steps=4)
+    for name, p in several.named_parameters():
+        everywhere(p.detach(), f"PowerSGD, small buckets: {name}")
+
+
 def mlp():
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16),
                          nn.ReLU(), nn.Linear(16, 10))
@@ -689,7 +732,8 @@ cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadc
          case_all_gather, case_calls_keep_nothing_alive, case_reduce_scatter, case_all_to_all,
          case_reduce_gather_scatter, case_send_recv, case_subgroup, case_errors,
          case_one_rank_errs, case_one_rank_refuses_its_inputs,
-         case_dtypes_moved_and_bool_reduced, case_ddp, case_fsdp, case_torchmetrics]
+         case_dtypes_moved_and_bool_reduced, case_ddp, case_ddp_hooks_that_start_collectives,
+         case_fsdp, case_torchmetrics]
 run_cases([announced(case) for case in cases + ([case_stall] if LIGHTNING else [])], r)
 dist.destroy_process_group()
 print(f"OK rank {r}", flush=True)
