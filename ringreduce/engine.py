@@ -313,9 +313,12 @@ class Engine:
         return True
 
     def release_idle(self) -> None:
-        """After a claim. The engine thread, if it waits, waits for the lock itself."""
+        """After a claim. The engine thread, if it waits, waits for the lock itself. (As
+        `_let_go`, written out: the small allreduce's every call comes here.)"""
         self._inline = None
-        self._let_go()
+        self._running.release()
+        if self._due:
+            self._run_due()
 
     def _let_go(self) -> None:
         """Let go of the set's work, then call the done-callbacks of what finished meanwhile
