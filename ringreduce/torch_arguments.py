@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import Average, Max, Min, Product, Sum
-from .errors import UnsupportedError
+from .errors import ArgumentTypeError, UnsupportedError
 from .kernels import ReduceOp
 
 _RedOpType = dist.ReduceOp.RedOpType
@@ -40,14 +40,15 @@ def reduction(op: Any, what: str) -> tuple[ReduceOp, float]:
 def logical(tensor: torch.Tensor, op: ReduceOp, pre: float,
             what: str) -> tuple[torch.Tensor, ReduceOp]:
     """A bool tensor reduced as gloo reduces one: SUM and MAX as "any", PRODUCT and MIN as
-    "all", on its bytes (each 0 or 1) in place."""
+    "all", on its bytes (each 0 or 1) in place. Another op is the caller's mistake
+    (ArgumentTypeError: the others' call is refused, collective_work.refusing)."""
     if pre == 1.0 and op in (Sum, Max):
         return tensor.view(torch.uint8), Max
     if pre == 1.0 and op in (Product, Min):
         return tensor.view(torch.uint8), Min
     refused = "PREMUL_SUM" if pre != 1.0 else "AVG"     # (what reduction() leaves)
-    raise UnsupportedError(f"ringreduce backend: {what} of a bool tensor takes SUM, MAX (any), "
-                           f"PRODUCT or MIN (all), not {refused}")
+    raise ArgumentTypeError(f"ringreduce backend: {what} of a bool tensor takes SUM, MAX "
+                            f"(any), PRODUCT or MIN (all), not {refused}")
 
 
 def one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:

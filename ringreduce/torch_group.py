@@ -154,10 +154,11 @@ class RingReduceGroup(dist.ProcessGroup):
         else:
             op, pre = reduction(opts.reduceOp, "allreduce")
         tensor = tensors[0] if len(tensors) == 1 else one(tensors, "allreduce")
-        if tensor.dtype is _BOOL:
-            tensor, op = logical(tensor, op, pre, "allreduce")
         ps = self._active("allreduce")
         name = ps.auto_name("dist.allreduce")
+        if tensor.dtype is _BOOL:
+            with refusing(ps, name, "allreduce"):
+                tensor, op = logical(tensor, op, pre, f"allreduce on rank {self.rank()}")
         if opts is not None and not getattr(opts, "asyncOp", True):    # (torch >= 2.8 has it)
             # dist.all_reduce(t) waits at once: the synchronous call runs on this thread when
             # the set's engine is idle (the handle's queue costs as much as a small allreduce)
@@ -182,11 +183,12 @@ class RingReduceGroup(dist.ProcessGroup):
         """An allreduce whose result only the root keeps."""
         tensor = one(tensors, "reduce")
         op, pre = reduction(opts.reduceOp, "reduce")
-        if tensor.dtype is _BOOL:
-            tensor, op = logical(tensor, op, pre, "reduce")
         root = opts.rootRank
         self._global(root, "reduce")
         ps, name = self._names("reduce")
+        if tensor.dtype is _BOOL:
+            with self._refusing("reduce", name):
+                tensor, op = logical(tensor, op, pre, f"reduce on rank {self.rank()}")
         handle = allreduce_async(tensor, name=name, op=op, prescale_factor=pre, process_set=ps)
 
         def finish(result: torch.Tensor) -> None:

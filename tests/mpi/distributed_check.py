@@ -394,6 +394,9 @@ def case_one_rank_refuses_its_inputs():
     refused(lambda bad: dist.all_to_all([torch.empty(1) for _ in range(n)],
                                         [torch.ones(1) for _ in range(n + bad)]),
             f"takes {n} input")
+    refused(lambda bad: dist.all_reduce(torch.ones(2, dtype=torch.bool if bad else torch.uint8),
+                                        op=AVG),
+            "bool tensor takes SUM")
     check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
 
 
@@ -458,7 +461,7 @@ def case_dtypes_moved_and_bool_reduced():
     kept = moved(torch.bool, r)
     dist.reduce(kept, dst=root, op=dist.ReduceOp.MIN)
     check_equal(kept, flags.all(0) if r == root else moved(torch.bool, r), "bool reduce MIN")
-    expect(hvd.UnsupportedError, ["bool", "AVG"], dist.all_reduce, moved(torch.bool, r), AVG)
+    expect(ValueError, ["bool", "not AVG"], dist.all_reduce, moved(torch.bool, r), AVG)
     check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
     same_model(train(Masked, DDP), train(Masked), "DDP with a bool buffer")
 
