@@ -559,7 +559,8 @@ def counted_average_hook(state, bucket):
     return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(divide)
 
 
-def hooked(hook, make_state=lambda group: None, group=None, **options):
+def with_hook(hook, make_state=lambda group: None, group=None, **options):
+    """DDP over `group` (None: the default one) with a communication hook."""
     def wrap(model):
         ddp = DDP(model, process_group=group, **options)
         ddp.register_comm_hook(make_state(group), hook)
@@ -579,12 +580,12 @@ def case_ddp_hooks_that_start_collectives():
     thread starts the next buckets', in an order that differs between ranks; the names they
     get pair them all the same. Exact against one process; PowerSGD against gloo (one bucket:
     with several, gloo aborts) and, with several buckets, identical on every rank."""
-    same_model(train(Net, hooked(counted_average_hook, bucket_cap_mb=0.002)), train(Net),
+    same_model(train(Net, with_hook(counted_average_hook, bucket_cap_mb=0.002)), train(Net),
                "DDP, a hook starting a collective in its callback, small buckets")
-    same_model(train(Net, hooked(powerSGD_hook.powerSGD_hook, power_sgd), steps=4),
-               train(Net, hooked(powerSGD_hook.powerSGD_hook, power_sgd, GLOO), steps=4),
+    same_model(train(Net, with_hook(powerSGD_hook.powerSGD_hook, power_sgd), steps=4),
+               train(Net, with_hook(powerSGD_hook.powerSGD_hook, power_sgd, GLOO), steps=4),
                "PowerSGD against gloo's")
-    several = train(Net, hooked(powerSGD_hook.powerSGD_hook, power_sgd, bucket_cap_mb=0.002),
+    several = train(Net, with_hook(powerSGD_hook.powerSGD_hook, power_sgd, bucket_cap_mb=0.002),
                     steps=4)
     for name, p in several.named_parameters():
         everywhere(p.detach(), f"PowerSGD, small buckets: {name}")
