@@ -38,12 +38,11 @@ class CollectiveFuture(Future):
         self._origin = origin
 
     def then(self, callback: Callable[[Future], Any]) -> "CollectiveFuture":
-        chained, origin = CollectiveFuture(self._origin), self._origin
+        chained = CollectiveFuture(self._origin)
 
-        def run(future: Future) -> None:
+        def run(future: Future) -> None:     # (as the collective's: add_done_callback)
             try:
-                with children_of(origin):
-                    value = callback(future)
+                value = callback(future)
             except Exception as exc:
                 error = RuntimeError("Got the following error when running the callback: "
                                      f"{type(exc).__name__}: {exc}")
@@ -52,7 +51,7 @@ class CollectiveFuture(Future):
             else:
                 chained.set_result(value)
 
-        super().add_done_callback(run)
+        self.add_done_callback(run)
         return chained
 
     def add_done_callback(self, callback: Callable[[Future], None]) -> None:
