@@ -339,11 +339,11 @@ def test_buckets_follow_their_parameters_device():
 
 
 @pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("aware", ["1", "0"])
-def test_device_paths_under_mpi_with_numpy_standing_in_for_the_device(n, aware):
-    """The GPU ways' CUDA-aware ring and staging pipeline, every op and several dtypes,
-    with small segments and 4 KiB staging pieces so that both cut buffers into many parts."""
-    run_ok(n, "gpu_paths_check.py", aware, "4096", timeout=240,
+def test_device_paths_under_mpi_with_numpy_standing_in_for_the_device(n):
+    """The GPU ways' CUDA-aware ring and staging pipeline (one after the other, in one launch),
+    every op and several dtypes, with small segments and 4 KiB staging pieces so that both cut
+    buffers into many parts."""
+    run_ok(n, "gpu_paths_check.py", "1,0", "4096", timeout=400,
            env={"RINGREDUCE_SEGMENT_BYTES": "1024", "RINGREDUCE_SMALL_MESSAGE_BYTES": "4096"})
 
 

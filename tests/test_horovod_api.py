@@ -3,10 +3,11 @@ parameters in Horovod's order (ours may add more after them), so scripts calling
 or by keyword run unchanged; the exception types and env aliases behave as Horovod's users
 expect; and the multi-rank parity workers run at 1-4 ranks."""
 import inspect
+import json
 
 import pytest
 
-from conftest import RANK_COUNTS, run_ok
+from conftest import PATHS, RANK_COUNTS, run_ok
 import ringreduce as hvd
 from ringreduce import config
 
@@ -142,15 +143,13 @@ def test_gradients_of_every_collective_match_a_single_process_reference(n):
 def test_join_with_every_rank_joining_first(n):
     """One launch per rank count; each rank joins first in turn (the output's last 'JOIN'
     line names the case that failed)."""
-    run_ok(n, "join_check.py", "all", timeout=240)
+    run_ok(n, "join_check.py", timeout=240)
 
 
-@pytest.mark.parametrize("path", ["mpi-gather", "shm-blocks"])
-def test_join_on_other_data_paths(path):
-    from conftest import PATHS
-
-    run_ok(4, "join_check.py", "1", timeout=180, env=PATHS[path])
-
-
-def test_join_across_simulated_nodes():
-    run_ok(4, "join_check.py", "2", timeout=180, env={"RINGREDUCE_SIMULATED_NODES": "2"})
+def test_join_on_other_data_paths_and_across_simulated_nodes():
+    """One launch at 4 ranks, one setting per path (a failure names its setting)."""
+    settings = {"mpi-gather, rank 1 first": {**PATHS["mpi-gather"], "JOIN_FIRST": "1"},
+                "shm-blocks, rank 1 first": {**PATHS["shm-blocks"], "JOIN_FIRST": "1"},
+                "2 nodes of 2, rank 2 first": {"RINGREDUCE_SIMULATED_NODES": "2",
+                                               "JOIN_FIRST": "2"}}
+    run_ok(4, "join_check.py", json.dumps(settings), timeout=360)

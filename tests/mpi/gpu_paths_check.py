@@ -8,7 +8,8 @@ memmove; torch's streams and events become no-ops. Everything else is real: the 
 MPI, the staging pipeline with its slots and pieces, the host path it calls, the finishing
 arithmetic. From 3 ranks on, two process sets (the world and {0, 1}) also reduce on the one
 "device" from two threads at once, each with its own DeviceScratch, and the results are exact.
-Usage: gpu_paths_check.py AWARE(0|1) [STAGING_PIECE_BYTES]
+Usage: gpu_paths_check.py AWARE[,AWARE...] [STAGING_PIECE_BYTES]   (AWARE 1: CUDA-aware MPI,
+0: staged; each in turn, init to shutdown, in one launch)
 """
 import ctypes
 import sys
@@ -114,21 +115,19 @@ from ringreduce import cuda  # noqa: E402
 from ringreduce.buffers import as_array, as_tensor  # noqa: E402
 from ringreduce.process_sets import active, global_set  # noqa: E402
 from ringreduce.reduce_spec import ReduceSpec  # noqa: E402
+from mpi4py import MPI  # noqa: E402
 
-aware = sys.argv[1] == "1"
 if len(sys.argv) > 2:
     cuda.STAGING_PIECE_BYTES = int(sys.argv[2])
-hvd.init(cuda_aware=aware)
-transport = global_set("test").transport
-settings = transport.settings
-r, n = hvd.rank(), hvd.size()
+r, n = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
 
 
-def reduce_device(transport, array, spec):
+def reduce_device(transport, array, spec, aware):
     """What the transport's GPU way does with a CUDA tensor's memory (ways.py; this "device"
     memory is NumPy's): in device memory when MPI is CUDA-aware (or in a set of one), else
     staged through host memory, each piece reduced by the transport's host ways."""
     if aware or transport.comm.size == 1:
+        settings = transport.settings
         cuda.reduce_in_device_memory(array, spec.dtype, spec.op, spec.prescale, spec.postscale,
                                      transport.comm, settings.small_message_bytes,
                                      settings.segment_bytes, transport.device_scratch)
@@ -152,24 +151,27 @@ def reference(length, dtype, op, pre, post):
     return out * post if post != 1.0 else out
 
 
-for dtype in (torch.uint8, torch.int32, torch.float16, torch.bfloat16, torch.float32,
-              torch.float64):
-    for op in (hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product):
-        for length in (0, 1, 17, 5000, 300_001):
-            pre, post = (2.0, 0.5) if dtype.is_floating_point else (1.0, 1.0)
-            array = on_device(as_array(inputs(r, length, dtype, op)))
-            reduce_device(transport, array, ReduceSpec(dtype, op, pre, post))
-            got = as_tensor(np.asarray(array), dtype)
-            want = reference(length, dtype, op, pre, post)
-            what = f"{dtype} {op.name} length {length}"
-            if aware and op == hvd.Average and dtype.is_floating_point:
-                # one multiply by postscale/n on the device: within rounding of the host's two
-                assert torch.allclose(got.double(), want.double(), rtol=1e-2), what
-            else:
-                assert torch.equal(got, want), f"{what}: got {got[:5]} want {want[:5]}"
+def check_every_op_and_dtype(aware):
+    transport = global_set("test").transport
+    for dtype in (torch.uint8, torch.int32, torch.float16, torch.bfloat16, torch.float32,
+                  torch.float64):
+        for op in (hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product):
+            for length in (0, 1, 17, 5000, 300_001):
+                pre, post = (2.0, 0.5) if dtype.is_floating_point else (1.0, 1.0)
+                array = on_device(as_array(inputs(r, length, dtype, op)))
+                reduce_device(transport, array, ReduceSpec(dtype, op, pre, post), aware)
+                got = as_tensor(np.asarray(array), dtype)
+                want = reference(length, dtype, op, pre, post)
+                what = f"cuda_aware={aware}: {dtype} {op.name} length {length}"
+                if aware and op == hvd.Average and dtype.is_floating_point:
+                    # one multiply by postscale/n on the device: within rounding of the
+                    # host's two
+                    assert torch.allclose(got.double(), want.double(), rtol=1e-2), what
+                else:
+                    assert torch.equal(got, want), f"{what}: got {got[:5]} want {want[:5]}"
 
 
-def reduce_on(held, label, failures):
+def reduce_on(held, label, failures, aware):
     """A few allreduces on set `held`, as its transport runs them (under its engine), checked
     exactly against the sum or max of its members' inputs. The ring's scratch, the small path's
     gather and the staging slots all come from the set's DeviceScratch."""
@@ -186,7 +188,7 @@ def reduce_on(held, label, failures):
                     array = on_device(as_array(data(r, i, length, dtype)))
                     spec = ReduceSpec(dtype, op)
                     held.engine.run(f"{label}.{i}.{dtype}.{op.name}.{length}",
-                                    lambda: reduce_device(transport, array, spec))
+                                    lambda: reduce_device(transport, array, spec, aware))
                     xs = torch.stack([data(k, i, length, dtype) for k in held.ranks])
                     want = xs.sum(0).to(dtype) if op == hvd.Sum else xs.amax(0)
                     got = as_tensor(np.asarray(array), dtype)
@@ -197,21 +199,28 @@ def reduce_on(held, label, failures):
         failures.append(f"{label}: {exc!r}")
 
 
-if n >= 3:
+def check_two_sets_at_once(aware):
     pair = hvd.add_process_set([0, 1])
     sets = [global_set("test")] + ([active(pair, "test")] if r < 2 else [])
     scratches = [held.transport.device_scratch for held in sets]
     assert len({id(s) for s in scratches}) == len(sets), "two sets share a DeviceScratch"
     failures = []
-    threads = [threading.Thread(target=reduce_on, args=(held, f"set{held.id}", failures))
+    threads = [threading.Thread(target=reduce_on, args=(held, f"set{held.id}", failures, aware))
                for held in sets]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert not failures, "\n".join(failures)
+    assert not failures, f"cuda_aware={aware}: " + "\n".join(failures)
     assert all(s.held_bytes() > 0 for s in scratches), [s.held_bytes() for s in scratches]
     hvd.remove_process_set(pair)
     assert scratches[-1].held_bytes() == (0 if r < 2 else scratches[0].held_bytes())
-hvd.shutdown()
+
+
+for aware in [word == "1" for word in sys.argv[1].split(",")]:
+    hvd.init(cuda_aware=aware)
+    check_every_op_and_dtype(aware)
+    if n >= 3:
+        check_two_sets_at_once(aware)
+    hvd.shutdown()
 print(f"OK rank {r}", flush=True)

@@ -2,22 +2,26 @@
 contributing zeros (Average still divides by the set's size); other collectives raise
 JoinedError meanwhile; join() returns the last rank to join, on every rank.
 
-Usage: join_check.py FIRST|all   (rank FIRST joins first, then FIRST+1, ... around the
-ring; all: each rank first in turn, in one run)
 Then a DistributedOptimizer epoch with a different number of batches per rank, against one
 process applying the same averaged gradients (the parameters of the rank that joined last,
 broadcast after join() as Horovod's documentation says).
+
+Usage: join_check.py [SETTINGS]   (a JSON object {label: {variable: value}}: every check once
+per setting. JOIN_FIRST=k: rank k joins first, then k+1, ... around the ring; unset: each rank
+first in turn)
 """
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
+from mpi4py import MPI
 
 import ringreduce as hvd
+from checks import per_setting
 from models import Net
 
-hvd.init()
-r, n = hvd.rank(), hvd.size()
+r, n = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
 
 
 def value(rank, i):
@@ -67,47 +71,51 @@ def joins_in_turn(first):
     assert hvd.allgather(torch.tensor([r])).tolist() == list(range(n))
 
 
-firsts = range(n) if sys.argv[1] == "all" else [int(sys.argv[1]) % n]
-for first in firsts:
-    print(f"JOIN rank {r}: rank {first} joins first", flush=True)   # names the failing case
-    joins_in_turn(first)
-
-# An epoch with uneven data: rank k has k + 2 batches, then joins. The reference applies, at
-# step s, the sum of the gradients of the ranks that still have data, divided by n.
-torch.manual_seed(0)
-model, reference = Net(), Net()
-reference.load_state_dict(model.state_dict())
-opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                               model.named_parameters(), fusion_threshold=4096,
-                               first_bucket_bytes=1024)
-ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-
-
 def batch(rank, step):
     g = torch.Generator().manual_seed(1000 * rank + step)
     return torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
 
 
-for step in range(n + 1):
-    if step < r + 2:
-        x, y = batch(r, step)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-    ref_opt.zero_grad()
-    for k in range(n):
-        if step < k + 2:
-            x, y = batch(k, step)
-            (F.cross_entropy(reference(x), y) / n).backward()
-    ref_opt.step()
-last = hvd.join()
-assert last == n - 1                 # the rank with the most batches joins last
-# ranks that joined early stopped stepping: take the model of the one that joined last, as
-# Horovod's documentation says to
-hvd.broadcast_parameters(model.state_dict(), root_rank=last)
-for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-    assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), \
-        f"{name} differs from the reference by {(p - q).abs().max().item()}"
-hvd.check_consistency(model)        # bitwise identical on every rank
-hvd.shutdown()
+def uneven_epoch():
+    """Rank k has k + 2 batches, then joins. The reference applies, at step s, the sum of the
+    gradients of the ranks that still have data, divided by n."""
+    torch.manual_seed(0)
+    model, reference = Net(), Net()
+    reference.load_state_dict(model.state_dict())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   model.named_parameters(), fusion_threshold=4096,
+                                   first_bucket_bytes=1024)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(n + 1):
+        if step < r + 2:
+            x, y = batch(r, step)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        ref_opt.zero_grad()
+        for k in range(n):
+            if step < k + 2:
+                x, y = batch(k, step)
+                (F.cross_entropy(reference(x), y) / n).backward()
+        ref_opt.step()
+    last = hvd.join()
+    assert last == n - 1                 # the rank with the most batches joins last
+    # ranks that joined early stopped stepping: take the model of the one that joined last, as
+    # Horovod's documentation says to
+    hvd.broadcast_parameters(model.state_dict(), root_rank=last)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), \
+            f"{name} differs from the reference by {(p - q).abs().max().item()}"
+    hvd.check_consistency(model)        # bitwise identical on every rank
+
+
+def check_all():
+    first = os.environ.get("JOIN_FIRST")
+    for first in range(n) if first is None else [int(first) % n]:
+        print(f"JOIN rank {r}: rank {first} joins first", flush=True)   # names the failing case
+        joins_in_turn(first)
+    uneven_epoch()
+
+
+per_setting(sys.argv[1] if len(sys.argv) > 1 else None, hvd.init, check_all, hvd.shutdown)
 print(f"OK rank {r}", flush=True)
