@@ -1,4 +1,5 @@
-"""DistributedOptimizer on N ranks against one process training on the whole batch."""
+"""DistributedOptimizer on N ranks against one process training on the whole batch; then, in
+the same launch, SyncBatchNorm against BatchNorm on the whole batch (sync_bn_check.py)."""
 import copy
 import torch
 import torch.nn as nn
@@ -6,8 +7,9 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import ringreduce as hvd
-from checks import expect
+from checks import expect, run_cases
 from models import Net
+from sync_bn_check import check_sync_batch_norm
 from ringreduce import timeline
 
 hvd.init()
@@ -310,8 +312,16 @@ def check_state_helpers():
     assert hvd.allgather_object(r * 10) == [k * 10 for k in range(n)]
 
 
-for check in (check_equivalence, check_inheritance, check_features, check_unused_and_frozen,
-              check_errors, check_overlap, check_state_helpers):
-    check()
-    hvd.barrier()
+def then_barrier(check):
+    """`check`, then a barrier: the next check starts with nothing of this one in flight."""
+    def case():
+        check()
+        hvd.barrier()
+    case.__name__ = check.__name__
+    return case
+
+
+run_cases([then_barrier(check) for check in (
+    check_equivalence, check_inheritance, check_features, check_unused_and_frozen, check_errors,
+    check_overlap, check_state_helpers, check_sync_batch_norm)], r)
 print(f"OK rank {r}", flush=True)

@@ -4,20 +4,20 @@ gradients (summed over the ranks), running statistics, eval mode. float64; float
 channel mean of 1e4 (also against float64 on the same inputs, tightly); float16 and bfloat16;
 float16 with more than 2048 values per channel per rank. The statistics are bitwise identical
 on every rank. Every case runs; the failures are gathered and named together at the end.
+optimizer_check.py runs these cases in its launch; this file also runs alone.
 
 RINGREDUCE_SYNC_BN_ERRORS=1 prints each comparison's largest error."""
 import copy
 import os
-import sys
 import traceback
 
 import torch
 
 import ringreduce as hvd
+from mpi4py import MPI
 from ringreduce.sync_batch_norm import _global_stats
 
-hvd.init()
-r, n = hvd.rank(), hvd.size()
+r, n = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
 SHOW = os.environ.get("RINGREDUCE_SYNC_BN_ERRORS") == "1"
 failures: list[str] = []
 
@@ -229,17 +229,23 @@ CASES = [
 if n >= 3:
     CASES.append(("process set", in_process_set))
 
-for name, run in CASES:
-    try:
-        run()
-    except Exception as error:                                 # noqa: BLE001 - reported below
-        failures.append(f"{name}: raised {type(error).__name__}: {error}")
-        traceback.print_exc()
 
-everyone = hvd.allgather_object(failures)
-bad = [f"rank {i}: {f}" for i, fs in enumerate(everyone) for f in fs]
-if bad:
-    if r == 0:
-        print("FAILED:\n" + "\n".join(bad), flush=True)
-    sys.exit(1)
-print(f"OK rank {r}", flush=True)
+
+def check_sync_batch_norm():
+    """Every case, then the failures of every rank named together."""
+    failures.clear()
+    for name, run in CASES:
+        try:
+            run()
+        except Exception as error:                             # noqa: BLE001 - reported below
+            failures.append(f"{name}: raised {type(error).__name__}: {error}")
+            traceback.print_exc()
+    everyone = hvd.allgather_object(failures)
+    bad = [f"rank {i}: {f}" for i, fs in enumerate(everyone) for f in fs]
+    assert not bad, "SyncBatchNorm failed:\n" + "\n".join(bad)
+
+
+if __name__ == "__main__":
+    hvd.init()
+    check_sync_batch_norm()
+    print(f"OK rank {r}", flush=True)
