@@ -1,4 +1,5 @@
-"""Reliability, round 2: python reliability_check.py MODE
+"""Reliability, round 2: python reliability_check.py MODE[,MODE...] [DIRECTORY]
+(several modes: each in turn in one launch, every one also after one fails, failures named)
 
 leave_end     rank 0 reaches the end of its script while rank 1 waits in an allreduce
 leave_exit    the same through sys.exit(0)
@@ -22,9 +23,8 @@ import torch
 import torch.nn as nn
 
 import ringreduce as hvd
-from checks import expect
+from checks import expect, run_cases
 
-mode = sys.argv[1]
 hvd.init()
 r, n = hvd.rank(), hvd.size()
 
@@ -37,7 +37,7 @@ def leave():
     hvd.allreduce(torch.ones(3), name="before")
     if r == 0:
         stamp("LEAVING")
-        if mode == "leave_exit":
+        if sys.argv[1] == "leave_exit":
             sys.exit(0)
         return
     try:
@@ -277,7 +277,12 @@ def stall():
     hvd.allreduce(torch.ones(4), name="stalled.here")
 
 
-{"leave_end": leave, "leave_exit": leave, "fewer": fewer, "recovery": recovery,
- "optimizer": optimizer, "checkpoint": checkpoint, "alltoall": alltoall,
- "stoppable": stoppable, "stall": stall}[mode]()
+MODES = {"leave_end": leave, "leave_exit": leave, "fewer": fewer, "recovery": recovery,
+         "optimizer": optimizer, "checkpoint": checkpoint, "alltoall": alltoall,
+         "stoppable": stoppable, "stall": stall}
+modes = sys.argv[1].split(",")
+if len(modes) == 1:
+    MODES[modes[0]]()
+else:
+    run_cases([MODES[mode] for mode in modes], r)
 print(f"OK rank {r}", flush=True)
