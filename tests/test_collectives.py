@@ -34,5 +34,4 @@ def test_one_rank_per_simulated_node(script):
     """No shared memory anywhere: every exchange between the two nodes is the recursive
     doubling of crossnode.py (small allreduces carry their signature with the data; a joined
     rank's and a mismatched rank's headers-only messages meet them)."""
-    args = ("2",) if script == "join_check.py" else ()
-    run_ok(2, script, *args, env={"RINGREDUCE_SIMULATED_NODES": "2"}, timeout=120)
+    run_ok(2, script, env={"RINGREDUCE_SIMULATED_NODES": "2"}, timeout=120)
