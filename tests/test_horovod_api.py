@@ -130,13 +130,10 @@ def test_init_warns_once_about_horovod_variables_it_ignores():
 
 
 @pytest.mark.parametrize("n", RANK_COUNTS)
-def test_parity_at_every_rank_count(n):
-    run_ok(n, "parity_check.py", timeout=300)
-
-
-@pytest.mark.parametrize("n", RANK_COUNTS)
-def test_gradients_of_every_collective_match_a_single_process_reference(n):
-    run_ok(n, "autograd_check.py", timeout=180)
+def test_parity_and_every_collectives_gradient_at_every_rank_count(n):
+    """One launch: parity_check's checks, then the gradient of every collective against a
+    single-process reference (autograd_check's); a failure names its check and rank."""
+    run_ok(n, "parity_check.py", timeout=400)
 
 
 @pytest.mark.parametrize("n", RANK_COUNTS)

@@ -6,6 +6,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+import ringreduce as hvd
+
 
 def check_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """Same dtype, shape and values, bit for bit."""
@@ -39,6 +41,15 @@ def run_cases(cases: Sequence[Callable[[], None]], rank: int) -> None:
             failures.append(f"{case.__name__} (rank {rank}): {type(e).__name__}: {e}")
     if failures:
         raise AssertionError("; ".join(failures))
+
+
+def then_barrier(check: Callable[[], None]) -> Callable[[], None]:
+    """`check`, then a barrier: the next check starts with nothing of this one in flight."""
+    def case() -> None:
+        check()
+        hvd.barrier()
+    case.__name__ = check.__name__
+    return case
 
 
 def per_setting(argument: Optional[str], start: Callable[[], None], checks: Callable[[], None],

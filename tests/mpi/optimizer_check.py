@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import ringreduce as hvd
-from checks import expect, run_cases
+from checks import expect, run_cases, then_barrier
 from models import Net
 from sync_bn_check import check_sync_batch_norm
 from ringreduce import timeline
@@ -310,15 +310,6 @@ def check_state_helpers():
     assert hvd.broadcast_object({"epoch": r, "tag": "x"}, root_rank=n - 1) == \
         {"epoch": n - 1, "tag": "x"}
     assert hvd.allgather_object(r * 10) == [k * 10 for k in range(n)]
-
-
-def then_barrier(check):
-    """`check`, then a barrier: the next check starts with nothing of this one in flight."""
-    def case():
-        check()
-        hvd.barrier()
-    case.__name__ = check.__name__
-    return case
 
 
 run_cases([then_barrier(check) for check in (

@@ -1,7 +1,8 @@
 """Horovod parity at any rank count: grouped allgather and reducescatter, scale factors,
 sparse allreduce and sparse gradients in DistributedOptimizer, Adasum (allreduce and the
 optimizer, against NumPy references of Horovod's formula), the build queries, state broadcast
-for every torch.optim optimizer, and the optimizer's Horovod behaviours.
+for every torch.optim optimizer, the optimizer's Horovod behaviours, and the gradient of every
+differentiable collective (autograd_check.py's, in this launch).
 """
 import copy
 import warnings
@@ -12,7 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ringreduce as hvd
-from checks import check_equal, expect
+from autograd_check import check_gradients
+from checks import check_equal, expect, run_cases, then_barrier
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -340,11 +342,10 @@ def check_schedulers_closures_early_steps_and_release():
     assert type(reverted[1]) is nn.BatchNorm1d and reverted[1].weight is weight
 
 
-for check in (check_grouped_allgather_and_reducescatter, check_sparse_allreduce,
-              check_sparse_gradients_in_the_optimizer, check_adasum, check_build_queries,
-              check_broadcast_optimizer_state, check_optimizer_behaviours,
-              check_schedulers_closures_early_steps_and_release):
-    check()
-    hvd.barrier()
+run_cases([then_barrier(check) for check in (
+    check_grouped_allgather_and_reducescatter, check_sparse_allreduce,
+    check_sparse_gradients_in_the_optimizer, check_adasum, check_build_queries,
+    check_broadcast_optimizer_state, check_optimizer_behaviours,
+    check_schedulers_closures_early_steps_and_release, check_gradients)], r)
 hvd.shutdown()
 print(f"OK rank {r}", flush=True)
