@@ -56,14 +56,18 @@ def per_setting(argument: Optional[str], start: Callable[[], None], checks: Call
                 stop: Callable[[], None]) -> None:
     """For each setting of `argument`, a JSON object {label: {RINGREDUCE_* variable: value}}
     (None: the environment as it is): set its variables, start(), checks(), stop(). A failed
-    assertion names the setting's label."""
+    assertion names the setting's label, and the settings after it still run; the failures of
+    every setting are raised together at the end."""
+    failures = []
     for label, variables in json.loads(argument or '{"as launched": {}}').items():
         os.environ.update(variables)
         start()
         try:
             checks()
         except AssertionError as e:
-            raise AssertionError(f"[{label}] {e}") from e
+            failures.append(f"[{label}] {e}")
         stop()
         for name in variables:
             del os.environ[name]
+    if failures:
+        raise AssertionError("; ".join(failures))

@@ -9,6 +9,7 @@ shutdown), so one launch covers every data path; a failure names its label.
 import functools
 import hashlib
 import sys
+import time
 
 import torch
 from mpi4py import MPI
@@ -128,8 +129,12 @@ def check_inline_and_queued_small_allreduce_agree():
 
     held = global_set("test")
     if held.transport.one_node and 16 <= held.transport.node.small_bytes:
-        assert allreduce_now(held, torch.ones(4), "inline.probe", hvd.Sum, 1.0,
-                             False) is not None
+        # the engine thread may still hold the set for a moment after the last collective
+        # (longer where ranks outnumber cores): retry until the call finds it idle
+        deadline = time.monotonic() + 30
+        while allreduce_now(held, torch.ones(4), "inline.probe", hvd.Sum, 1.0, False) is None:
+            assert time.monotonic() < deadline, "the engine was never idle for the inline call"
+            time.sleep(0.001)
     for i, (dtype, op, post) in enumerate([(torch.float32, hvd.Average, 1.0),
                                            (torch.float64, hvd.Sum, 0.5),
                                            (torch.int64, hvd.Sum, 1.0),
