@@ -82,7 +82,8 @@ def _reference(ranks, length, dtype, op, salt):
 
 def same_on_members(comm, t, what):
     raw = t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    assert len(set(comm.allgather(hashlib.sha256(raw).digest()))) == 1, f"{what}: results differ across the set's members"
+    digests = comm.allgather(hashlib.sha256(raw).digest())
+    assert len(set(digests)) == 1, f"{what}: results differ across the set's members"
 
 
 def check_registration():
