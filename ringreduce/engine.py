@@ -179,9 +179,11 @@ class children_of:
 def child_name() -> str:
     """Inside `children_of(X)`: the automatic name of the next collective started there."""
     handle = PARENT.handle
-    if handle._children is None:
-        handle._children = itertools.count()
-    return f"{handle.name}.then.{next(handle._children)}"
+    with _CALLBACKS:    # (callbacks added to a done future run on the adding threads: one count)
+        if handle._children is None:
+            handle._children = itertools.count()
+        k = next(handle._children)
+    return f"{handle.name}.then.{k}"
 
 
 def _settle_first() -> None:
