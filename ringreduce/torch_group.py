@@ -4,8 +4,11 @@ become ours (ringreduce/distributed.py registers it as the backend "ringreduce")
 Each collective becomes one of ringreduce's public collectives on the group's set, so it takes
 the same transport, signature check (MismatchError on every rank), stall report and bitwise-
 identical results as the Horovod-style API. torch's calls carry no names: each gets the set's
-next automatic name of its kind ('dist.allreduce.noname.7'), so members pair them in call
-order. Gathers send one row per rank (the signature then holds the whole shape), gather is an
+next automatic name ('dist.noname.7'), counted over calls of every kind, so members pair them
+by their position in the group's sequence, the order torch requires of every rank; a rank whose
+call at a position is of another kind (a barrier where the others all_reduce) then fails the
+signature check on every rank (MismatchError), where a count per kind would leave both waiting
+for calls never made. Gathers send one row per rank (the signature then holds the whole shape), gather is an
 allgather whose root keeps the rows, reduce-scatters reduce one row per rank, reduce is an
 allreduce whose root keeps the result, scatter an all-to-all in which only the root sends.
 Each call returns a `CollectiveWork` (torch_work.py); a synchronous `all_reduce` runs as
@@ -35,7 +38,7 @@ from .torch_work import FINISHED, CollectiveWork
 
 BACKEND = "ringreduce"
 _BOOL = torch.bool
-_KINDS: dict[str, str] = {}     # a kind of collective -> the prefix of its automatic names
+_SEQUENCE = "dist"      # the automatic names' prefix, one count for every kind of call
 
 
 # ---------------------------------------------------------------- the process group
@@ -81,11 +84,9 @@ class RingReduceGroup(dist.ProcessGroup):
     group_desc = property(getGroupDesc)
 
     def _names(self, kind: str) -> tuple[ProcessSet, str]:
-        """The set to run on and the call's automatic name ('dist.<kind>.noname.<k>')."""
-        prefixed = _KINDS.get(kind)
-        if prefixed is None:
-            prefixed = _KINDS.setdefault(kind, f"dist.{kind}")
-        return self._process_set, self._active(kind).auto_name(prefixed)
+        """The set to run on and the call's automatic name ('dist.noname.<k>', the group's
+        k-th call)."""
+        return self._process_set, self._active(kind).auto_name(_SEQUENCE)
 
     def _active(self, kind: str) -> ActiveSet:
         if self._closed:
@@ -155,7 +156,7 @@ class RingReduceGroup(dist.ProcessGroup):
             op, pre = reduction(opts.reduceOp, "allreduce")
         tensor = tensors[0] if len(tensors) == 1 else one(tensors, "allreduce")
         ps = self._active("allreduce")
-        name = ps.auto_name("dist.allreduce")
+        name = ps.auto_name(_SEQUENCE)
         if tensor.dtype is _BOOL:
             with refusing(ps, name, "allreduce"):
                 tensor, op = logical(tensor, op, pre, f"allreduce on rank {self.rank()}")

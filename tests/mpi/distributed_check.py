@@ -400,6 +400,29 @@ def case_one_rank_refuses_its_inputs():
     check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
 
 
+def case_one_rank_calls_another_kind():
+    """Rank 0 alone calls another kind of collective at a position of the group's sequence
+    (small ones inline or queued, large ones on the general path): a MismatchError naming
+    each rank's kind on every rank at once, not a wait for calls never made; then the group
+    is usable."""
+    small, big = rand(4, seed=60), rand(1 << 15, seed=61)
+
+    def mixed(mine, theirs, kinds):
+        expect(hvd.MismatchError, ["'collective' differs", "rank 0", *kinds],
+               mine if r == 0 else theirs)
+        check_equal(reduced(small), reduced(small.clone()), "all_reduce after the mismatch")
+
+    mixed(dist.barrier, lambda: dist.all_reduce(small.clone()), ["barrier", "allreduce"])
+    mixed(lambda: dist.all_reduce(small.clone(), async_op=True).wait(),
+          lambda: dist.broadcast(small.clone(), src=0), ["allreduce", "broadcast"])
+    mixed(lambda: dist.all_gather_into_tensor(torch.empty(n * big.numel()), big),
+          lambda: dist.all_reduce(big.clone(), async_op=True).wait(),
+          ["allgather", "allreduce"])
+    mixed(lambda: dist.reduce_scatter_tensor(torch.empty(big.numel()), big.repeat(n)),
+          dist.barrier, ["reducescatter", "barrier"])
+    check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
+
+
 # dtypes we do not reduce, which torch's callers still move: DDP broadcasts a model's buffers
 # (a transformer's bool causal mask), libraries gather bool and uint tensors
 MOVED = (torch.bool, torch.uint16, torch.uint64, torch.float8_e4m3fn, torch.complex64)
@@ -736,8 +759,8 @@ cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadc
          case_all_gather, case_calls_keep_nothing_alive, case_reduce_scatter, case_all_to_all,
          case_reduce_gather_scatter, case_send_recv, case_subgroup, case_errors,
          case_one_rank_errs, case_one_rank_refuses_its_inputs,
-         case_dtypes_moved_and_bool_reduced, case_ddp, case_ddp_hooks_that_start_collectives,
-         case_fsdp, case_torchmetrics]
+         case_one_rank_calls_another_kind, case_dtypes_moved_and_bool_reduced, case_ddp,
+         case_ddp_hooks_that_start_collectives, case_fsdp, case_torchmetrics]
 run_cases([announced(case) for case in cases + ([case_stall] if LIGHTNING else [])], r)
 dist.destroy_process_group()
 print(f"OK rank {r}", flush=True)
