@@ -55,11 +55,24 @@ def test_exit_status_passes_through():
     assert result.returncode == 3, (result.returncode, result.stderr[-2000:])
 
 
-def test_check_build():
-    result = launch(sys.executable, "--check-build")
-    assert result.returncode == 0
-    assert "[X] PyTorch" in result.stdout and "[X] MPI" in result.stdout
-    assert "[ ] NCCL" in result.stdout and "[ ] Gloo" in result.stdout
+def answer(capfd, *flags, environ=None):
+    """The launcher's exit status, stdout and stderr for `flags`, run in this process: for
+    what it answers before starting a job (a refusal, --check-build), which needs no
+    interpreter of its own (that costs 2 s a test to import torch). capfd also catches the
+    output of any job it should wrongly start."""
+    try:
+        code = launcher.run(list(flags), environ)
+    except SystemExit as exit:          # argparse's own refusals
+        code = exit.code
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+def test_check_build(capfd):
+    code, out, _ = answer(capfd, "--check-build")
+    assert code == 0
+    assert "[X] PyTorch" in out and "[X] MPI" in out
+    assert "[ ] NCCL" in out and "[ ] Gloo" in out
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -67,28 +80,28 @@ def test_check_build():
     (["--host-discovery-script", "d.sh"], "elastic jobs of changing size"),
     (["--min-np", "2"], "elastic jobs of changing size"),
 ])
-def test_flags_it_cannot_honour_are_refused(flags, message):
-    result = launch(sys.executable, "-np", "2", *flags, sys.executable, CHECK)
-    assert result.returncode == 2
-    assert message in result.stderr
-    assert "OK rank" not in result.stdout
+def test_flags_it_cannot_honour_are_refused(capfd, flags, message):
+    code, out, err = answer(capfd, "-np", "2", *flags, sys.executable, CHECK)
+    assert code == 2
+    assert message in err
+    assert "OK rank" not in out
 
 
 @pytest.mark.parametrize("count", ["0", "-3", "two"])
-def test_a_process_count_that_is_not_positive_is_refused(count):
-    result = launch(sys.executable, "-np", count, sys.executable, CHECK)
-    assert result.returncode == 2
-    assert f"argument -np/--num-proc: must be a positive integer, got '{count}'" in result.stderr
-    assert "OK rank" not in result.stdout
+def test_a_process_count_that_is_not_positive_is_refused(capfd, count):
+    code, out, err = answer(capfd, "-np", count, sys.executable, CHECK)
+    assert code == 2
+    assert f"argument -np/--num-proc: must be a positive integer, got '{count}'" in err
+    assert "OK rank" not in out
 
 
-def test_unknown_flag_and_missing_np_are_errors():
-    result = launch(sys.executable, "-np", "2", "--bogus", sys.executable, CHECK)
-    assert result.returncode == 2 and "unrecognized arguments: --bogus" in result.stderr
+def test_unknown_flag_and_missing_np_are_errors(capfd):
+    code, _, err = answer(capfd, "-np", "2", "--bogus", sys.executable, CHECK)
+    assert code == 2 and "unrecognized arguments: --bogus" in err
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    result = subprocess.run([sys.executable, "-m", "ringreduce.run", sys.executable, CHECK],
-                            capture_output=True, text=True, env=env, timeout=60)
-    assert result.returncode == 2 and "-np is required" in result.stderr
+    code, out, err = answer(capfd, sys.executable, CHECK, environ=env)
+    assert code == 2 and "-np is required" in err
+    assert "OK rank" not in out
 
 
 def test_translation_for_each_launcher(tmp_path):
