@@ -18,6 +18,7 @@ init_process_group), then a stalled rank's report. Each case prints "CASE <name>
 import gc
 import os
 import sys
+import threading
 import time
 import warnings
 from contextlib import nullcontext
@@ -310,6 +311,42 @@ def case_subgroup():
     if r in ends:
         check_equal(reduced(torch.ones(2), SUM, again), torch.full((2,), 2.0), "group again")
         dist.destroy_process_group(again)
+
+
+def case_threads_each_on_a_group_of_its_own():
+    """Two threads calling collectives at once, each on a group of its own, in an order that
+    differs between ranks (the documented way: one group's calls pair by position)."""
+    groups = [dist.new_group(list(range(n))) for _ in range(2)]
+    results, errors = {}, []
+
+    def calls(k):
+        try:
+            got = []
+            for i in range(40):
+                if (i + k + r) % 3 == 0:
+                    time.sleep(0.001)           # another interleaving on each rank
+                x = torch.arange(5.0) + 10 * i + 1000 * k * r      # exact sums
+                if k == 0:
+                    dist.all_reduce(x, group=groups[0])
+                else:
+                    dist.broadcast(x, src=n - 1, group=groups[1])
+                got.append(x)
+            results[k] = got
+        except Exception as e:                  # reported below, on the case's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=calls, args=(k,)) for k in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors and len(results) == 2, errors or "a thread did not finish"
+    for i in range(40):
+        check_equal(results[0][i], (torch.arange(5.0) + 10 * i) * n, f"all_reduce {i}")
+        check_equal(results[1][i], torch.arange(5.0) + 10 * i + 1000 * (n - 1),
+                    f"broadcast {i}")
+    for group in groups:
+        dist.destroy_process_group(group)
 
 
 def case_errors():
@@ -757,7 +794,8 @@ assert dist.get_backend() == "ringreduce" and dist.get_world_size() == n
 GLOO = dist.new_group(backend="gloo")
 cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadcast,
          case_all_gather, case_calls_keep_nothing_alive, case_reduce_scatter, case_all_to_all,
-         case_reduce_gather_scatter, case_send_recv, case_subgroup, case_errors,
+         case_reduce_gather_scatter, case_send_recv, case_subgroup,
+         case_threads_each_on_a_group_of_its_own, case_errors,
          case_one_rank_errs, case_one_rank_refuses_its_inputs,
          case_one_rank_calls_another_kind, case_dtypes_moved_and_bool_reduced, case_ddp,
          case_ddp_hooks_that_start_collectives, case_fsdp, case_torchmetrics]
