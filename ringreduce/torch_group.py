@@ -1,5 +1,5 @@
-"""A torch.distributed ProcessGroup on a ringreduce process set: how torch's collectives
-become ours (ringreduce/distributed.py registers it as the backend "ringreduce").
+"""A torch.distributed ProcessGroup on a ringreduce process set: how torch's collectives become
+ours (ringreduce/distributed.py registers it as the backend "ringreduce").
 
 Each collective becomes one of ringreduce's public collectives on the group's set, so it takes
 the same transport, signature check (MismatchError on every rank), stall report and bitwise-
@@ -8,11 +8,11 @@ next automatic name ('dist.noname.7'), counted over calls of every kind, so memb
 by their position in the group's sequence, the order torch requires of every rank; a rank whose
 call at a position is of another kind (a barrier where the others all_reduce) then fails the
 signature check on every rank (MismatchError), where a count per kind would leave both waiting
-for calls never made. Gathers send one row per rank (the signature then holds the whole shape), gather is an
-allgather whose root keeps the rows, reduce-scatters reduce one row per rank, reduce is an
-allreduce whose root keeps the result, scatter an all-to-all in which only the root sends.
-Each call returns a `CollectiveWork` (torch_work.py); a synchronous `all_reduce` runs as
-`allreduce_`. send/recv: MPI point-to-point on a communicator of the group's own
+for calls never made. Gathers send one row per rank (the signature then holds the whole shape),
+gather is an allgather whose root keeps the rows, reduce-scatters reduce one row per rank,
+reduce is an allreduce whose root keeps the result, scatter an all-to-all in which only the
+root sends. Each call returns a `CollectiveWork` (torch_work.py); a synchronous `all_reduce`
+runs as `allreduce_`. send/recv: MPI point-to-point on a communicator of the group's own
 (point_to_point.py).
 """
 from __future__ import annotations
