@@ -116,14 +116,18 @@ def submit(work: Work) -> Handle:
     return handle
 
 
+_MISTAKES = (TypeError, ValueError, NotImplementedError)   # what `refusing` makes the others see
+
+
 class refusing:
-    """Around a call's argument checks: a mistake found there (TypeError, ValueError), which
-    the other ranks cannot see, still meets their call of `name`, through a signature check
-    that carries the error, so theirs fails at once with a MismatchError quoting it (instead
-    of waiting for a call never made) and the automatic names stay in step. The meeting is
-    over before the error leaves the block (the name is free again). Once per error: a front
-    end whose checks wrap these calls refuses only what is new. `signed_as`: the name the
-    call's first signature carries, where it is not `name`."""
+    """Around a call's argument checks: a mistake found there (TypeError, ValueError, or
+    NotImplementedError for what is not supported), which the other ranks cannot see, still
+    meets their call of `name`, through a signature check that carries the error, so theirs
+    fails at once with a MismatchError quoting it (instead of waiting for a call never
+    made) and the automatic names stay in step. The meeting is over before the error leaves
+    the block (the name is free again). Once per error: a front end whose checks wrap these
+    calls refuses only what is new. `signed_as`: the name the call's first signature
+    carries, where it is not `name`."""
 
     __slots__ = ("ps", "name", "kind", "signed_as")
 
@@ -135,7 +139,7 @@ class refusing:
         return None
 
     def __exit__(self, _type: Any, error: Any, _traceback: Any) -> bool:
-        if isinstance(error, (TypeError, ValueError)) and not getattr(error, "refused", False):
+        if isinstance(error, _MISTAKES) and not getattr(error, "refused", False):
             error.refused = True
             signature = {"collective": self.kind, "name": self.signed_as or self.name,
                          "refused": str(error)}

@@ -102,9 +102,15 @@ class RingReduceGroup(dist.ProcessGroup):
     def _global(self, group_rank: int, what: str) -> int:
         ranks = self._process_set.ranks
         if not 0 <= group_rank < len(ranks):
-            raise ValueError(f"ringreduce backend: {what}: rank {group_rank} is not a rank of "
-                             f"{self._label} (0..{len(ranks) - 1})")
+            raise ValueError(f"ringreduce backend: {what} on rank {self.rank()}: root rank "
+                             f"{group_rank} is not a rank of {self._label} "
+                             f"(0..{len(ranks) - 1})")
         return ranks[group_rank]
+
+    def _op(self, opts: Any, kind: str) -> tuple[Any, float]:
+        """Our op and prescale factor for the call's torch ReduceOp (UnsupportedError naming
+        the call and this rank where we have none)."""
+        return reduction(opts.reduceOp, f"{kind} on rank {self.rank()}")
 
     def _one_per_rank(self, tensors: list, like: torch.Tensor, kind: str, side: str) -> None:
         """A call's list of `side` tensors ("input", "output") holds one per rank of the
@@ -150,13 +156,15 @@ class RingReduceGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list, opts: Any = None) -> CollectiveWork:
         """(DDP's every bucket, and small ones cost what this adds to our collective: the
         common case takes the fewest steps.)"""
-        if opts is None or opts.reduceOp == SUM:     # (ReduceOp == RedOpType: the cheapest
-            op, pre = Sum, 1.0                          # test torch's bindings offer)
-        else:
-            op, pre = reduction(opts.reduceOp, "allreduce")
-        tensor = tensors[0] if len(tensors) == 1 else one(tensors, "allreduce")
         ps = self._active("allreduce")
         name = ps.auto_name(_SEQUENCE)
+        # (ReduceOp == RedOpType: the cheapest test torch's bindings offer)
+        if len(tensors) == 1 and (opts is None or opts.reduceOp == SUM):
+            tensor, op, pre = tensors[0], Sum, 1.0
+        else:
+            with refusing(ps, name, "allreduce"):
+                tensor = one(tensors, "allreduce")
+                op, pre = (Sum, 1.0) if opts is None else self._op(opts, "allreduce")
         if tensor.dtype is _BOOL:
             with refusing(ps, name, "allreduce"):
                 tensor, op = logical(tensor, op, pre, f"allreduce on rank {self.rank()}")
@@ -173,22 +181,23 @@ class RingReduceGroup(dist.ProcessGroup):
         return CollectiveWork(handle, tensors)
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> CollectiveWork:
-        op, pre = (reduction(opts.reduceOp, "allreduce_coalesced") if opts is not None
-                   else (Sum, 1.0))
         ps, name = self._names("allreduce_coalesced")
+        with self._refusing("allreduce_coalesced", name):
+            op, pre = (self._op(opts, "allreduce_coalesced") if opts is not None
+                       else (Sum, 1.0))
         return CollectiveWork(grouped_allreduce_async_(list(tensors), name=name, op=op,
                                                        prescale_factor=pre, process_set=ps),
                               tensors)
 
     def reduce(self, tensors: list, opts: Any) -> CollectiveWork:
         """An allreduce whose result only the root keeps."""
-        tensor = one(tensors, "reduce")
-        op, pre = reduction(opts.reduceOp, "reduce")
-        root = opts.rootRank
-        self._global(root, "reduce")
         ps, name = self._names("reduce")
-        if tensor.dtype is _BOOL:
-            with self._refusing("reduce", name):
+        with self._refusing("reduce", name):
+            tensor = one(tensors, "reduce")
+            op, pre = self._op(opts, "reduce")
+            root = opts.rootRank
+            self._global(root, "reduce")
+            if tensor.dtype is _BOOL:
                 tensor, op = logical(tensor, op, pre, f"reduce on rank {self.rank()}")
         handle = allreduce_async(tensor, name=name, op=op, prescale_factor=pre, process_set=ps)
 
@@ -221,7 +230,7 @@ class RingReduceGroup(dist.ProcessGroup):
     def _reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor, opts: Any, kind: str,
                         value: list, name: str) -> CollectiveWork:
         """Row r of `rows` reduced over the group lands in rank r's `output`."""
-        op, pre = reduction(opts.reduceOp, kind)
+        op, pre = self._op(opts, kind)
         handle = reducescatter_async(rows, name=name, op=op, prescale_factor=pre,
                                      process_set=self._process_set)
 
@@ -237,7 +246,7 @@ class RingReduceGroup(dist.ProcessGroup):
         ps, name = self._names(what)
         with self._refusing(what, name):
             rows = [self._rows(i, what) for i in inputs]
-            op, pre = reduction(opts.reduceOp, what)
+            op, pre = self._op(opts, what)
             handle = grouped_reducescatter_async(rows, name=name, op=op, prescale_factor=pre,
                                                  process_set=ps)
         return self._written(handle, outputs, what)
@@ -247,30 +256,34 @@ class RingReduceGroup(dist.ProcessGroup):
     # -------------------------------------------------- gathers and broadcasts
 
     def broadcast(self, tensors: list, opts: Any) -> CollectiveWork:
-        tensor = one(tensors, "broadcast")
-        root = self._global(opts.rootRank, "broadcast")
         ps, name = self._names("broadcast")
+        with self._refusing("broadcast", name):
+            tensor = one(tensors, "broadcast")
+            root = self._global(opts.rootRank, "broadcast")
         return CollectiveWork(broadcast_async_(tensor, root, name=name, process_set=ps),
                               tensors)
 
     def allgather(self, output_tensors: list, input_tensors: list,
                   opts: Any = None) -> CollectiveWork:
-        outputs, tensor = one(output_tensors, "allgather"), one(input_tensors, "allgather")
-        return self._gather_rows(tensor, "allgather", output_tensors, outputs)
+        ps, name = self._names("allgather")
+        with self._refusing("allgather", name):
+            outputs, tensor = one(output_tensors, "allgather"), one(input_tensors, "allgather")
+        return self._gather_rows(ps, name, tensor, "allgather", output_tensors, outputs)
 
     def gather(self, output_tensors: list, input_tensors: list, opts: Any) -> CollectiveWork:
         """Every rank's tensor, kept by the root (an allgather)."""
-        tensor, root = one(input_tensors, "gather"), opts.rootRank
-        self._global(root, "gather")
-        outputs = one(output_tensors, "gather") if self.rank() == root else None
-        return self._gather_rows(tensor, "gather", output_tensors, outputs)
+        ps, name = self._names("gather")
+        with self._refusing("gather", name):
+            tensor, root = one(input_tensors, "gather"), opts.rootRank
+            self._global(root, "gather")
+            outputs = one(output_tensors, "gather") if self.rank() == root else None
+        return self._gather_rows(ps, name, tensor, "gather", output_tensors, outputs)
 
-    def _gather_rows(self, tensor: torch.Tensor, kind: str, value: list,
-                     outputs: Optional[list]) -> CollectiveWork:
+    def _gather_rows(self, ps: ProcessSet, name: str, tensor: torch.Tensor, kind: str,
+                     value: list, outputs: Optional[list]) -> CollectiveWork:
         """Each rank's `tensor` as one row (the signature then holds its whole shape, so a
         rank with another shape is a MismatchError everywhere); row r goes to outputs[r]
         (None: kept nowhere)."""
-        ps, name = self._names(kind)
         handle = allgather_async(tensor.detach().unsqueeze(0), name=name, process_set=ps)
 
         def finish(rows: torch.Tensor) -> None:
@@ -313,11 +326,13 @@ class RingReduceGroup(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists: list, inputs: list,
                             opts: Any = None) -> CollectiveWork:
         """Rank r's inputs[i] lands in output_lists[r][i]."""
-        if len(output_lists) != self.size() or any(len(o) != len(inputs)
-                                                   for o in output_lists):
-            raise ValueError(f"ringreduce backend: allgather_coalesced takes {self.size()} "
-                             f"output lists of {len(inputs)} tensors")
         ps, name = self._names("allgather_coalesced")
+        with self._refusing("allgather_coalesced", name):
+            if len(output_lists) != self.size() or any(len(o) != len(inputs)
+                                                       for o in output_lists):
+                raise ValueError(f"ringreduce backend: allgather_coalesced on rank "
+                                 f"{self.rank()} takes {self.size()} output lists of "
+                                 f"{len(inputs)} tensors")
         handle = grouped_allgather_async([i.detach().unsqueeze(0) for i in inputs], name=name,
                                          process_set=ps)
 

@@ -413,9 +413,9 @@ def case_one_rank_refuses_its_inputs():
     """A mistake in rank 0's inputs, found before its collective could begin: ValueError
     there, at once a MismatchError quoting it on every other rank (not a wait for a call
     never made), and the group usable after each."""
-    def refused(call, words):
+    def refused(call, words, error=ValueError):
         if r == 0:
-            expect(ValueError, ["on rank 0", words], call, True)
+            expect(error, ["on rank 0", words], call, True)
         else:
             expect(hvd.MismatchError, ["rank 0", words], call, False)
     rows = [torch.ones(2) for _ in range(n)]
@@ -434,6 +434,20 @@ def case_one_rank_refuses_its_inputs():
     refused(lambda bad: dist.all_reduce(torch.ones(2, dtype=torch.bool if bad else torch.uint8),
                                         op=AVG),
             "bool tensor takes SUM")
+    # a root or an op that rank 0 alone gets wrong (found before the call could begin)
+    bad = n + 3
+    refused(lambda bad_root: dist.broadcast(torch.ones(2), src=bad if bad_root else 0),
+            f"rank {bad} is not a rank of")
+    refused(lambda bad_root: dist.reduce(torch.ones(2), dst=bad if bad_root else 0),
+            f"rank {bad} is not a rank of")
+    refused(lambda bad_root: dist.gather(torch.ones(2), None, dst=bad if bad_root else 0),
+            f"rank {bad} is not a rank of")
+    refused(lambda bad_op: dist.all_reduce(torch.ones(2, dtype=torch.int64),
+                                           op=dist.ReduceOp.BAND if bad_op else SUM),
+            "ReduceOp.BAND is not supported", hvd.UnsupportedError)
+    refused(lambda bad_op: dist.reduce(torch.ones(2, dtype=torch.int64), dst=0,
+                                       op=dist.ReduceOp.BOR if bad_op else SUM),
+            "ReduceOp.BOR is not supported", hvd.UnsupportedError)
     check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
 
 

@@ -90,7 +90,7 @@ if n > 1:
     expect(hvd.MismatchError, ["'scale_mm'", "'prescale'"], hvd.allreduce, torch.ones(4),
            name="scale_mm", prescale_factor=1.0 if r == 0 else 2.0)
     # A mistake in the arguments of the last rank alone, named or not: TypeError/ValueError
-    # there, at once a MismatchError quoting it on the others (not a wait for a call never
+    # (or UnsupportedError) there, at once a MismatchError quoting it on the others (not a wait for a call never
     # made), and the automatic names still in step afterwards.
     last = r == n - 1
     refused = ["cannot run", f"arguments of rank {n - 1}"]
@@ -103,6 +103,8 @@ if n > 1:
         expect(TypeError, ["'one_bad_group[1]'", "bool"], hvd.grouped_allreduce,
                [torch.ones(2), flags], name="one_bad_group")
         expect(ValueError, ["at least one dimension"], hvd.reducescatter, torch.tensor(1.0))
+        expect(hvd.UnsupportedError, ["Adasum only reduces allreduces"], hvd.reducescatter,
+               torch.ones(n), op=hvd.Adasum)
         expect(TypeError, ["'one_bad_gather.1'", "complex128"], hvd.grouped_allgather,
                [torch.ones(2), wide], name="one_bad_gather")
         expect(TypeError, ["'one_bad_sparse'", "sparse COO"], hvd.sparse_allreduce_async,
@@ -117,6 +119,8 @@ if n > 1:
                [torch.ones(2), flags], name="one_bad_group")
         expect(hvd.MismatchError, refused + ["at least one dimension"], hvd.reducescatter,
                torch.ones(n))
+        expect(hvd.MismatchError, refused + ["Adasum only reduces allreduces"],
+               hvd.reducescatter, torch.ones(n))
         expect(hvd.MismatchError, refused + ["complex128"], hvd.grouped_allgather,
                [torch.ones(2), wide], name="one_bad_gather")
         expect(hvd.MismatchError, refused + ["sparse COO"],
