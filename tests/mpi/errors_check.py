@@ -90,8 +90,8 @@ if n > 1:
     expect(hvd.MismatchError, ["'scale_mm'", "'prescale'"], hvd.allreduce, torch.ones(4),
            name="scale_mm", prescale_factor=1.0 if r == 0 else 2.0)
     # A mistake in the arguments of the last rank alone, named or not: TypeError/ValueError
-    # (or UnsupportedError) there, at once a MismatchError quoting it on the others (not a wait for a call never
-    # made), and the automatic names still in step afterwards.
+    # (or UnsupportedError) there, at once a MismatchError quoting it on the others (not a
+    # wait for a call never made), and the automatic names still in step afterwards.
     last = r == n - 1
     refused = ["cannot run", f"arguments of rank {n - 1}"]
     flags = torch.ones(3, dtype=torch.bool if last else torch.float32)
