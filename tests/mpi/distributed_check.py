@@ -411,8 +411,8 @@ def case_one_rank_errs():
 
 def case_one_rank_refuses_its_inputs():
     """A mistake in rank 0's inputs, found before its collective could begin: ValueError
-    (an unsupported op: UnsupportedError) there, at once a MismatchError quoting it on every other rank (not a wait for a call
-    never made), and the group usable after each."""
+    (an unsupported op: UnsupportedError) there, at once a MismatchError quoting it on every
+    other rank (not a wait for a call never made), and the group usable after each."""
     def refused(call, words, error=ValueError):
         if r == 0:
             expect(error, ["on rank 0", words], call, True)
