@@ -83,21 +83,21 @@ class RingReduceGroup(dist.ProcessGroup):
     group_name = property(getGroupName)
     group_desc = property(getGroupDesc)
 
-    def _names(self, kind: str) -> tuple[ProcessSet, str]:
-        """The set to run on and the call's automatic name ('dist.noname.<k>', the group's
-        k-th call)."""
-        return self._process_set, self._active(kind).auto_name(_SEQUENCE)
+    def _call(self, kind: str) -> tuple[ProcessSet, str, refusing]:
+        """A call's set to run on, its automatic name ('dist.noname.<k>', the group's k-th
+        call), taken before any check so that the rank keeps its place in the group's
+        sequence, and what goes around its own argument checks (collective_work.refusing: a
+        mistake there makes the other ranks' call fail at once with a MismatchError quoting
+        it)."""
+        ps = self._active(kind)
+        name = ps.auto_name(_SEQUENCE)
+        return self._process_set, name, refusing(ps, name, kind)
 
     def _active(self, kind: str) -> ActiveSet:
         if self._closed:
             raise RingReduceError(f"ringreduce backend: {kind} on {self._label}, which was "
                                   "destroyed (destroy_process_group)")
         return active(self._process_set, kind)
-
-    def _refusing(self, kind: str, name: str) -> refusing:
-        """Around a call's own argument checks (collective_work.refusing): a mistake there
-        makes the other ranks' call `name` fail at once with a MismatchError quoting it."""
-        return refusing(self._active(kind), name, kind)
 
     def _global(self, group_rank: int, what: str) -> int:
         ranks = self._process_set.ranks
@@ -181,8 +181,8 @@ class RingReduceGroup(dist.ProcessGroup):
         return CollectiveWork(handle, tensors)
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> CollectiveWork:
-        ps, name = self._names("allreduce_coalesced")
-        with self._refusing("allreduce_coalesced", name):
+        ps, name, checks = self._call("allreduce_coalesced")
+        with checks:
             op, pre = (self._op(opts, "allreduce_coalesced") if opts is not None
                        else (Sum, 1.0))
         return CollectiveWork(grouped_allreduce_async_(list(tensors), name=name, op=op,
@@ -191,8 +191,8 @@ class RingReduceGroup(dist.ProcessGroup):
 
     def reduce(self, tensors: list, opts: Any) -> CollectiveWork:
         """An allreduce whose result only the root keeps."""
-        ps, name = self._names("reduce")
-        with self._refusing("reduce", name):
+        ps, name, checks = self._call("reduce")
+        with checks:
             tensor = one(tensors, "reduce")
             op, pre = self._op(opts, "reduce")
             root = opts.rootRank
@@ -210,8 +210,8 @@ class RingReduceGroup(dist.ProcessGroup):
     def reduce_scatter(self, output_tensors: list, input_tensors: list,
                        opts: Any) -> CollectiveWork:
         kind = "reduce_scatter"
-        _, name = self._names(kind)
-        with self._refusing(kind, name):
+        _, name, checks = self._call(kind)
+        with checks:
             output, inputs = one(output_tensors, kind), one(input_tensors, kind)
             self._one_per_rank(inputs, inputs[0], kind, "input")
             stacked = torch.stack([t.detach().reshape(-1) for t in inputs])
@@ -220,8 +220,8 @@ class RingReduceGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any) -> CollectiveWork:
         kind = "reduce_scatter_tensor"
-        _, name = self._names(kind)
-        with self._refusing(kind, name):
+        _, name, checks = self._call(kind)
+        with checks:
             return self._reduce_scatter(output, self._rows(input, kind), opts, kind, [output],
                                         name)
 
@@ -243,8 +243,8 @@ class RingReduceGroup(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs: list, inputs: list,
                                         opts: Any) -> CollectiveWork:
         what = "reduce_scatter_tensor_coalesced"
-        ps, name = self._names(what)
-        with self._refusing(what, name):
+        ps, name, checks = self._call(what)
+        with checks:
             rows = [self._rows(i, what) for i in inputs]
             op, pre = self._op(opts, what)
             handle = grouped_reducescatter_async(rows, name=name, op=op, prescale_factor=pre,
@@ -256,8 +256,8 @@ class RingReduceGroup(dist.ProcessGroup):
     # -------------------------------------------------- gathers and broadcasts
 
     def broadcast(self, tensors: list, opts: Any) -> CollectiveWork:
-        ps, name = self._names("broadcast")
-        with self._refusing("broadcast", name):
+        ps, name, checks = self._call("broadcast")
+        with checks:
             tensor = one(tensors, "broadcast")
             root = self._global(opts.rootRank, "broadcast")
         return CollectiveWork(broadcast_async_(tensor, root, name=name, process_set=ps),
@@ -265,15 +265,15 @@ class RingReduceGroup(dist.ProcessGroup):
 
     def allgather(self, output_tensors: list, input_tensors: list,
                   opts: Any = None) -> CollectiveWork:
-        ps, name = self._names("allgather")
-        with self._refusing("allgather", name):
+        ps, name, checks = self._call("allgather")
+        with checks:
             outputs, tensor = one(output_tensors, "allgather"), one(input_tensors, "allgather")
         return self._gather_rows(ps, name, tensor, "allgather", output_tensors, outputs)
 
     def gather(self, output_tensors: list, input_tensors: list, opts: Any) -> CollectiveWork:
         """Every rank's tensor, kept by the root (an allgather)."""
-        ps, name = self._names("gather")
-        with self._refusing("gather", name):
+        ps, name, checks = self._call("gather")
+        with checks:
             tensor, root = one(input_tensors, "gather"), opts.rootRank
             self._global(root, "gather")
             outputs = one(output_tensors, "gather") if self.rank() == root else None
@@ -303,7 +303,7 @@ class RingReduceGroup(dist.ProcessGroup):
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> CollectiveWork:
         what = "all_gather_into_tensor"
-        ps, name = self._names(what)
+        ps, name, _ = self._call(what)
         handle = allgather_async(input.detach().unsqueeze(0), name=name, process_set=ps)
 
         def finish(rows: torch.Tensor) -> None:
@@ -317,7 +317,7 @@ class RingReduceGroup(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs: list, inputs: list,
                                     opts: Any = None) -> CollectiveWork:
         what = "all_gather_into_tensor_coalesced"
-        ps, name = self._names(what)
+        ps, name, _ = self._call(what)
         return self._written(grouped_allgather_async([i.detach().unsqueeze(0) for i in inputs],
                                                      name=name, process_set=ps), outputs, what)
 
@@ -326,8 +326,8 @@ class RingReduceGroup(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists: list, inputs: list,
                             opts: Any = None) -> CollectiveWork:
         """Rank r's inputs[i] lands in output_lists[r][i]."""
-        ps, name = self._names("allgather_coalesced")
-        with self._refusing("allgather_coalesced", name):
+        ps, name, checks = self._call("allgather_coalesced")
+        with checks:
             if len(output_lists) != self.size() or any(len(o) != len(inputs)
                                                        for o in output_lists):
                 raise ValueError(f"ringreduce backend: allgather_coalesced on rank "
@@ -346,8 +346,8 @@ class RingReduceGroup(dist.ProcessGroup):
     def scatter(self, output_tensors: list, input_tensors: list, opts: Any) -> CollectiveWork:
         """The root's inputs[r] lands in rank r's output: an all-to-all in which only the
         root sends (one row to each rank)."""
-        ps, name = self._names("scatter")
-        with self._refusing("scatter", name):
+        ps, name, checks = self._call("scatter")
+        with checks:
             output, root = one(output_tensors, "scatter"), opts.rootRank
             self._global(root, "scatter")
             shape = tuple(output.shape)
@@ -367,8 +367,8 @@ class RingReduceGroup(dist.ProcessGroup):
                           opts: Any = None) -> CollectiveWork:
         what = "all_to_all_single"
         n = self.size()
-        ps, name = self._names(what)
-        with self._refusing(what, name):
+        ps, name, checks = self._call(what)
+        with checks:
             if input_split_sizes:
                 splits = list(input_split_sizes)
             elif input.dim() > 0 and input.shape[0] % n == 0:
@@ -400,8 +400,8 @@ class RingReduceGroup(dist.ProcessGroup):
                  opts: Any = None) -> CollectiveWork:
         """inputs[r] goes to rank r; rank r's lands in outputs[r] (flattened on the way)."""
         n = self.size()
-        ps, name = self._names("all_to_all")
-        with self._refusing("all_to_all", name):
+        ps, name, checks = self._call("all_to_all")
+        with checks:
             if len(output_tensors) != n or len(input_tensors) != n:
                 raise ValueError(f"ringreduce backend: all_to_all on rank {self.rank()} takes "
                                  f"{n} input and {n} output tensors")
@@ -422,7 +422,7 @@ class RingReduceGroup(dist.ProcessGroup):
         return CollectiveWork(handle, output_tensors, finish)
 
     def barrier(self, opts: Any = None) -> CollectiveWork:
-        ps, name = self._names("barrier")
+        ps, name, _ = self._call("barrier")
         return CollectiveWork(barrier_async(name=name, process_set=ps), [])
 
     # -------------------------------------------------- point to point
