@@ -126,14 +126,12 @@ class refusing:
     fails at once with a MismatchError quoting it (instead of waiting for a call never
     made) and the automatic names stay in step. The meeting is over before the error leaves
     the block (the name is free again). Once per error: a front end whose checks wrap these
-    calls refuses only what is new. `signed_as`: the name the call's first signature
-    carries, where it is not `name`."""
+    calls refuses only what is new."""
 
-    __slots__ = ("ps", "name", "kind", "signed_as")
+    __slots__ = ("ps", "name", "kind")
 
-    def __init__(self, ps: ActiveSet, name: str, kind: str,
-                 signed_as: Optional[str] = None) -> None:
-        self.ps, self.name, self.kind, self.signed_as = ps, name, kind, signed_as
+    def __init__(self, ps: ActiveSet, name: str, kind: str) -> None:
+        self.ps, self.name, self.kind = ps, name, kind
 
     def __enter__(self) -> None:
         return None
@@ -141,8 +139,7 @@ class refusing:
     def __exit__(self, _type: Any, error: Any, _traceback: Any) -> bool:
         if isinstance(error, _MISTAKES) and not getattr(error, "refused", False):
             error.refused = True
-            signature = {"collective": self.kind, "name": self.signed_as or self.name,
-                         "refused": str(error)}
+            signature = {"collective": self.kind, "name": self.name, "refused": str(error)}
             ps = self.ps
             try:
                 run((ps, self.name, lambda: ps.transport.check(signature)))
@@ -409,13 +406,15 @@ def _reducescatter_one(ps: ActiveSet, work_tensor: torch.Tensor, context: Any,
 
 def sparse_allreduce_work(tensor: torch.Tensor, name: Optional[str], op: Any,
                           process_set: ProcessSet) -> Work:
-    """A sparse COO tensor reduced as Horovod does: every member's indices ('<name>.indices')
-    and values ('<name>.values') allgathered into one sparse result, values divided by the
-    set's size for Average; the dense shape is part of both signatures."""
+    """A sparse COO tensor reduced as Horovod does: every member's indices, then values,
+    allgathered into one sparse result, values divided by the set's size for Average. Both
+    signatures carry the collective's own name (settling pairs collectives by it: a rank
+    whose collective of that name is another one then fails the check, MismatchError,
+    instead of being put back in order without end), the part gathered and the dense shape."""
     ps = active(process_set, "sparse_allreduce_async()")
     name = ps.auto_name("sparse_allreduce") if name is None else name
     where = f"ringreduce: sparse_allreduce_async of tensor '{name}' on rank {ps.ranks[ps.rank]}"
-    refusal = refusing(ps, name, "sparse_allreduce", signed_as=f"{name}.indices")
+    refusal = refusing(ps, name, "sparse_allreduce")
     with refusal:
         op = reduce_op(op, None, "sparse_allreduce_async")
         if op not in (ReduceOp.Sum, ReduceOp.Average):
@@ -425,11 +424,11 @@ def sparse_allreduce_work(tensor: torch.Tensor, name: Optional[str], op: Any,
     dense_shape = tuple(tensor.shape)
     gathers = []
     for part, piece in (("indices", tensor._indices().t()), ("values", tensor._values())):
-        each = f"{name}.{part}"
         with refusal:
-            t = _tensor(piece, "sparse_allreduce_async", each, ps)
-        signature = {"collective": "sparse_allreduce", "name": each, "dense shape": dense_shape,
-                     "dtype": NAMES[t.dtype], "trailing shape": tuple(t.shape[1:])}
+            t = _tensor(piece, "sparse_allreduce_async", f"{name}.{part}", ps)
+        signature = {"collective": "sparse_allreduce", "name": name, "part": part,
+                     "dense shape": dense_shape, "dtype": NAMES[t.dtype],
+                     "trailing shape": tuple(t.shape[1:])}
         gathers.append(functools.partial(ps.transport.allgather, t, signature))
 
     def work() -> torch.Tensor:

@@ -8,8 +8,10 @@ of nodes, through the node's memory and then by recursive doubling between the n
 (crossnode.py), meeting small allreduces in the same messages. When digests differ, a second
 round gathers the full signatures: where the names differ, the members are running different
 collectives (`OutOfOrder`: the engine settles the order, through `agreement()` below, and runs
-them by name); where the names agree, every rank raises the same `MismatchError`, naming the
-tensor, the field, and each rank's value. Some digests may be `JOINED`, the mark a rank that
+them by name, the name each was submitted under, which its first check must therefore carry:
+one that checked under another would be put back in order without end); where the names
+agree, every rank raises the same `MismatchError`, naming the tensor, the field, and each
+rank's value. Some digests may be `JOINED`, the mark a rank that
 has joined (`join()`) sends in every exchange: that raises `PeersJoined` instead.
 """
 from __future__ import annotations

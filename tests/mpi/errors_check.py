@@ -85,6 +85,10 @@ if n > 1:
            root_rank=0 if r == 0 else 1, name="root_mm")
     expect(hvd.MismatchError, ["'collective'", "allreduce", "allgather"],
            hvd.allreduce if r == 0 else hvd.allgather, torch.ones(4), name="kind_mm")
+    # (a sparse allreduce's checks carry its name: once looped, putting it back in order)
+    expect(hvd.MismatchError, ["'sparse_mm'", "'collective'", "sparse_allreduce"],
+           (lambda: hvd.sparse_allreduce_async(torch.eye(3).to_sparse(), "sparse_mm", hvd.Sum)())
+           if r == 0 else lambda: hvd.allreduce(torch.ones(3), name="sparse_mm"))
     expect(hvd.MismatchError, ["'ag_mm'", "trailing shape"], hvd.allgather,
            torch.ones(2, 1 + (r > 0)), name="ag_mm")
     expect(hvd.MismatchError, ["'scale_mm'", "'prescale'"], hvd.allreduce, torch.ones(4),
