@@ -47,8 +47,10 @@ def _tensor(tensor: Any, what: str, name: str, ps: ActiveSet,
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{where}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
-        raise TypeError(f"{where}: sparse tensors ({tensor.layout}) are not supported; call "
-                        ".to_dense() first, or use DistributedOptimizer(sparse_as_dense=True)")
+        raise TypeError(f"{where}: sparse tensors ({tensor.layout}) are not supported here; "
+                        "call .to_dense() first (sparse COO tensors are reduced by "
+                        "sparse_allreduce_async and the torch.distributed backend's all_reduce, "
+                        "and DistributedOptimizer takes sparse gradients)")
     if tensor.dtype not in CODES:
         storage = _MOVED_AS.get(tensor.element_size()) if moves_only else None
         if storage is None:

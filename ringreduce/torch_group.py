@@ -11,9 +11,10 @@ signature check on every rank (MismatchError), where a count per kind would leav
 for calls never made. Gathers send one row per rank (the signature then holds the whole shape),
 gather is an allgather whose root keeps the rows, reduce-scatters reduce one row per rank,
 reduce is an allreduce whose root keeps the result, scatter an all-to-all in which only the
-root sends. Each call returns a `CollectiveWork` (torch_work.py); a synchronous `all_reduce`
-runs as `allreduce_`. send/recv: MPI point-to-point on a communicator of the group's own
-(point_to_point.py).
+root sends, and a sparse all_reduce gathers every rank's entries (Horovod's sparse allreduce)
+and writes their coalesced sum over the input, as gloo does. Each call returns a
+`CollectiveWork` (torch_work.py); a synchronous `all_reduce` runs as `allreduce_`. send/recv:
+MPI point-to-point on a communicator of the group's own (point_to_point.py).
 """
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from . import world
-from .collective_work import allreduce_work, refusing, submit
-from .collectives import (Sum, allgather_async, allreduce_, allreduce_async, alltoall_async,
-                          barrier_async, broadcast_async_, grouped_allgather_async,
+from .collective_work import allreduce_work, refusing, sparse_allreduce_work, submit
+from .collectives import (Average, Sum, allgather_async, allreduce_, allreduce_async,
+                          alltoall_async, barrier_async, broadcast_async_, grouped_allgather_async,
                           grouped_allreduce_async_, grouped_reducescatter_async,
                           reducescatter_async)
 from .compression import Compression
@@ -38,6 +39,7 @@ from .torch_work import FINISHED, CollectiveWork
 
 BACKEND = "ringreduce"
 _BOOL = torch.bool
+_SPARSE = torch.sparse_coo
 _SEQUENCE = "dist"      # the automatic names' prefix, one count for every kind of call
 
 
@@ -165,6 +167,8 @@ class RingReduceGroup(dist.ProcessGroup):
             with refusing(ps, name, "allreduce"):
                 tensor = one(tensors, "allreduce")
                 op, pre = (Sum, 1.0) if opts is None else self._op(opts, "allreduce")
+        if tensor.layout is _SPARSE:
+            return self._sparse_allreduce(ps, name, tensor, op, pre)
         if tensor.dtype is _BOOL:
             with refusing(ps, name, "allreduce"):
                 tensor, op = logical(tensor, op, pre, f"allreduce on rank {self.rank()}")
@@ -179,6 +183,25 @@ class RingReduceGroup(dist.ProcessGroup):
             handle = submit(allreduce_work(tensor, None, name, op, pre, 1.0, Compression.none,
                                            True, self._process_set))
         return CollectiveWork(handle, tensors)
+
+    def _sparse_allreduce(self, ps: ActiveSet, name: str, tensor: torch.Tensor, op: Any,
+                          pre: float) -> CollectiveWork:
+        """A sparse COO tensor (DDP's bucket for a sparse embedding's gradient) as gloo
+        reduces one: every member's entries gathered (Horovod's sparse allreduce,
+        collective_work.sparse_allreduce_work), their sum coalesced and written over the
+        input. SUM, AVG and PREMUL_SUM; another op is a mistake refused to the others."""
+        with refusing(ps, name, "sparse_allreduce"):
+            if op not in (Sum, Average):
+                raise UnsupportedError(f"ringreduce backend: allreduce of a sparse tensor on "
+                                       f"rank {self.rank()} takes SUM, AVG or PREMUL_SUM, not "
+                                       f"{op.name.upper()}")
+        scaled = tensor if pre == 1.0 else tensor * pre
+        handle = submit(sparse_allreduce_work(scaled, name, op, self._process_set))
+
+        def finish(result: torch.Tensor) -> None:
+            tensor.copy_(result.coalesce())
+
+        return CollectiveWork(handle, [tensor], finish)
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> CollectiveWork:
         ps, name, checks = self._call("allreduce_coalesced")

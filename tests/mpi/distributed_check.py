@@ -475,6 +475,91 @@ def case_one_rank_calls_another_kind():
     check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
 
 
+def sparse_entries(k, length=6):
+    """Rank k's sparse COO vector, not coalesced: a row of its own, a row every rank shares,
+    and its own row again (duplicates add up); integer values, so every sum is exact."""
+    indices = torch.tensor([[k, length - 1, k]])
+    return torch.sparse_coo_tensor(indices, torch.tensor([k + 1.0, 10.0, 2.0]), (length,))
+
+
+def case_sparse_all_reduce():
+    """A sparse COO tensor (a sparse embedding's gradient, as DDP hands it over) reduced as
+    gloo reduces one: the sum of every rank's entries, coalesced and written over the input,
+    exact and identical on every rank, for SUM, AVG and PREMUL_SUM, synchronous or not; a
+    rank that passes a dense tensor, a sparse one of another size or an op we do not reduce
+    fails every rank's call at once; DDP on a model with a sparse embedding trains to one
+    process's parameters."""
+    total = sum(sparse_entries(k).to_dense() for k in range(n))
+    for label, op, scale in (("SUM", SUM, 1.0), ("AVG", AVG, 1.0 / n),
+                             ("PREMUL_SUM", dist._make_nccl_premul_sum(0.5), 0.5)):
+        for async_op in (False, True):
+            mine = sparse_entries(r)
+            work = dist.all_reduce(mine, op=op, async_op=async_op)
+            if async_op:
+                assert work.get_future().wait()[0] is mine
+                work.wait()
+            what = f"sparse all_reduce {label} async_op={async_op}"
+            assert mine.is_sparse and mine.is_coalesced(), f"{what}: not coalesced sparse"
+            if op == AVG:       # each rank's values divided, then added: not exact
+                close(mine.to_dense(), total * scale, what)
+            else:
+                check_equal(mine.to_dense(), total * scale, what)
+            everywhere(mine.to_dense(), what)
+            everywhere(mine._indices(), f"{what}: indices")
+    theirs = sparse_entries(r)
+    dist.all_reduce(theirs, group=GLOO)
+    ours = reduced(sparse_entries(r))
+    check_equal(ours._indices(), theirs._indices(), "sparse all_reduce's indices, as gloo's")
+    check_equal(ours._values(), theirs._values(), "sparse all_reduce's values, as gloo's")
+    expect(hvd.MismatchError, ["'collective' differs", "sparse_allreduce", "allreduce"],
+           dist.all_reduce, sparse_entries(r) if r == 0 else torch.ones(6))
+    expect(hvd.MismatchError, ["'dense shape' differs", "(6,)", "(7,)"], dist.all_reduce,
+           sparse_entries(r, 6 if r == 0 else 7))
+    if r == 0:
+        expect(hvd.UnsupportedError, ["sparse tensor on rank 0", "not MAX"], dist.all_reduce,
+               sparse_entries(r), op=dist.ReduceOp.MAX)
+    else:
+        expect(hvd.MismatchError, ["mistake in the arguments of rank 0", "not MAX"],
+               dist.all_reduce, sparse_entries(r))
+    check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
+    reference, wrapped = train_bag(), train_bag(DDP)
+    for (name, p), q in zip(wrapped.named_parameters(), reference.parameters()):
+        close(p.detach(), q.detach(), f"DDP, sparse embedding: {name}", rtol=1e-6, atol=1e-7)
+        everywhere(p.detach(), f"DDP, sparse embedding: {name}")
+
+
+class Bag(nn.Module):
+    """An embedding with sparse gradients (a recommender's) under a dense layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(40, 6, sparse=True)
+        self.out = nn.Linear(6, 10)
+
+    def forward(self, tokens):
+        return self.out(self.embedding(tokens).mean(1))
+
+
+def train_bag(wrap=None, steps=3):
+    """SGD; `wrap` makes the distributed model (each rank takes its shard of the batch),
+    None trains one process on the whole batch."""
+    torch.manual_seed(0)
+    model = Bag()
+    stepper = wrap(model) if wrap is not None else model
+    opt = torch.optim.SGD(stepper.parameters(), lr=0.5)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(200 + step)
+        tokens, labels = (torch.randint(0, 40, (BATCH, 5), generator=g),
+                          torch.randint(0, 10, (BATCH,), generator=g))
+        if wrap is not None:
+            tokens, labels = shard(tokens), shard(labels)
+        opt.zero_grad()
+        F.cross_entropy(stepper(tokens), labels).backward()
+        assert model.embedding.weight.grad.is_sparse
+        opt.step()
+    return model
+
+
 # dtypes we do not reduce, which torch's callers still move: DDP broadcasts a model's buffers
 # (a transformer's bool causal mask), libraries gather bool and uint tensors
 MOVED = (torch.bool, torch.uint16, torch.uint64, torch.float8_e4m3fn, torch.complex64)
@@ -812,7 +897,8 @@ cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadc
          case_reduce_gather_scatter, case_send_recv, case_subgroup,
          case_threads_each_on_a_group_of_its_own, case_errors,
          case_one_rank_errs, case_one_rank_refuses_its_inputs,
-         case_one_rank_calls_another_kind, case_dtypes_moved_and_bool_reduced, case_ddp,
+         case_one_rank_calls_another_kind, case_sparse_all_reduce,
+         case_dtypes_moved_and_bool_reduced, case_ddp,
          case_ddp_hooks_that_start_collectives, case_fsdp, case_torchmetrics]
 run_cases([announced(case) for case in cases + ([case_stall] if LIGHTNING else [])], r)
 dist.destroy_process_group()
