@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 import ringreduce as hvd
 from checks import check_equal, expect
+from models import Embedder
 
 torch.set_num_threads(1)
 hvd.init()
@@ -207,22 +208,12 @@ def case_lbfgs_is_refused():
     expect(ValueError, "LBFGS", hvd.broadcast_optimizer_state, opt, 0)
 
 
-class Embedder(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embedding = nn.Embedding(12, 4, sparse=True)
-        self.head = nn.Linear(4, 3)
-
-    def forward(self, tokens):
-        return self.head(self.embedding(tokens).mean(1))
-
-
 def case_model_makes_sgds_embedding_gradients_sparse():
     """SGD: model= names the sparse embeddings, whose zero gradients are then sparse; without
     it they are dense, as Horovod's. Stateless SGD: nothing is broadcast after the step."""
     for give_model in (True, False):
         torch.manual_seed(0)
-        model = Embedder()
+        model = Embedder(rows=12)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         hvd.broadcast_optimizer_state(opt, 0, model=model if give_model else None)
         assert model.embedding.weight.grad.is_sparse == give_model, (give_model,
@@ -374,7 +365,7 @@ def case_sparse_gradients_train_and_stay_sparse():
     rows = 3
     for label, (densely, make) in setups.items():
         torch.manual_seed(3)
-        model = Embedder()
+        model = Embedder(rows=12)
         reference = copy.deepcopy(model)
         opts = []
         for o in make(model):

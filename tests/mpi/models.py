@@ -1,4 +1,5 @@
-"""The small model the multi-rank test workers train (conv + two linear layers, 8x8 inputs)."""
+"""The small models the multi-rank test workers train: conv + two linear layers on 8x8 inputs,
+and an embedding of tokens under a linear head."""
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -12,3 +13,16 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.fc2(F.relu(self.fc1(F.relu(self.conv(x)).flatten(1))))
+
+
+class Embedder(nn.Module):
+    """Rows of tokens -> their embeddings (sparse gradients by default, a recommender's)
+    averaged -> a linear head over 3 classes."""
+
+    def __init__(self, rows=20, sparse=True):
+        super().__init__()
+        self.embedding = nn.Embedding(rows, 4, sparse=sparse)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, tokens):
+        return self.head(self.embedding(tokens).mean(1))

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import ringreduce as hvd
 from autograd_check import check_gradients
 from checks import check_equal, expect, run_cases, then_barrier
+from models import Embedder
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -69,16 +70,6 @@ def check_sparse_allreduce():
         assert torch.allclose(got.to_dense(), want), f"sparse {op.name}: {got.to_dense()}"
 
 
-class Embedder(nn.Module):
-    def __init__(self, sparse):
-        super().__init__()
-        self.embedding = nn.Embedding(20, 4, sparse=sparse)
-        self.head = nn.Linear(4, 3)
-
-    def forward(self, tokens):
-        return self.head(self.embedding(tokens).mean(1))
-
-
 def check_sparse_gradients_in_the_optimizer():
     """SparseAdam on sparse gradients (allgathered as Horovod does), and with sparse_as_dense
     (reduced densely, handed back sparse, as Horovod does), each against one process on the
@@ -89,7 +80,7 @@ def check_sparse_gradients_in_the_optimizer():
 
     for sparse_as_dense in (False, True):
         torch.manual_seed(3)
-        model = Embedder(sparse=True)
+        model = Embedder()
         reference = copy.deepcopy(model)
         opts = [hvd.DistributedOptimizer(o, [(name, p) for name, p in model.named_parameters()
                                              if any(p is q for g in o.param_groups
