@@ -136,9 +136,9 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] 
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
                            process_set: ProcessSet = global_process_set) -> Callable[[], Any]:
-    """Reduce a sparse COO tensor as Horovod does: allgather every member's indices
-    ('<name>.indices') and values ('<name>.values'); the result holds them all (duplicate
-    indices add up when coalesced), values divided by the set's size for Average.
+    """Reduce a sparse COO tensor as Horovod does: allgather every member's indices and
+    values (both checked under `name`); the result holds them all (duplicate indices add up
+    when coalesced), values divided by the set's size for Average.
 
     Returns, as Horovod's, a function: `handle()` waits and returns the sparse result (it also
     has `wait()` and `done()`, so `synchronize(handle)` and `poll(handle)` work). The members'
