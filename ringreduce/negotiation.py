@@ -11,8 +11,8 @@ collectives (`OutOfOrder`: the engine settles the order, through `agreement()` b
 them by name, the name each was submitted under, which its first check must therefore carry:
 one that checked under another would be put back in order without end); where the names
 agree, every rank raises the same `MismatchError`, naming the tensor, the field, and each
-rank's value. Some digests may be `JOINED`, the mark a rank that
-has joined (`join()`) sends in every exchange: that raises `PeersJoined` instead.
+rank's value. Some digests may be `JOINED`, the mark a rank that has joined (`join()`) sends
+in every exchange: that raises `PeersJoined` instead.
 """
 from __future__ import annotations
 
