@@ -85,7 +85,8 @@ if n > 1:
            root_rank=0 if r == 0 else 1, name="root_mm")
     expect(hvd.MismatchError, ["'collective'", "allreduce", "allgather"],
            hvd.allreduce if r == 0 else hvd.allgather, torch.ones(4), name="kind_mm")
-    # (a sparse allreduce's checks carry its name: once looped, putting it back in order)
+    # a sparse allreduce against an allreduce of the same name (its checks once carried other
+    # names, and the engine put it back in order without end)
     expect(hvd.MismatchError, ["'sparse_mm'", "'collective'", "sparse_allreduce"],
            (lambda: hvd.sparse_allreduce_async(torch.eye(3).to_sparse(), "sparse_mm", hvd.Sum)())
            if r == 0 else lambda: hvd.allreduce(torch.ones(3), name="sparse_mm"))
