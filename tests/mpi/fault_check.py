@@ -1,6 +1,6 @@
 """Fault injection in a small training loop: python fault_check.py MODE VICTIM_RANK
 
-MODE: raise_in_backward | raise_before_collective | sigkill | sleep (past the stall time) |
+MODE: raise_in_backward | sigkill | sleep (past the stall time) |
       sleep_small (the same, where the others wait in a small allreduce) |
       engine_error (every rank's reduction fails inside the engine thread).
 """
@@ -55,8 +55,6 @@ if mode == "engine_error":
 for step in range(1000):
     x = torch.randn(4, 8)
     if r == victim and step == 3:
-        if mode == "raise_before_collective":
-            raise RuntimeError(f"injected failure before a collective on rank {r}")
         if mode == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         if mode in ("sleep", "sleep_small"):
