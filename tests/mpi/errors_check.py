@@ -85,11 +85,24 @@ if n > 1:
            root_rank=0 if r == 0 else 1, name="root_mm")
     expect(hvd.MismatchError, ["'collective'", "allreduce", "allgather"],
            hvd.allreduce if r == 0 else hvd.allgather, torch.ones(4), name="kind_mm")
-    # a sparse allreduce against an allreduce of the same name (its checks once carried other
-    # names, and the engine put it back in order without end)
-    expect(hvd.MismatchError, ["'sparse_mm'", "'collective'", "sparse_allreduce"],
-           (lambda: hvd.sparse_allreduce_async(torch.eye(3).to_sparse(), "sparse_mm", hvd.Sum)())
-           if r == 0 else lambda: hvd.allreduce(torch.ones(3), name="sparse_mm"))
+    # Every other kind of collective on rank 0 against an allreduce of the same name on the
+    # others: each kind's check carries the name it was submitted under (a sparse allreduce's
+    # once carried others, and the engine put it back in order without end).
+    kinds = {
+        "allgather": lambda name: hvd.allgather(torch.ones(2), name=name),
+        "broadcast": lambda name: hvd.broadcast(torch.ones(2), 0, name=name),
+        "alltoall": lambda name: hvd.alltoall(torch.ones(n, 2), name=name),
+        "reducescatter": lambda name: hvd.reducescatter(torch.ones(n, 2), name=name),
+        "sparse_allreduce": lambda name: hvd.sparse_allreduce_async(
+            torch.eye(3).to_sparse(), name, hvd.Sum)(),
+        "broadcast_object": lambda name: hvd.broadcast_object(1, 0, name=name),
+        "allgather_object": lambda name: hvd.allgather_object(1, name=name),
+        "check_consistency": lambda name: hvd.check_consistency([torch.ones(2)], name=name),
+    }
+    for kind, call in kinds.items():
+        expect(hvd.MismatchError, [f"'{kind}_mm'", "'collective' differs", f"rank 0: '{kind}'"],
+               call if r == 0 else lambda name: hvd.allreduce(torch.ones(3), name=name),
+               f"{kind}_mm")
     expect(hvd.MismatchError, ["'ag_mm'", "trailing shape"], hvd.allgather,
            torch.ones(2, 1 + (r > 0)), name="ag_mm")
     expect(hvd.MismatchError, ["'scale_mm'", "'prescale'"], hvd.allreduce, torch.ones(4),
