@@ -476,10 +476,12 @@ def case_one_rank_calls_another_kind():
 
 
 def sparse_entries(k, length=6):
-    """Rank k's sparse COO vector, not coalesced: a row of its own, a row every rank shares,
-    and its own row again (duplicates add up); integer values, so every sum is exact."""
-    indices = torch.tensor([[k, length - 1, k]])
-    return torch.sparse_coo_tensor(indices, torch.tensor([k + 1.0, 10.0, 2.0]), (length,))
+    """Rank k's sparse COO vector, not coalesced: a row every rank shares, and a row of its
+    own k + 1 times (duplicates add up; each rank holds another number of entries); integer
+    values, so every sum is exact."""
+    indices = torch.tensor([[length - 1] + [k] * (k + 1)])
+    values = torch.tensor([10.0] + [k + 1.0] * (k + 1))
+    return torch.sparse_coo_tensor(indices, values, (length,))
 
 
 def case_sparse_all_reduce():
@@ -500,7 +502,7 @@ def case_sparse_all_reduce():
                 work.wait()
             what = f"sparse all_reduce {label} async_op={async_op}"
             assert mine.is_sparse and mine.is_coalesced(), f"{what}: not coalesced sparse"
-            if op == AVG:       # each rank's values divided, then added: not exact
+            if label == "AVG":      # each rank's values divided, then added: not exact
                 close(mine.to_dense(), total * scale, what)
             else:
                 check_equal(mine.to_dense(), total * scale, what)
@@ -522,30 +524,15 @@ def case_sparse_all_reduce():
         expect(hvd.MismatchError, ["mistake in the arguments of rank 0", "not MAX"],
                dist.all_reduce, sparse_entries(r))
     check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
-    reference, wrapped = train_embedder(), train_embedder(DDP)
-    for (name, p), q in zip(wrapped.named_parameters(), reference.parameters()):
-        close(p.detach(), q.detach(), f"DDP, sparse embedding: {name}", rtol=1e-6, atol=1e-7)
-        everywhere(p.detach(), f"DDP, sparse embedding: {name}")
+    reference, wrapped = train(Embedder, batches=tokens), train(Embedder, DDP, batches=tokens)
+    assert wrapped.embedding.weight.grad.is_sparse, "DDP's embedding gradient is not sparse"
+    same_model(wrapped, reference, "DDP, sparse embedding")
 
 
-def train_embedder(wrap=None, steps=3):
-    """SGD; `wrap` makes the distributed model (each rank takes its shard of the batch),
-    None trains one process on the whole batch."""
-    torch.manual_seed(0)
-    model = Embedder()
-    stepper = wrap(model) if wrap is not None else model
-    opt = torch.optim.SGD(stepper.parameters(), lr=0.5)
-    for step in range(steps):
-        g = torch.Generator().manual_seed(200 + step)
-        tokens, labels = (torch.randint(0, 20, (BATCH, 5), generator=g),
-                          torch.randint(0, 3, (BATCH,), generator=g))
-        if wrap is not None:
-            tokens, labels = shard(tokens), shard(labels)
-        opt.zero_grad()
-        F.cross_entropy(stepper(tokens), labels).backward()
-        assert model.embedding.weight.grad.is_sparse
-        opt.step()
-    return model
+def tokens(step):
+    """A batch of rows of 5 tokens for Embedder, with labels."""
+    g = torch.Generator().manual_seed(200 + step)
+    return torch.randint(0, 20, (BATCH, 5), generator=g), torch.randint(0, 3, (BATCH,), generator=g)
 
 
 # dtypes we do not reduce, which torch's callers still move: DDP broadcasts a model's buffers
@@ -652,15 +639,16 @@ class Masked(nn.Module):
         return self.net(x).masked_fill(~self.keep, 0.0)
 
 
-def train(make, wrap=None, steps=3, accumulate=1):
-    """SGD with momentum; `wrap` makes the distributed model (then each rank takes its
-    shard of every micro-batch), None trains one process on the whole batch."""
+def train(make, wrap=None, steps=3, accumulate=1, batches=None):
+    """SGD with momentum on `batches(step)` (default: `data`); `wrap` makes the distributed
+    model (then each rank takes its shard of every micro-batch), None trains one process on
+    the whole batch."""
     torch.manual_seed(0)
     model = make()
     stepper = wrap(model) if wrap is not None else model
     opt = torch.optim.SGD(stepper.parameters(), lr=0.1, momentum=0.9)
     for step in range(steps):
-        x, y = data(step)
+        x, y = (batches or data)(step)
         opt.zero_grad()
         for k, (mx, my) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
             if wrap is not None:
