@@ -546,6 +546,7 @@ def test_a_synchronous_claim_never_overtakes_queued_work():
         first.wait(), second.wait()
         assert order == ["a", "b", "inline"]
     finally:
+        gate.set()
         e.shutdown()
 
 
@@ -577,24 +578,32 @@ def test_an_idle_engine_leaves_the_cores_alone():
         e.shutdown()
 
 
+class _Parked(engine.Engine):
+    """An engine thread that ends at once: queued work stays queued, with the engine free,
+    until a waiter runs it (`Handle.wait`). With a live engine thread, whether a claim finds
+    queued work or the thread already running it is up to the scheduler."""
+
+    def _loop(self) -> None:
+        return
+
+
 def test_a_name_is_refused_while_a_claim_holds_it():
     """The small allreduce's inline claim takes its name: another thread's submission of the
     same name is refused (ValueError), and a claim of a name that is queued is refused."""
-    e = engine.Engine("test-engine", 0, lambda: None, _no_settling)
+    e = _Parked("parked-engine", 0, lambda: None, _no_settling)
     try:
         assert e.claim_idle("held")
         with pytest.raises(ValueError, match="'held' is still in flight"):
             e.submit("held", lambda: None)
         e.release_idle()
         assert e.run("held", lambda: 3) == 3        # free again after the release
-        gate = threading.Event()
-        blocker = e.submit("blocker", gate.wait)
         queued = e.submit("queued", lambda: 4)
         with pytest.raises(ValueError, match="'queued' is still in flight"):
             e.claim_idle("queued")
-        gate.set()
-        blocker.wait()
-        assert queued.wait() == 4
+        assert not e.claim_idle("other")            # work is queued: no overtaking it
+        assert queued.wait() == 4                   # the waiter runs the queue
+        assert e.claim_idle("queued")               # and the name is free again
+        e.release_idle()
     finally:
         e.shutdown()
 
@@ -610,10 +619,9 @@ def test_settling_runs_the_agreed_names_first_and_requeues_the_rest():
             return [] if len(rounds) == 1 else ["c", "b"]     # nothing common at first
         return agree
 
+    gate, meets = threading.Event(), iter([True])
     e = engine.Engine("test-engine", 0, lambda: None, agreement)
     try:
-        gate, meets = threading.Event(), iter([True])
-
         def first():
             if next(meets, False):
                 raise engine.OutOfOrder()
@@ -630,16 +638,16 @@ def test_settling_runs_the_agreed_names_first_and_requeues_the_rest():
         assert order == ["c", "b", "a", "d"], order
         assert rounds[0][0] == "a" and set(rounds[1]) == {"a", "b", "c", "d"}, rounds
     finally:
+        gate.set()
         e.shutdown()
 
 
 def test_done_callbacks_run_once_and_a_waiter_gets_the_result():
     """add_done_callback runs each callback once, after the result is set (at once when the
     handle is done already); wait() returns it whichever thread ran the work."""
+    seen, gate = [], threading.Event()
     e = engine.Engine("test-engine", 0, lambda: None, _no_settling)
     try:
-        seen = []
-        gate = threading.Event()
         blocker = e.submit("blocker", gate.wait)
         handles = [e.submit(f"h{i}", lambda i=i: i * i) for i in range(5)]
         for h in handles:
@@ -651,6 +659,7 @@ def test_done_callbacks_run_once_and_a_waiter_gets_the_result():
         assert sorted(seen) == sorted([(f"h{i}", i * i) for i in range(5)] + [("late", 0)])
         assert all(h.done() for h in handles)
     finally:
+        gate.set()
         e.shutdown()
 
 
@@ -660,9 +669,9 @@ def test_a_done_callback_may_start_work_and_block_until_it_is_done():
     (torch's Future.wait(), as DDP's PowerSGD hook does): a new engine thread takes over the
     queue, and the old one ends after its callbacks. A callback that raises is reported, and
     the engine goes on."""
-    e = engine.Engine("test-engine", 0, lambda: None, _no_settling)
+    gate, inner_done, got = threading.Event(), threading.Event(), []
+    e = engine.Engine("callback-engine", 0, lambda: None, _no_settling)
     try:
-        gate, inner_done, got = threading.Event(), threading.Event(), []
         blocker = e.submit("blocker", gate.wait)    # "first" then runs on the engine thread
 
         def start_and_block(handle):
@@ -680,13 +689,14 @@ def test_a_done_callback_may_start_work_and_block_until_it_is_done():
             deadline = time.monotonic() + 30
             while not got and time.monotonic() < deadline:
                 time.sleep(0.01)
-        assert got == [("test-engine", 2)], "the callback's collective never ran"
+        assert got == [("callback-engine", 2)], "the callback's collective never ran"
         assert blocker.wait() and first.wait() == 1
         assert any("'first' raised ZeroDivisionError" in str(w.message) for w in caught)
         assert e.submit("after", lambda: 3).wait() == 3
         deadline = time.monotonic() + 30
-        while sum(t.name == "test-engine" for t in threading.enumerate()) > 1:
+        while sum(t.name == "callback-engine" for t in threading.enumerate()) > 1:
             assert time.monotonic() < deadline, "the old engine thread did not end"
             time.sleep(0.01)
     finally:
+        gate.set()
         e.shutdown()
