@@ -136,9 +136,9 @@ def test_sigterm_to_the_launcher_stops_the_job():
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     started, seen = False, []
+    watchdog = threading.Timer(60, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    watchdog.start()                # the readline loop below ends by then whatever happens
     try:
-        watchdog = threading.Timer(60, lambda: os.killpg(proc.pid, signal.SIGKILL))
-        watchdog.start()            # the readline loop below ends by then whatever happens
         for line in proc.stdout:
             seen.append(line)
             if line.startswith("PID rank 1"):
@@ -148,6 +148,7 @@ def test_sigterm_to_the_launcher_stops_the_job():
         proc.terminate()
         proc.wait(timeout=30)
     finally:
+        watchdog.cancel()           # (never fires into a later test)
         with contextlib.suppress(ProcessLookupError):   # the group: mpiexec and ranks too
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)

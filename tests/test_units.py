@@ -645,16 +645,24 @@ def test_settling_runs_the_agreed_names_first_and_requeues_the_rest():
 def test_done_callbacks_run_once_and_a_waiter_gets_the_result():
     """add_done_callback runs each callback once, after the result is set (at once when the
     handle is done already); wait() returns it whichever thread ran the work."""
-    seen, gate = [], threading.Event()
+    seen, gate, all_called = [], threading.Event(), threading.Event()
+
+    def note(h):
+        seen.append((h.name, h.wait()))
+        if len(seen) == 5:
+            all_called.set()
+
     e = engine.Engine("test-engine", 0, lambda: None, _no_settling)
     try:
         blocker = e.submit("blocker", gate.wait)
         handles = [e.submit(f"h{i}", lambda i=i: i * i) for i in range(5)]
         for h in handles:
-            h.add_done_callback(lambda h: seen.append((h.name, h.wait())))
+            h.add_done_callback(note)
         gate.set()
         blocker.wait()
         assert [h.wait() for h in handles] == [0, 1, 4, 9, 16]
+        # (a callback runs after its handle is done, when the engine thread lets go)
+        assert all_called.wait(30), f"only {seen} were called back"
         handles[0].add_done_callback(lambda h: seen.append(("late", h.wait())))
         assert sorted(seen) == sorted([(f"h{i}", i * i) for i in range(5)] + [("late", 0)])
         assert all(h.done() for h in handles)

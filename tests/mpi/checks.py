@@ -32,13 +32,16 @@ def expect(error: type, fragments: Union[str, Sequence[str]], fn: Callable, *arg
 
 
 def run_cases(cases: Sequence[Callable[[], None]], rank: int) -> None:
-    """Run every case, also after one fails; then fail naming each failed case and why."""
+    """Run every case, also after one fails; then fail naming each failed case and why. Each
+    failure is printed at once too: if it leaves the other ranks waiting in that case, the job
+    hangs until the test's timeout, and the output the test reports must still say why."""
     failures = []
     for case in cases:
         try:
             case()
         except Exception as e:      # an assertion, or an error the case did not expect
             failures.append(f"{case.__name__} (rank {rank}): {type(e).__name__}: {e}")
+            print(f"FAILED {failures[-1]}", flush=True)
     if failures:
         raise AssertionError("; ".join(failures))
 
@@ -66,6 +69,7 @@ def per_setting(argument: Optional[str], start: Callable[[], None], checks: Call
             checks()
         except AssertionError as e:
             failures.append(f"[{label}] {e}")
+            print(f"FAILED {failures[-1]}", flush=True)     # (as in run_cases)
         stop()
         for name in variables:
             del os.environ[name]
