@@ -91,7 +91,10 @@ def test_stopped_rank_is_reported_every_interval_and_the_job_recovers():
     assert all("collective #" in line and "allreduce 'round." in line for line in reports), \
         reports
     waited = [int(m.group(1)) for m in map(re.compile(r"has waited (\d+) s").search, reports)]
-    assert waited[:5] == [1, 2, 3, 4, 5], f"not one report per interval: {waited}"
+    # the k-th report at k s, or at most one more (a late look, rounded): an interval that
+    # stretched, or a report each look, falls outside
+    assert len(waited) >= 5 and all(k <= w <= k + 1 for k, w in enumerate(waited[:5], 1)), \
+        f"not one report per interval: {waited}"
     print(f"survived a {stopped_for:.0f} s stop with {len(reports)} stall reports")
 
 
