@@ -61,30 +61,35 @@ def final_digest(output):
 
 
 def test_killed_run_resumes_to_the_same_parameters(tmp_path):
-    """Two kills at different moments (a seeded random delay after the first checkpoint, a
-    random rank), each resumed to the end: the parameters of the run never killed."""
+    """Killed twice at different moments (a seeded random delay after a checkpoint, a random
+    rank): once in its first run, then again once its resumed run has written a checkpoint of
+    its own; resumed to the end, it has the parameters of the run never killed."""
     args = ["--epochs", "12", "--checkpoint-every", "5", "--no-reference"]
     clean = run_mpi(2, DEMO, *args, "--checkpoint-dir", str(tmp_path / "clean"), timeout=180)
     assert clean.returncode == 0, clean.output[-3000:]
     want = final_digest(clean.output)
-    for seed in (1, 2):
-        ckdir = tmp_path / f"killed-{seed}"
-        kill_after_first_checkpoint(args, ckdir, seed)
-        resumed = run_mpi(2, DEMO, *args, "--checkpoint-dir", str(ckdir), timeout=180)
-        assert resumed.returncode == 0, f"seed {seed}: {resumed.output[-3000:]}"
-        assert "resumed from" in resumed.output, f"seed {seed}"
-        assert final_digest(resumed.output) == want, f"seed {seed}"
+    ckdir = tmp_path / "killed"
+    assert "resumed from" not in kill_after_a_checkpoint(args, ckdir, seed=1)
+    assert "resumed from" in kill_after_a_checkpoint(args, ckdir, seed=2)
+    resumed = run_mpi(2, DEMO, *args, "--checkpoint-dir", str(ckdir), timeout=180)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert "resumed from" in resumed.output
+    assert final_digest(resumed.output) == want
 
 
-def kill_after_first_checkpoint(args, ckdir, seed):
+def kill_after_a_checkpoint(args, ckdir, seed):
+    """Start the run in `ckdir`, SIGKILL one of its ranks a random moment after it wrote a
+    checkpoint (a new file over any checkpoint from before); returns its output."""
+    checkpoint = ckdir / "checkpoint.pt"
+    before = checkpoint.stat().st_ino if checkpoint.exists() else None
     env = worker_env()
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     job = subprocess.Popen([mpiexec, "-n", "2", sys.executable, DEMO, *args, "--checkpoint-dir",
                             str(ckdir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           env=env, start_new_session=True)
+                           env=env, start_new_session=True, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not (ckdir / "checkpoint.pt").exists():
+        while not checkpoint.exists() or checkpoint.stat().st_ino == before:
             assert job.poll() is None and time.monotonic() < deadline, "no checkpoint written"
             time.sleep(0.01)
         time.sleep(random.Random(seed).uniform(0.0, 1.0))
@@ -93,8 +98,10 @@ def kill_after_first_checkpoint(args, ckdir, seed):
         ranks = [pid for pid in ranks if int(pid) != job.pid]
         assert ranks and job.poll() is None, "the run ended before it could be killed"
         os.kill(int(random.Random(seed).choice(ranks)), signal.SIGKILL)
-        job.wait(timeout=60)
+        output, _ = job.communicate(timeout=60)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
     assert job.returncode != 0, f"seed {seed}: the killed job exited 0"
+    return output
