@@ -9,6 +9,7 @@ MPI library and the override, the placement errors, and buckets that follow thei
 device.
 """
 import ast
+import json
 import os
 import shutil
 import subprocess
@@ -277,17 +278,21 @@ def test_the_real_mpi_library_answers():
     assert done.stdout.strip() == "(False, 'MPIX_Query_cuda_support()')"
 
 
-@pytest.mark.parametrize("setting,expected", [(None, "no, GPU buffers are staged"),
-                                              ("1", "yes, device buffers go straight"),
-                                              ("0", "no, GPU buffers are staged")])
-def test_init_logs_the_choice_once(setting, expected):
-    env = {} if setting is None else {"RINGREDUCE_CUDA_AWARE": setting}
-    result = run_mpi(1, "gpu_aware_check.py", env=env, timeout=60)
+def test_init_logs_the_choice_once():
+    """Each init() (one launch: an init per setting, a shutdown after each) logs its choice
+    once, and keeps it in the settings."""
+    expected = {None: "no, GPU buffers are staged", "1": "yes, device buffers go straight",
+                "0": "no, GPU buffers are staged"}
+    result = run_mpi(1, "gpu_aware_check.py", json.dumps(list(expected)), timeout=60)
     assert result.returncode == 0, result.output
-    lines = [line for line in result.output.splitlines() if "CUDA-aware MPI" in line]
-    assert len(lines) == 1 and expected in lines[0], result.output
-    assert ("MPIX_Query_cuda_support()" in lines[0]) == (setting is None)
-    assert f"setting {setting == '1'}" in result.output
+    inits = result.output.split("INIT with ")[1:]
+    assert len(inits) == len(expected), result.output
+    for (setting, want), output in zip(expected.items(), inits):
+        assert output.startswith(f"{setting}\n"), output
+        lines = [line for line in output.splitlines() if "CUDA-aware MPI" in line]
+        assert len(lines) == 1 and want in lines[0], (setting, output)
+        assert ("MPIX_Query_cuda_support()" in lines[0]) == (setting is None), (setting, output)
+        assert f"setting {setting == '1'}" in output, (setting, output)
 
 
 # ---------------------------------------------------------------- placement, without a device
