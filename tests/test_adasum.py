@@ -1,5 +1,6 @@
 """Adasum (ringreduce/adasum.py): the support check here; under a real mpiexec, the reduction
-against a NumPy reference of Horovod's tree, and the refusal of other rank counts."""
+against a NumPy reference of Horovod's tree, and the refusal of other rank counts (a
+sub-communicator of 3 at 4 ranks; through hvd.allreduce at 3 ranks in errors_check.py)."""
 import pytest
 import torch
 
@@ -11,10 +12,6 @@ from ringreduce.errors import HorovodInternalError
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_adasum_matches_horovods_tree_and_is_identical_on_every_rank(n):
     run_ok(n, "adasum_check.py", timeout=120)
-
-
-def test_adasum_refuses_three_ranks_on_every_rank_before_any_traffic():
-    run_ok(3, "adasum_check.py", timeout=120)
 
 
 @pytest.mark.parametrize("size", [1, 2, 4, 8, 1024])

@@ -64,8 +64,3 @@ def test_stall_shutdown_aborts_the_job():
 def test_engine_thread_error_reaches_step_with_its_cause(n):
     result = run_ok(n, "fault_check.py", "engine_error", "0", timeout=60)
     assert "CAUGHT RingReduceError" in result.output
-
-
-@pytest.mark.parametrize("n", [1, 3])
-def test_consistency_check_names_the_diverged_tensor(n):
-    run_ok(n, "consistency_check.py", timeout=90)

@@ -5,8 +5,9 @@ element, lengths that split unevenly, a buffer shorter than the rank count) in f
 and float64 against the reference; the closed forms (parallel equal vectors give the vector,
 parallel multiples their mean, orthogonal ones their exact sum, zero and tiny vectors add);
 every result bitwise identical across ranks; scratch bounded; halves of the world as
-sub-communicators. On any other rank count: NotImplementedError before any traffic. Every rank
-knows every rank's input (seeded by rank), so each builds the reference itself.
+sub-communicators, and at 4 ranks a sub-communicator of 3, refused with NotImplementedError
+before any traffic. (The refusal through hvd.allreduce at 3 ranks: errors_check.py.) Every
+rank knows every rank's input (seeded by rank), so each builds the reference itself.
 """
 import numpy as np
 import torch
@@ -223,15 +224,12 @@ def refuse_rank_count(comm):
         raise AssertionError(f"Adasum ran on {size} ranks")
 
 
-if n & (n - 1) == 0:
-    assert adasum.why_unsupported(n, torch.float32) is None
-    check_fused_buffers_against_the_reference()
-    check_closed_forms()
-    check_tiny_beside_large_and_mixed_cases_fused()
-    check_scratch_stays_small()
-    check_halves_as_sub_communicators()
-    check_dtype_and_argument_errors()
-else:
-    refuse_rank_count(world)
-    world.Barrier()          # nobody sent anything, so nothing is left in flight
+assert n & (n - 1) == 0, f"run on a power-of-two number of ranks, not {n}"
+assert adasum.why_unsupported(n, torch.float32) is None
+check_fused_buffers_against_the_reference()
+check_closed_forms()
+check_tiny_beside_large_and_mixed_cases_fused()
+check_scratch_stays_small()
+check_halves_as_sub_communicators()
+check_dtype_and_argument_errors()
 print(f"OK rank {r}", flush=True)
