@@ -58,9 +58,3 @@ def test_stall_shutdown_aborts_the_job():
     assert result.seconds < 30, f"took {result.seconds:.1f}s to exit"
     assert "Shutting the job down after 3 s" in result.output
     assert "which ranks [1] have not submitted" in result.output
-
-
-@pytest.mark.parametrize("n", [1, 2])
-def test_engine_thread_error_reaches_step_with_its_cause(n):
-    result = run_ok(n, "fault_check.py", "engine_error", "0", timeout=60)
-    assert "CAUGHT RingReduceError" in result.output

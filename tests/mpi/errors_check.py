@@ -6,6 +6,7 @@ import torch.nn as nn
 
 import ringreduce as hvd
 from checks import expect
+from ringreduce.transport import Transport
 
 try:
     hvd.allreduce(torch.ones(3))
@@ -197,6 +198,29 @@ for error in (KeyboardInterrupt, MemoryError, SystemExit):
         assert torch.equal(hvd.synchronize(handle), torch.full((4,), float(n))), error
     assert torch.equal(hvd.allreduce_async(torch.ones(2), op=hvd.Sum).wait(),
                        torch.full((2,), float(n))), f"engine unusable after {error.__name__}"
+
+
+# A failure inside the engine thread's reduction on every rank (MPI's, say) reaches
+# DistributedOptimizer.step() as a RingReduceError naming the bucket, its cause chained; then
+# the job goes on.
+def broken_reduce(*args, **kwargs):
+    raise OSError("injected failure inside the engine thread")
+
+
+layer = torch.nn.Linear(8, 2)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1),
+                               named_parameters=layer.named_parameters())
+layer(torch.ones(4, 8)).sum().backward()
+working_reduce, Transport.allreduce = Transport.allreduce, broken_reduce
+try:
+    opt.step()
+    raise AssertionError("step() did not raise")
+except hvd.RingReduceError as e:
+    assert isinstance(e.__cause__, OSError), repr(e.__cause__)
+    assert "bucket.0" in str(e) and "injected failure inside the engine" in str(e), e
+finally:
+    Transport.allreduce = working_reduce
+assert torch.equal(hvd.allreduce(torch.ones(3), op=hvd.Sum), torch.full((3,), float(n)))
 
 # Empty and 0-d tensors give correct results in every collective.
 assert hvd.allreduce(torch.ones(0, 3)).shape == (0, 3)
