@@ -1,11 +1,10 @@
 """Elastic training (`hvd.elastic`, Horovod's API) at N ranks under a real mpiexec.
 
-python elastic_check.py [all | resets | kill]
+python elastic_check.py [all | kill]
   all:    the ElasticSampler's exact indices, state sync from rank 0, commit/restore round
           trips, ObjectState, host updates, a training run with injected failures that must end
-          bitwise equal to an uninterrupted one, and the resets below.
-  resets: resets with plain collectives only (no optimizer, whose first import is slow): one
-          rank failing alone, and the reset limit. For the other data paths.
+          bitwise equal to an uninterrupted one; then resets with plain collectives only (one
+          rank failing alone), and the reset limit.
   kill:   a rank killed inside an elastic run must still end the job (no fault-tolerant MPI).
 """
 import copy
@@ -382,10 +381,9 @@ def check_killed_rank_ends_the_job():
     raise AssertionError("training went on after a rank was killed")
 
 
-RESETS = (check_lone_failure_with_plain_collectives, check_reset_limit)
 CHECKS = {"all": (check_sampler, check_sync_and_round_trip, check_object_state,
-                  check_host_updates, check_training_with_failures) + RESETS,
-          "resets": RESETS,
+                  check_host_updates, check_training_with_failures,
+                  check_lone_failure_with_plain_collectives, check_reset_limit),
           "kill": (check_killed_rank_ends_the_job,)}
 for check in CHECKS[(sys.argv[1:] or ["all"])[0]]:
     check()
