@@ -210,9 +210,9 @@ def broken_reduce(*args, **kwargs):
 layer = torch.nn.Linear(8, 2)
 opt = hvd.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1),
                                named_parameters=layer.named_parameters())
-layer(torch.ones(4, 8)).sum().backward()
 working_reduce, Transport.allreduce = Transport.allreduce, broken_reduce
 try:
+    layer(torch.ones(4, 8)).sum().backward()    # (the bucket starts here, in its hook)
     opt.step()
     raise AssertionError("step() did not raise")
 except hvd.RingReduceError as e:
