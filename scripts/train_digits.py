@@ -13,6 +13,7 @@ rerun of the same command resumes from it: the final parameters equal those of a
 uninterrupted run, bit for bit. The data set ships inside scikit-learn: no download.
 """
 import argparse
+import functools
 import hashlib
 import os
 import time
@@ -124,7 +125,7 @@ def main():
     rank, size = hvd.rank(), hvd.size()
     if args.batch_size % size:
         raise SystemExit(f"--batch-size {args.batch_size} must divide by the {size} ranks")
-    say = print if rank == 0 else None
+    say = functools.partial(print, flush=True) if rank == 0 else None   # (lines as they come)
     if say:
         say(f"ringreduce: {size} ranks, global batch {args.batch_size} "
             f"({args.batch_size // size} per rank), {args.epochs} epochs on sklearn digits")
