@@ -2,7 +2,6 @@
 hangs, inputs are untouched, and the job is still usable afterwards. Then check_consistency
 and the optimizer's per-step consistency check."""
 import torch
-import torch.nn as nn
 
 import ringreduce as hvd
 from checks import expect
@@ -240,7 +239,8 @@ hvd.barrier()
 hvd.shutdown()
 hvd.init(consistency_check_steps=2)
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4),
+                            torch.nn.Linear(4, 2))
 hvd.check_consistency(model)
 hvd.check_consistency(model.state_dict())
 hvd.check_consistency([torch.ones(3), torch.zeros(2)])
