@@ -399,9 +399,10 @@ def _on_our_stream(array: Any) -> Iterator[torch.cuda.Stream]:
 
 def reduce_in_device_memory(array: Any, dtype: torch.dtype, op: ReduceOp, prescale: float,
                             postscale: float, comm: Any, small_bytes: int, segment_bytes: int,
-                            scratch: DeviceScratch) -> None:
+                            scratch: DeviceScratch, wait: ring.Wait) -> None:
     """CUDA-aware MPI (or a set of one): the same ring as on the CPU (the gather up to
-    `small_bytes`), on device memory, reducing on the GPU; returns with the result there."""
+    `small_bytes`), on device memory, reducing on the GPU; returns with the result there.
+    `wait` waits for one MPI request (the stall watch's)."""
     with _on_our_stream(array) as stream:
         _scale(array, dtype, prescale)
 
@@ -417,13 +418,14 @@ def reduce_in_device_memory(array: Any, dtype: torch.dtype, op: ReduceOp, presca
         if array.nbytes <= small_bytes:
             gathered = scratch.device(array.device.id, "gather", array.dtype,
                                       comm.size * array.size)
-            ring.gather_allreduce(comm, array, reduce, gathered.reshape(comm.size, -1), finish)
+            ring.gather_allreduce(comm, array, reduce, gathered.reshape(comm.size, -1), wait,
+                                  finish)
             return
         segment = max(1, segment_bytes // array.itemsize)
         bounds = ring.chunk_bounds(ring.balanced_counts(array.size, comm.size))
         segments = scratch.device(array.device.id, "ring", array.dtype,
                                   ring.scratch_elements(bounds, segment))
-        ring.ring_allreduce(comm, array, reduce, segments, segment, finish)
+        ring.ring_allreduce(comm, array, reduce, segments, segment, wait, finish)
 
 
 def reduce_staged(array: Any, host: Callable[[np.ndarray], None],

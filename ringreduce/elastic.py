@@ -15,7 +15,9 @@ How a reset differs from Horovod's, and why:
   after every collective each rank had queued; then each `DistributedOptimizer` in the state
   forgets the step it had begun. An error that reaches Python leaves ringreduce's
   communicators usable (a `MismatchError` is raised on every rank before any data moves); an
-  MPI failure from a dead peer ends the job anyway.
+  MPI failure from a dead peer ends the job anyway. A failure inside a collective's exchange
+  on some rank shuts the set down on every member (stall.py): the reset's own collective then
+  raises that `ShutDownError` on every rank, out of the decorated function.
 - A rank that failed alone still resets with the others: while its agreement is pending, each
   collective the others run fails with `MismatchError` naming it (negotiation.RESET), so they
   reset too. (If they have left the function already, it waits there, and the stall report

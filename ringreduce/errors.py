@@ -18,7 +18,9 @@ class NotInitializedError(RingReduceError, ValueError):
 class ShutDownError(RingReduceError):
     """A member of the process set shut down (ringreduce.shutdown(), or the end of its script)
     while this rank waited in a collective with it, or before this rank started one: it could
-    never complete. Names the rank that left and the collective."""
+    never complete. Names the rank that left and the collective. Also raised on every member
+    once one has failed inside a collective (its traffic is out of step then), until
+    shutdown() and init()."""
 
 
 class JoinedError(RingReduceError):

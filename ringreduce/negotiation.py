@@ -25,7 +25,7 @@ import numpy as np
 
 from .crossnode import BetweenNodes
 from .engine import Agreement, OutOfOrder
-from .errors import MismatchError
+from .errors import JoinedError, MismatchError, ShutDownError
 from .shm import NodeWindow
 from .signature import Signature, describe_mismatch, digest
 from .stall import StallWatch
@@ -50,6 +50,12 @@ class PeersJoined(Exception):
     def __init__(self, ranks: list[int]) -> None:
         super().__init__(f"set ranks {ranks} have joined")
         self.ranks = ranks
+
+
+# What a collective raises on every member alike (or hands on as control flow), so that no
+# member is left waiting: every other failure inside a collective is told to the members
+# (StallWatch.failed).
+AGREED = (MismatchError, JoinedError, ShutDownError, PeersJoined, OutOfOrder)
 
 
 class Negotiator:

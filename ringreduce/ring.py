@@ -10,7 +10,9 @@ The small-message path (latency-optimal) gathers every rank's buffer in one MPI 
 reduces the rows in rank order, identically on every rank.
 
 Buffers are NumPy or CuPy arrays; mpi4py takes either, and the `reduce` kernel decides where
-the arithmetic runs. `scratch` is caller-owned, so nothing is allocated here per call.
+the arithmetic runs. `scratch` is caller-owned, so nothing is allocated here per call. `wait`
+waits for one MPI request: the caller's stall watch, so that a peer that stalls, leaves or
+fails inside the ring is reported, not waited for in silence.
 
 Out of place (`source` given), the ring reads our input where it first needs it: the first
 send, and the local operand of each chunk's one local reduction (the reduce-scatter reduces
@@ -22,8 +24,12 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Sequence
 
 Kernel = Callable[..., None]    # (target, arrived[, mine]): target = (mine or target) op arrived
+Wait = Callable[[Any], None]    # (request): returns once it is complete
 Bounds = Sequence[tuple[int, int]]
 TAG = 7
+# Requests a failed ring left pending (a peer left or failed, see stall.py): MPI may still read
+# or write their buffers, which these references keep alive for the life of the process.
+ABANDONED: list[Any] = []
 
 
 def chunk_bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
@@ -48,7 +54,7 @@ def scratch_elements(bounds: Bounds, segment: int) -> int:
 
 
 def reduce_scatter(comm: Any, buf: Any, bounds: Bounds, reduce: Kernel, scratch: Any,
-                   segment: int, source: Any = None) -> None:
+                   segment: int, wait: Wait, source: Any = None) -> None:
     """Ring reduce-scatter: afterwards buf[bounds[r]] on rank r holds the reduction over ranks
     (of `source`'s values when given, else of buf's own).
 
@@ -63,11 +69,11 @@ def reduce_scatter(comm: Any, buf: Any, bounds: Bounds, reduce: Kernel, scratch:
         recv_lo, recv_hi = bounds[(r - s - 2) % n]
         sent = source if source is not None and s == 0 else buf
         _exchange_and_reduce(comm, sent[send_lo:send_hi], buf[recv_lo:recv_hi], reduce, scratch,
-                             segment, left, right,
+                             segment, left, right, wait,
                              None if source is None else source[recv_lo:recv_hi])
 
 
-def allgather(comm: Any, buf: Any, bounds: Bounds) -> None:
+def allgather(comm: Any, buf: Any, bounds: Bounds, wait: Wait) -> None:
     """Ring allgather: rank r holds finished chunk r; afterwards every rank holds all chunks."""
     n, r = comm.size, comm.rank
     right, left = (r + 1) % n, (r - 1) % n
@@ -75,11 +81,16 @@ def allgather(comm: Any, buf: Any, bounds: Bounds) -> None:
         send_lo, send_hi = bounds[(r - s) % n]
         recv_lo, recv_hi = bounds[(r - s - 1) % n]
         recv = comm.Irecv(buf[recv_lo:recv_hi], source=left, tag=TAG)
-        comm.Send(buf[send_lo:send_hi], dest=right, tag=TAG)
-        recv.Wait()
+        send = comm.Isend(buf[send_lo:send_hi], dest=right, tag=TAG)
+        try:
+            wait(send)
+            wait(recv)
+        except BaseException:
+            ABANDONED.extend((send, recv))
+            raise
 
 
-def ring_allreduce(comm: Any, buf: Any, reduce: Kernel, scratch: Any, segment: int,
+def ring_allreduce(comm: Any, buf: Any, reduce: Kernel, scratch: Any, segment: int, wait: Wait,
                    finish: Optional[Callable[[Any], None]] = None, source: Any = None) -> None:
     """Allreduce of flat `buf`, in place, or of `source` into `buf` (same length, not
     overlapping; `reduce` then takes the third operand). `finish(chunk)` runs on each rank's
@@ -88,18 +99,18 @@ def ring_allreduce(comm: Any, buf: Any, reduce: Kernel, scratch: Any, segment: i
     bounds = chunk_bounds(balanced_counts(len(buf), comm.size))
     if comm.size == 1 and source is not None:
         buf[...] = source
-    reduce_scatter(comm, buf, bounds, reduce, scratch, segment, source)
+    reduce_scatter(comm, buf, bounds, reduce, scratch, segment, wait, source)
     if finish is not None:
         lo, hi = bounds[comm.rank]
         finish(buf[lo:hi])
-    allgather(comm, buf, bounds)
+    allgather(comm, buf, bounds, wait)
 
 
-def gather_allreduce(comm: Any, buf: Any, reduce: Kernel, gathered: Any,
+def gather_allreduce(comm: Any, buf: Any, reduce: Kernel, gathered: Any, wait: Wait,
                      finish: Optional[Callable[[Any], None]] = None) -> None:
     """Small-message allreduce: one MPI Allgather into `gathered` (ranks x len), then every rank
     reduces the rows in rank order, so all ranks compute the same bits."""
-    comm.Allgather(buf, gathered)
+    wait(comm.Iallgather(buf, gathered))
     buf[...] = gathered[0]
     for row in range(1, comm.size):
         reduce(buf, gathered[row])
@@ -108,7 +119,8 @@ def gather_allreduce(comm: Any, buf: Any, reduce: Kernel, gathered: Any,
 
 
 def _exchange_and_reduce(comm: Any, send: Any, target: Any, reduce: Kernel, scratch: Any,
-                         segment: int, left: int, right: int, mine: Any = None) -> None:
+                         segment: int, left: int, right: int, wait: Wait,
+                         mine: Any = None) -> None:
     """Send `send` right and reduce what arrives from the left into `target` (with `mine` as
     our operand when given, else target's own values), segment by segment, with the receive of
     the next segment in flight while the current one is reduced. Both sides cut a chunk into
@@ -123,14 +135,18 @@ def _exchange_and_reduce(comm: Any, send: Any, target: Any, reduce: Kernel, scra
         return comm.Irecv(slots[k % 2][:min(segment, len(target) - off)], source=left, tag=TAG)
 
     pending = post(0) if len(offsets) else None
-    for k, off in enumerate(offsets):
-        pending.Wait()
-        arrived = slots[k % 2][:min(segment, len(target) - off)]
-        if k + 1 < len(offsets):
-            pending = post(k + 1)
-        if mine is None:
-            reduce(target[off:off + len(arrived)], arrived)
-        else:
-            reduce(target[off:off + len(arrived)], arrived, mine[off:off + len(arrived)])
-    for request in sends:
-        request.Wait()
+    try:
+        for k, off in enumerate(offsets):
+            wait(pending)
+            arrived = slots[k % 2][:min(segment, len(target) - off)]
+            if k + 1 < len(offsets):
+                pending = post(k + 1)
+            if mine is None:
+                reduce(target[off:off + len(arrived)], arrived)
+            else:
+                reduce(target[off:off + len(arrived)], arrived, mine[off:off + len(arrived)])
+        for request in sends:
+            wait(request)
+    except BaseException:
+        ABANDONED.extend(sends + ([pending] if pending is not None else []))
+        raise

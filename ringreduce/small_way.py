@@ -20,7 +20,7 @@ from . import _native, timeline
 from .buffers import CODES, NAMES
 from .engine import Handle, OutOfOrder
 from .kernels import ReduceOp
-from .negotiation import PeersJoined
+from .negotiation import AGREED, PeersJoined
 from .reduce_spec import ReduceSpec
 from .stall import StallWatch
 from .ways import Way
@@ -99,6 +99,11 @@ class SmallWay:
                 self._explain(lambda: make_spec().describe())
         except PeersJoined:
             self._after_joins(tensor, tensor, make_spec())
+        except AGREED:
+            raise
+        except BaseException as error:      # the peers may wait on us: tell them (transport.py)
+            self._watch.failed(error)
+            raise
         return tensor
 
     def allreduce(self, src: torch.Tensor, in_place: bool, code: int, op: ReduceOp,
@@ -126,6 +131,11 @@ class SmallWay:
             if not in_place and made is None:
                 made = torch.empty_like(src)
             self._after_joins(src, src if in_place else made, make_spec())
+        except AGREED:
+            raise
+        except BaseException as error:      # the peers may wait on us: tell them (transport.py)
+            self._watch.failed(error)
+            raise
         return src if in_place else made
 
 

@@ -7,6 +7,13 @@ reached the collective and the last one they did reach, again every interval for
 stall lasts; after `stall_shutdown_time` it hands that message to its `on_shutdown` (which ends
 the job). A member that shuts down says goodbye to the others (a small message on the set's
 communicator); a rank waiting in a collective, or starting one, raises ShutDownError naming it.
+
+A member whose collective fails in a way its peers cannot see (an allocation, a kernel, MPI, an
+interrupt: anything but the errors every member raises alike) tells them so, the same way. Its
+peers may be waiting on messages it will never send, and it may have left messages and receives
+of its own behind that would pair with the next collective's: the set's traffic is out of step.
+So the set is shut down on every member, each raising ShutDownError naming the rank that failed
+and why, now if it waits in a collective, else at its next; shutdown() and init() start afresh.
 """
 from __future__ import annotations
 
@@ -30,6 +37,9 @@ _JOINED_COUNT = 1 << 62  # what a joined rank publishes on the progress board
 _READ_SECONDS = 2.0      # how long a stall report waits for the members' counts (at most
                          # half the check interval, so that reports keep their interval)
 GOODBYE_TAG = 31
+_ABANDONED: list[Any] = []      # requests left pending by an error (see wait_request)
+FAILED_TAG = 32
+_FAILURE_CHARACTERS = 400   # of the cause, in the message that tells the peers
 
 
 class ProgressBoard:
@@ -76,12 +86,14 @@ class ProgressBoard:
 
 
 class Departures:
-    """Which members have shut down. A member leaving says goodbye to every other member;
-    the others notice it whenever they look (while waiting, and before each collective)."""
+    """Which members have shut down, and which have failed in a collective. A member leaving
+    says goodbye to every other member, one failing says why; the others notice it whenever
+    they look (while waiting, and before each collective)."""
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm
         self.gone: set[int] = set()          # set ranks
+        self.failures: dict[int, str] = {}   # set rank -> what failed there, and why
         self._token = np.array([comm.rank], dtype=np.int64)
         self._received = np.zeros(1, dtype=np.int64)
 
@@ -90,21 +102,34 @@ class Departures:
                     for r in range(self.comm.size) if r != self.comm.rank]
         mpi().Request.Waitall(requests)
 
-    def look(self) -> set[int]:
-        """Receive every goodbye that has arrived; returns all members gone so far."""
+    def announce_failure(self, what: str) -> None:
+        """Record this member's own failure and tell every other member (a short text each)."""
+        self.failures[self.comm.rank] = what
+        requests = [self.comm.isend(what, dest=r, tag=FAILED_TAG)
+                    for r in range(self.comm.size) if r != self.comm.rank]
+        mpi().Request.Waitall(requests)
+
+    def look(self) -> bool:
+        """Receive every goodbye and failure that has arrived; True if any member has left or
+        failed so far."""
         MPI = mpi()
         status = MPI.Status()
         while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=GOODBYE_TAG, status=status):
             self.comm.Recv(self._received, source=status.Get_source(), tag=GOODBYE_TAG)
             self.gone.add(int(self._received[0]))
-        return self.gone
+        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=FAILED_TAG, status=status):
+            source = status.Get_source()
+            self.failures[source] = self.comm.recv(source=source, tag=FAILED_TAG)
+        return bool(self.gone or self.failures)
 
     def wait_for_everyone(self) -> None:
         """Until every other member has said goodbye too (at shut-down, before the frees that
         are collective)."""
         others = self.comm.size - 1
-        while len(self.look()) < others:
+        self.look()
+        while len(self.gone) < others:
             time.sleep(0.001)
+            self.look()
 
 
 class StallWatch:
@@ -151,8 +176,28 @@ class StallWatch:
         self._recent_counts[slot], self._recent_labels[slot] = begun, label
         if self._published is not None:
             self._published[0] = begun      # the board's publish(), inline: the hot path
-        if self.departures.gone:
-            raise ShutDownError(self._departed(self.departures.gone))
+        if self.departures.gone or self.departures.failures:
+            raise ShutDownError(self._departed())
+
+    def failed(self, error: BaseException) -> None:
+        """This member's collective #begun failed where the others may wait on it: tell them
+        (see the module's docstring). Once is enough: the set is shut down from then on."""
+        if self.departures.failures or self.comm.size == 1:
+            return      # told already; or no member could be out of step with this one
+        cause = f"{type(error).__name__}: {error}"
+        if len(cause) > _FAILURE_CHARACTERS:
+            cause = cause[:_FAILURE_CHARACTERS] + " ..."
+        self.departures.announce_failure(
+            f"collective #{self.begun} {self._name(self.begun)}".rstrip() + f" ({cause})")
+
+    def wait_request(self, request: Any) -> None:
+        """Wait for one MPI request, as `wait` does (reports, departures, failures). One left
+        pending by an error is kept, and with it its buffers, which MPI may still use."""
+        try:
+            self.wait(request.Test)
+        except BaseException:
+            _ABANDONED.append(request)
+            raise
 
     def wait(self, done: Callable[[], bool]) -> None:
         """Wait until `done()` without hogging the core; report stalls every interval while
@@ -178,7 +223,7 @@ class StallWatch:
             if now >= next_look:
                 next_look = now + _GOODBYE_EVERY
                 if self.departures.look():
-                    raise ShutDownError(self._departed(self.departures.gone))
+                    raise ShutDownError(self._departed())
             if now >= shutdown_at:
                 self.on_shutdown(f"{self.describe(now - start)} Shutting the job down after "
                                  f"{self.shutdown_time:g} s (RINGREDUCE_STALL_SHUTDOWN_TIME).")
@@ -192,14 +237,21 @@ class StallWatch:
         slot = count % _REMEMBERED
         return self._recent_labels[slot] if self._recent_counts[slot] == count else ""
 
-    def _departed(self, gone: set[int]) -> str:
-        names = sorted(self.ranks[r] for r in gone)
+    def _departed(self) -> str:
+        me = self.comm.rank
+        head = (f"ringreduce: rank {self.ranks[me]}: collective #{self.begun} "
+                f"{self._name(self.begun)}{self.where} cannot complete: ")
+        if self.departures.failures:
+            failed, what = min(self.departures.failures.items())
+            who = "this rank" if failed == me else f"rank {self.ranks[failed]}"
+            return (head + f"{who} failed in its {what}, so the members' messages are out of "
+                    f"step, and ringreduce{self.where or ' in this job'} is shut down. Call "
+                    "ringreduce.shutdown() and init() on every rank to go on.")
+        names = sorted(self.ranks[r] for r in self.departures.gone)
         who = f"rank {names[0]}" if len(names) == 1 else f"ranks {names}"
-        return (f"ringreduce: rank {self.ranks[self.comm.rank]}: collective #{self.begun} "
-                f"{self._name(self.begun)}{self.where} cannot complete: {who} shut down "
-                "(ringreduce.shutdown(), or the end of its script) without it. Every rank must "
-                "run the same collectives: let the ranks finish together, or use join() for "
-                "uneven data.")
+        return (head + f"{who} shut down (ringreduce.shutdown(), or the end of its script) "
+                "without it. Every rank must run the same collectives: let the ranks finish "
+                "together, or use join() for uneven data.")
 
     def describe(self, waited: float) -> str:
         where = (f"ringreduce: stall: rank {self.ranks[self.comm.rank]} has waited {waited:.0f} s "

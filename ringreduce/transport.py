@@ -8,13 +8,18 @@ way's fast path (`Transport.small`, small_way.py).
 
 The other collectives have one way each, over MPI, after the same signature check
 (negotiation.py). Every collective begins in the set's stall watch, which names the collective
-if the set stalls in it. Where some members have joined (`join()`), an allreduce meets them in
-a join round and runs with their zeros, the others raise JoinedError (joining.py).
+if the set stalls in it, and waits for MPI there (nonblocking calls), so that a member that
+leaves or fails meanwhile is noticed. A failure of this member's own inside a collective, other
+than the errors every member raises alike, is told to the members first (`_telling`). Where
+some members have joined (`join()`), an allreduce meets them in a join round and runs with
+their zeros, the others raise JoinedError (joining.py).
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Callable, Optional, Sequence
+import pickle
+from typing import Any, Callable, Optional, Sequence, TypeVar, cast
 
 import numpy as np
 import torch
@@ -22,9 +27,9 @@ import torch
 from . import crossnode, cuda, kernels, ring
 from .buffers import as_array, as_tensor, fresh
 from .config import Settings
-from .errors import RingReduceError
+from .errors import MismatchError, RingReduceError
 from .joining import JoinRounds
-from .negotiation import Negotiator, PeersJoined
+from .negotiation import AGREED, Negotiator, PeersJoined
 from .reduce_spec import ReduceSpec
 from .scratch import ScratchPool
 from .shm import NodeWindow
@@ -32,6 +37,24 @@ from .signature import Signature, label
 from .small_way import SmallWay
 from .stall import StallWatch
 from .ways import SetParts, Way, allreduce_ways
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def _telling(method: Method) -> Method:
+    """A collective of the set; a failure of this member's own (anything but negotiation's
+    AGREED) is told to the members before it is raised (StallWatch.failed): they may be waiting
+    on this member, and the set's traffic is out of step."""
+    @functools.wraps(method)
+    def told(self: "Transport", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except AGREED:
+            raise
+        except BaseException as error:
+            self.watch.failed(error)
+            raise
+    return cast(Method, told)
 
 
 class Transport:
@@ -72,6 +95,7 @@ class Transport:
 
     # ------------------------------------------------------------------ allreduce
 
+    @_telling
     def allreduce(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
         """Allreduce `src` into `dst` (the same tensor, or a contiguous one of its size and
         dtype on its device); `dst` is written only once the signatures agree."""
@@ -103,6 +127,7 @@ class Transport:
 
     # ------------------------------------------------------------------ join
 
+    @_telling
     def join(self, device: Optional[torch.device]) -> int:
         """This member has run out of data (joining.py); returns the set rank that joined
         last."""
@@ -113,6 +138,7 @@ class Transport:
     def _begin(self, signature: Signature) -> None:
         self.watch.begin(label(signature))
 
+    @_telling
     def check(self, signature: Signature, per_rank: int = 0,
               precomputed: Optional[int] = None) -> np.ndarray:
         """The signature check of a collective other than an allreduce; returns every
@@ -123,32 +149,38 @@ class Transport:
         except PeersJoined as joined:
             self.joins.refuse(signature, joined)
 
+    @_telling
     def allgather(self, tensor: torch.Tensor, signature: Signature) -> torch.Tensor:
         """Every member's `tensor` concatenated along dimension 0 (which may differ)."""
         firsts = self.check(signature, per_rank=tensor.shape[0])
         out = fresh((int(firsts.sum()), *tensor.shape[1:]), tensor.dtype, tensor.device)
         row = math.prod(tensor.shape[1:])
-        self.comm.Allgatherv(as_array(tensor), [as_array(out), (firsts * row).tolist()])
+        self.watch.wait_request(self.comm.Iallgatherv(
+            as_array(tensor), [as_array(out), (firsts * row).tolist()]))
         return out
 
+    @_telling
     def broadcast(self, tensor: torch.Tensor, root: int, signature: Signature) -> None:
         """Set member `root`'s `tensor` into every member's, in place."""
         self.check(signature)
-        self.comm.Bcast(as_array(tensor), root=root)
+        self.watch.wait_request(self.comm.Ibcast(as_array(tensor), root=root))
 
+    @_telling
     def alltoall(self, tensor: torch.Tensor, send_splits: np.ndarray,
                  signature: Signature) -> tuple[torch.Tensor, np.ndarray]:
         """Rows `send_splits[i]` of `tensor` to member i; returns what arrived, in member
         order, and how many rows came from each."""
         self.check(signature)
         recv_splits = np.empty(self.size, dtype=np.int64)
-        self.comm.Alltoall(send_splits, recv_splits)
+        self.watch.wait_request(self.comm.Ialltoall(send_splits, recv_splits))
         out = fresh((int(recv_splits.sum()), *tensor.shape[1:]), tensor.dtype, tensor.device)
         row = math.prod(tensor.shape[1:])
-        self.comm.Alltoallv([as_array(tensor), (send_splits * row).tolist()],
-                            [as_array(out), (recv_splits * row).tolist()])
+        self.watch.wait_request(self.comm.Ialltoallv(
+            [as_array(tensor), (send_splits * row).tolist()],
+            [as_array(out), (recv_splits * row).tolist()]))
         return out, recv_splits
 
+    @_telling
     def reducescatter(self, array: np.ndarray, bounds: Sequence[tuple[int, int]],
                       spec: ReduceSpec) -> None:
         """Reduce `array` (ours to overwrite) so that this member's chunk `bounds[rank]` holds
@@ -159,10 +191,11 @@ class Transport:
             segment = max(1, self.settings.segment_bytes // array.itemsize)
             scratch = self.scratch.get("ring", array.dtype, ring.scratch_elements(bounds, segment))
             ring.reduce_scatter(self.comm, array, bounds, kernels.reducer(spec.dtype, spec.op),
-                                scratch, segment)
+                                scratch, segment, self.watch.wait_request)
         lo, hi = bounds[self.comm.rank]
         kernels.finish(array[lo:hi], spec.dtype, self.parts.divisor(spec.op), spec.postscale)
 
+    @_telling
     def barrier(self, signature: Signature) -> None:
         """Every member here; while some have joined, the join round itself is the barrier."""
         self._begin(signature)
@@ -171,12 +204,61 @@ class Transport:
         except PeersJoined:
             self.joins.round(("barrier", signature, None))
             return
-        self.comm.Barrier()
+        self.watch.wait_request(self.comm.Ibarrier())
 
     def broadcast_object(self, obj: Any, root: int, signature: Signature) -> Any:
-        self.check(signature)
-        return self.comm.bcast(obj if self.comm.rank == root else None, root=root)
+        """Member `root`'s `obj` on every member: the root's own object there (as Horovod
+        returns it), an unpickled copy on the others. A root that cannot pickle `obj` says so
+        in its signature: every member then raises the same MismatchError, quoting it."""
+        payload = self._broadcast_pickled(obj, root, signature)
+        return obj if self.comm.rank == root else pickle.loads(payload)
 
     def allgather_object(self, obj: Any, signature: Signature) -> list:
-        self.check(signature)
-        return self.comm.allgather(obj)
+        """Every member's `obj`, unpickled, in set rank order. A member that cannot pickle its
+        `obj` says so as `broadcast_object`'s root does."""
+        return [pickle.loads(payload) for payload in self._allgather_pickled(obj, signature)]
+
+    # (unpickling comes after the collective: a failure there is this member's own)
+
+    @_telling
+    def _broadcast_pickled(self, obj: Any, root: int, signature: Signature) -> bytearray:
+        payload, refused = b"", None
+        if self.comm.rank == root:
+            payload, refused, signature = _pickled(obj, signature)
+        lengths = self._check_refusable(signature, len(payload), refused)
+        buf = bytearray(payload) if self.comm.rank == root else bytearray(int(lengths[root]))
+        if self.size > 1 and buf:
+            self.watch.wait_request(self.comm.Ibcast(buf, root=root))
+        return buf
+
+    @_telling
+    def _allgather_pickled(self, obj: Any, signature: Signature) -> list[bytes]:
+        payload, refused, signature = _pickled(obj, signature)
+        lengths = self._check_refusable(signature, len(payload), refused)
+        everyone = np.empty(int(lengths.sum()), dtype=np.uint8)
+        self.watch.wait_request(self.comm.Iallgatherv(
+            np.frombuffer(payload, dtype=np.uint8), [everyone, lengths.tolist()]))
+        bounds = np.concatenate(([0], np.cumsum(lengths))).tolist()
+        return [everyone[lo:hi].tobytes() for lo, hi in zip(bounds, bounds[1:])]
+
+    def _check_refusable(self, signature: Signature, per_rank: int,
+                         refused: Optional[Exception]) -> np.ndarray:
+        """The check of a collective this member may refuse (its signature then says why, and
+        the MismatchError raised on every member carries this member's error as its cause)."""
+        try:
+            lengths = self.check(signature, per_rank=per_rank)
+        except MismatchError as mismatch:
+            if refused is None:
+                raise
+            raise mismatch from refused
+        if refused is not None:         # a set of one: no one to refuse to
+            raise refused
+        return lengths
+
+
+def _pickled(obj: Any, signature: Signature) -> tuple[bytes, Optional[Exception], Signature]:
+    """`obj` pickled, or b"" with the error and a signature that quotes it."""
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None, signature
+    except Exception as error:      # unpicklable (a lock, a lambda ...): refused, every member
+        return b"", error, {**signature, "refused": f"{type(error).__name__}: {error}"}

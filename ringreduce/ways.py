@@ -69,6 +69,7 @@ class SetParts:
         self.size = comm.size
         self.one_node = node is not None and cross.size == 1
         self.average_divisor = float(comm.size)     # (the small ways' division, precomputed)
+        self.wait = negotiator.watch.wait_request   # every MPI wait: stalls, departures, failures
 
     def check(self, spec: ReduceSpec) -> None:
         """The signature exchange every way begins with, across the whole set. A spec checked
@@ -113,7 +114,7 @@ class SetParts:
         bounds = ring.chunk_bounds(ring.balanced_counts(buf.size, comm.size))
         scratch = self.scratch.get(purpose, buf.dtype, ring.scratch_elements(bounds, segment))
         ring.ring_allreduce(comm, buf, kernels.reducer(spec.dtype, spec.op), scratch, segment,
-                            finish, source)
+                            self.wait, finish, source)
 
 
 class Way:
@@ -173,7 +174,7 @@ class CudaAware(Way):
         cuda.reduce_in_device_memory(cuda.as_device_array(dst), spec.dtype, spec.op,
                                      spec.prescale, spec.postscale, parts.comm,
                                      settings.small_message_bytes, settings.segment_bytes,
-                                     parts.device_scratch)
+                                     parts.device_scratch, parts.wait)
 
 
 class StagedGpu(Way):
@@ -332,7 +333,7 @@ class MpiGather(Way):
         if buf.size:
             gathered = parts.scratch.get("gather", buf.dtype, size * buf.size)
             ring.gather_allreduce(parts.comm, buf, kernels.reducer(spec.dtype, spec.op),
-                                  gathered.reshape(size, -1), parts.finisher(spec))
+                                  gathered.reshape(size, -1), parts.wait, parts.finisher(spec))
 
 
 class MpiRing(Way):

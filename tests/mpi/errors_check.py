@@ -1,11 +1,14 @@
 """Error paths: every rank gets a clear error of the right type naming the tensor, nothing
 hangs, inputs are untouched, and the job is still usable afterwards. Then check_consistency
 and the optimizer's per-step consistency check."""
+import threading
+
 import torch
 
 import ringreduce as hvd
 from checks import expect
 from ringreduce.transport import Transport
+from ringreduce.ways import SetParts
 
 try:
     hvd.allreduce(torch.ones(3))
@@ -233,6 +236,53 @@ assert hvd.allreduce(torch.tensor(2, dtype=torch.int32), op=hvd.Product).item() 
 # Still usable afterwards.
 assert torch.equal(hvd.allreduce(torch.ones(5) * r, op=hvd.Sum), torch.full((5,), n * (n - 1) / 2))
 hvd.barrier()
+
+# An object that one rank cannot pickle: broadcast_object's root, or one rank in
+# allgather_object, refuses it in the signature check, so every rank raises (the same
+# MismatchError quoting it), and the job goes on. At 1 rank the pickling error is the cause.
+if n > 1:
+    expect(hvd.MismatchError, ["'lock'", f"rank {n - 1}: TypeError: cannot pickle"],
+           hvd.broadcast_object, threading.Lock() if r == n - 1 else 0, root_rank=n - 1,
+           name="lock")
+    expect(hvd.MismatchError, ["'locks'", "rank 0: TypeError: cannot pickle"],
+           hvd.allgather_object, threading.Lock() if r == 0 else r, name="locks")
+else:
+    expect(hvd.RingReduceError, ["'lock'", "cannot pickle"], hvd.broadcast_object,
+           threading.Lock(), name="lock")
+    expect(hvd.RingReduceError, ["'locks'", "cannot pickle"], hvd.allgather_object,
+           threading.Lock(), name="locks")
+assert hvd.broadcast_object({"from": r}, root_rank=n - 1) == {"from": n - 1}
+assert hvd.allgather_object(("r", r)) == [("r", k) for k in range(n)]
+
+# A failure of one rank's own inside a collective, once the members have agreed to run it
+# (they wait for data it will never send): every rank raises, the others ShutDownError naming
+# that rank and its cause, at once (no stall); every later collective says so (the set's traffic
+# is out of step), until shutdown() and init() start afresh, here before the next part.
+if n > 1:
+    def failing_check(self, spec):
+        checking(self, spec)
+        if spec.describe()["name"] == "lone":
+            raise MemoryError("injected on one rank")
+
+    checking = SetParts.check
+    if r == n - 1:
+        SetParts.check = failing_check
+    try:
+        hvd.allreduce(torch.ones(1 << 18), name="lone", op=hvd.Sum,
+                      prescale_factor=2.0)      # (checked on its own on every path, then)
+        raise AssertionError("no error")
+    except hvd.RingReduceError as e:
+        if r == n - 1:
+            assert isinstance(e.__cause__, MemoryError) and "'lone'" in str(e), repr(e)
+        else:
+            assert isinstance(e, hvd.ShutDownError), repr(e)
+            for fragment in [f"rank {n - 1} failed in its collective", "allreduce 'lone'",
+                             "MemoryError: injected on one rank", "out of step"]:
+                assert fragment in str(e), f"{fragment!r} not in {e}"
+    finally:
+        SetParts.check = checking
+    expect(hvd.ShutDownError, ["allreduce 'lone'", "shutdown() and init()"], hvd.allgather,
+           torch.ones(1), name="after.lone")
 
 # check_consistency: silent on identical ranks, a named error on every rank otherwise; and the
 # opt-in per-step check inside DistributedOptimizer, every 2 steps from a new init().

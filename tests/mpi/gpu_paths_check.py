@@ -130,7 +130,8 @@ def reduce_device(transport, array, spec, aware):
         settings = transport.settings
         cuda.reduce_in_device_memory(array, spec.dtype, spec.op, spec.prescale, spec.postscale,
                                      transport.comm, settings.small_message_bytes,
-                                     settings.segment_bytes, transport.device_scratch)
+                                     settings.segment_bytes, transport.device_scratch,
+                                     transport.watch.wait_request)
     else:
         cuda.reduce_staged(array, transport.host_pieces(spec), transport.device_scratch)
 
