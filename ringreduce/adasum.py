@@ -32,6 +32,7 @@ import torch
 
 from .buffers import NAMES, STORAGE_DTYPES
 from .errors import HorovodInternalError, UnsupportedError
+from .ring import ABANDONED, Wait
 
 Scratch = Callable[[str, np.dtype, int], np.ndarray]
 Span = tuple[int, int, int]          # (tensor index, first, stop) within one rank's part
@@ -63,13 +64,14 @@ def check_supported(size: int, dtype: torch.dtype) -> None:
 
 def adasum_allreduce(comm: Any, buf: np.ndarray, dtype: torch.dtype,
                      lengths: Optional[Sequence[int]] = None,
-                     scratch: Optional[Scratch] = None) -> None:
+                     scratch: Optional[Scratch] = None, wait: Optional[Wait] = None) -> None:
     """Replace `buf` on every rank of `comm` by the Adasum of all ranks' `buf`.
 
     `buf` is a flat, contiguous array of `dtype` values (its NumPy storage dtype). `lengths`
     are the element counts of the tensors fused in it, each combined with its own weights
     (default: one tensor). Raises as `check_supported`, and ValueError when `buf` and
-    `lengths` do not fit `dtype` and each other.
+    `lengths` do not fit `dtype` and each other. `wait` waits for one MPI request (the set's
+    stall watch; by default MPI's blocking wait).
     """
     check_supported(comm.size, dtype)
     bounds = _tensor_bounds(buf, dtype, lengths)
@@ -79,9 +81,10 @@ def adasum_allreduce(comm: Any, buf: np.ndarray, dtype: torch.dtype,
     received = take("adasum-received", buf.dtype, (buf.size + 1) // 2)
     wide = take("adasum-wide", F64, 2 * min(BLOCK, buf.size)).reshape(2, -1)
     sums = take("adasum-sums", F64, 2 * 3 * (len(bounds) - 1)).reshape(2, -1, 3)
+    wait = wait or _blocking
     with np.errstate(over="ignore", invalid="ignore"):    # inf and NaN pass through silently
-        halvings = _reduce_scatter(comm, buf, bounds, received, wide, sums)
-    _allgather(comm, buf, halvings)
+        halvings = _reduce_scatter(comm, buf, bounds, received, wide, sums, wait)
+    _allgather(comm, buf, halvings, wait)
 
 
 def weight(dot: float, norm_sq: float) -> float:
@@ -93,7 +96,7 @@ def weight(dot: float, norm_sq: float) -> float:
 # ---------------------------------------------------------------------- the two phases
 
 def _reduce_scatter(comm: Any, buf: np.ndarray, bounds: list[int], received: np.ndarray,
-                    wide: np.ndarray, sums: np.ndarray) -> list[tuple[int, int, int]]:
+                    wide: np.ndarray, sums: np.ndarray, wait: Wait) -> list[tuple[int, int, int]]:
     """Vector halving: afterwards this rank's part of `buf` holds its piece of the Adasum of
     all ranks. Returns each level's (start, middle, stop) for the allgather to retrace."""
     rank, start, stop = comm.rank, 0, len(buf)
@@ -106,15 +109,17 @@ def _reduce_scatter(comm: Any, buf: np.ndarray, bounds: list[int], received: np.
                                                                         (start, middle))
         own = buf[kept[0]:kept[1]]
         theirs = received[:len(own)]
-        _swap(comm, buf[given[0]:given[1]], theirs, rank ^ distance, DATA_TAG)
-        _combine(comm, own, theirs, lower, 2 * distance, _spans(bounds, *kept), wide, sums)
+        _swap(comm, buf[given[0]:given[1]], theirs, rank ^ distance, DATA_TAG, wait)
+        _combine(comm, own, theirs, lower, 2 * distance, _spans(bounds, *kept), wide, sums,
+                 wait)
         halvings.append((start, middle, stop))
         start, stop = kept
         distance *= 2
     return halvings
 
 
-def _allgather(comm: Any, buf: np.ndarray, halvings: list[tuple[int, int, int]]) -> None:
+def _allgather(comm: Any, buf: np.ndarray, halvings: list[tuple[int, int, int]],
+               wait: Wait) -> None:
     """Distance halving: the halvings in reverse, each rank sending the part it finished to the
     partner it got it from and receiving the partner's, until every rank holds all of `buf`."""
     rank, distance = comm.rank, comm.size
@@ -122,13 +127,14 @@ def _allgather(comm: Any, buf: np.ndarray, halvings: list[tuple[int, int, int]])
         distance //= 2
         first, second = buf[start:middle], buf[middle:stop]
         mine, partners = (first, second) if (rank & distance) == 0 else (second, first)
-        _swap(comm, mine, partners, rank ^ distance, DATA_TAG)
+        _swap(comm, mine, partners, rank ^ distance, DATA_TAG, wait)
 
 
 # ---------------------------------------------------------------------- one level
 
 def _combine(comm: Any, own: np.ndarray, theirs: np.ndarray, own_is_lower: bool,
-             subtree: int, spans: list[Span], wide: np.ndarray, sums: np.ndarray) -> None:
+             subtree: int, spans: list[Span], wide: np.ndarray, sums: np.ndarray,
+             wait: Wait) -> None:
     """own = Adasum(lower, upper) on this rank's half, tensor by tensor: partial dot products
     and norms over the half, summed over the `subtree` ranks that hold the two vectors, then
     the weighted sum."""
@@ -139,7 +145,7 @@ def _combine(comm: Any, own: np.ndarray, theirs: np.ndarray, own_is_lower: bool,
         row = mine[tensor]
         row[DOT], row[own_col], row[their_col] = _dot_and_norms(own[first:stop],
                                                                 theirs[first:stop], wide)
-    _sum_over_subtree(comm, mine, partners, subtree)
+    _sum_over_subtree(comm, mine, partners, subtree, wait)
     for tensor, first, stop in spans:
         dot, lower_sq, upper_sq = (float(x) for x in mine[tensor])
         lower_weight, upper_weight = weight(dot, lower_sq), weight(dot, upper_sq)
@@ -148,14 +154,15 @@ def _combine(comm: Any, own: np.ndarray, theirs: np.ndarray, own_is_lower: bool,
         _weighted_sum(own[first:stop], own_weight, theirs[first:stop], their_weight, wide)
 
 
-def _sum_over_subtree(comm: Any, mine: np.ndarray, partners: np.ndarray, members: int) -> None:
+def _sum_over_subtree(comm: Any, mine: np.ndarray, partners: np.ndarray, members: int,
+                      wait: Wait) -> None:
     """Add `mine` over the aligned block of `members` ranks around this one, by recursive
     doubling. Both partners of a step add the lower rank's value first, so every member ends
     with the same bits."""
     rank, step = comm.rank, 1
     while step < members:
         partner = rank ^ step
-        _swap(comm, mine, partners, partner, SUMS_TAG)
+        _swap(comm, mine, partners, partner, SUMS_TAG, wait)
         if rank < partner:
             np.add(mine, partners, out=mine)
         else:
@@ -242,9 +249,21 @@ def _widened(part: np.ndarray, into: np.ndarray) -> np.ndarray:
     return wide
 
 
-def _swap(comm: Any, send: np.ndarray, recv: np.ndarray, partner: int, tag: int) -> None:
+def _swap(comm: Any, send: np.ndarray, recv: np.ndarray, partner: int, tag: int,
+          wait: Wait) -> None:
     """Send `send` to `partner` and receive its message into `recv`."""
-    comm.Sendrecv(send, dest=partner, sendtag=tag, recvbuf=recv, source=partner, recvtag=tag)
+    received = comm.Irecv(recv, source=partner, tag=tag)
+    sent = comm.Isend(send, dest=partner, tag=tag)
+    try:
+        wait(sent)
+        wait(received)
+    except BaseException:
+        ABANDONED.extend((sent, received))   # (their buffers, which MPI may still use)
+        raise
+
+
+def _blocking(request: Any) -> None:
+    request.Wait()
 
 
 def _allocate(purpose: str, dtype: np.dtype, count: int) -> np.ndarray:

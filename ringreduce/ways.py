@@ -153,7 +153,7 @@ class Adasum(Way):
         if src.is_cuda:
             scale(host, spec, 1.0, spec.prescale)
         adasum.adasum_allreduce(parts.comm, as_array(host), spec.dtype, spec.lengths,
-                                parts.scratch.get)
+                                parts.scratch.get, parts.wait)
         scale(host, spec, 1.0, spec.postscale)
         if src.is_cuda:
             dst.copy_(host)
