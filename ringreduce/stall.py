@@ -37,9 +37,9 @@ _JOINED_COUNT = 1 << 62  # what a joined rank publishes on the progress board
 _READ_SECONDS = 2.0      # how long a stall report waits for the members' counts (at most
                          # half the check interval, so that reports keep their interval)
 GOODBYE_TAG = 31
-_ABANDONED: list[Any] = []      # requests left pending by an error (see wait_request)
 FAILED_TAG = 32
 _FAILURE_CHARACTERS = 400   # of the cause, in the message that tells the peers
+_ABANDONED: list[Any] = []  # requests left pending by an error (see wait_request)
 
 
 class ProgressBoard:

@@ -17,6 +17,7 @@ their zeros, the others raise JoinedError (joining.py).
 from __future__ import annotations
 
 import functools
+import io
 import math
 import pickle
 from typing import Any, Callable, Optional, Sequence, TypeVar, cast
@@ -221,13 +222,13 @@ class Transport:
     # (unpickling comes after the collective: a failure there is this member's own)
 
     @_telling
-    def _broadcast_pickled(self, obj: Any, root: int, signature: Signature) -> bytearray:
-        payload, refused = b"", None
+    def _broadcast_pickled(self, obj: Any, root: int, signature: Signature) -> Any:
+        payload, refused = _NOTHING, None
         if self.comm.rank == root:
             payload, refused, signature = _pickled(obj, signature)
         lengths = self._check_refusable(signature, len(payload), refused)
-        buf = bytearray(payload) if self.comm.rank == root else bytearray(int(lengths[root]))
-        if self.size > 1 and buf:
+        buf = payload if self.comm.rank == root else bytearray(int(lengths[root]))
+        if self.size > 1 and len(buf):
             self.watch.wait_request(self.comm.Ibcast(buf, root=root))
         return buf
 
@@ -256,9 +257,16 @@ class Transport:
         return lengths
 
 
-def _pickled(obj: Any, signature: Signature) -> tuple[bytes, Optional[Exception], Signature]:
-    """`obj` pickled, or b"" with the error and a signature that quotes it."""
+_NOTHING = memoryview(bytearray())
+
+
+def _pickled(obj: Any, signature: Signature) -> tuple[memoryview, Optional[Exception],
+                                                      Signature]:
+    """`obj` pickled, in writable memory (MPI's broadcast takes no read-only buffer; this saves
+    copying it), or nothing, with the error and a signature that quotes it."""
+    pickled = io.BytesIO()
     try:
-        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None, signature
+        pickle.dump(obj, pickled, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as error:      # unpicklable (a lock, a lambda ...): refused, every member
-        return b"", error, {**signature, "refused": f"{type(error).__name__}: {error}"}
+        return _NOTHING, error, {**signature, "refused": f"{type(error).__name__}: {error}"}
+    return pickled.getbuffer(), None, signature
