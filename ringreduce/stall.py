@@ -13,7 +13,8 @@ interrupt: anything but the errors every member raises alike) tells them so, the
 peers may be waiting on messages it will never send, and it may have left messages and receives
 of its own behind that would pair with the next collective's: the set's traffic is out of step.
 So the set is shut down on every member, each raising ShutDownError naming the rank that failed
-and why, now if it waits in a collective, else at its next; shutdown() and init() start afresh.
+and why, now if it waits in a collective, else at its next; shutdown() and init() start afresh
+(or, for a process set, removing it and adding it again).
 """
 from __future__ import annotations
 
@@ -244,9 +245,12 @@ class StallWatch:
         if self.departures.failures:
             failed, what = min(self.departures.failures.items())
             who = "this rank" if failed == me else f"rank {self.ranks[failed]}"
+            again = ("Make the set afresh (remove_process_set() and add_process_set(), or a "
+                     "new torch.distributed group), or call ringreduce.shutdown() and init()"
+                     if self.where else "Call ringreduce.shutdown() and init()")
             return (head + f"{who} failed in its {what}, so the members' messages are out of "
-                    f"step, and ringreduce{self.where or ' in this job'} is shut down. Call "
-                    "ringreduce.shutdown() and init() on every rank to go on.")
+                    f"step, and ringreduce{self.where or ' in this job'} is shut down. "
+                    f"{again} on every rank to go on.")
         names = sorted(self.ranks[r] for r in self.departures.gone)
         who = f"rank {names[0]}" if len(names) == 1 else f"ranks {names}"
         return (head + f"{who} shut down (ringreduce.shutdown(), or the end of its script) "

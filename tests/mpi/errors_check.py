@@ -255,34 +255,57 @@ assert hvd.broadcast_object({"from": r}, root_rank=n - 1) == {"from": n - 1}
 assert hvd.allgather_object(("r", r)) == [("r", k) for k in range(n)]
 
 # A failure of one rank's own inside a collective, once the members have agreed to run it
-# (they wait for data it will never send): every rank raises, the others ShutDownError naming
-# that rank and its cause, at once (no stall); every later collective says so (the set's traffic
-# is out of step), until shutdown() and init() start afresh, here before the next part.
-if n > 1:
-    def failing_check(self, spec):
-        checking(self, spec)
-        if spec.describe()["name"] == "lone":
-            raise MemoryError("injected on one rank")
+# (they wait for data it will never send): every member raises, the others ShutDownError naming
+# that rank and its cause, at once (no stall); every later collective on that set says so (its
+# traffic is out of step), until shutdown() and init() start afresh, here before the next part.
+# First in a set of ranks 0..n-2 (from 3 ranks), its last member failing: the job's other sets
+# go on, and the broken set can be removed and added afresh; then in the global set, rank n-1
+# failing.
+def failing_check(self, spec):
+    checking(self, spec)
+    if spec.describe()["name"] == "lone":
+        raise MemoryError("injected on one rank")
 
-    checking = SetParts.check
-    if r == n - 1:
+
+def fail_alone(failing_rank, process_set):
+    if r == failing_rank:
         SetParts.check = failing_check
     try:
-        hvd.allreduce(torch.ones(1 << 18), name="lone", op=hvd.Sum,
-                      prescale_factor=2.0)      # (checked on its own on every path, then)
+        hvd.allreduce(torch.ones(1 << 18), name="lone", op=hvd.Sum, prescale_factor=2.0,
+                      process_set=process_set)  # (checked on its own on every path, then)
         raise AssertionError("no error")
     except hvd.RingReduceError as e:
-        if r == n - 1:
+        if r == failing_rank:
             assert isinstance(e.__cause__, MemoryError) and "'lone'" in str(e), repr(e)
         else:
             assert isinstance(e, hvd.ShutDownError), repr(e)
-            for fragment in [f"rank {n - 1} failed in its collective", "allreduce 'lone'",
+            for fragment in [f"rank {failing_rank} failed in its collective", "allreduce 'lone'",
                              "MemoryError: injected on one rank", "out of step"]:
                 assert fragment in str(e), f"{fragment!r} not in {e}"
     finally:
         SetParts.check = checking
     expect(hvd.ShutDownError, ["allreduce 'lone'", "shutdown() and init()"], hvd.allgather,
-           torch.ones(1), name="after.lone")
+           torch.ones(1), name="after.lone", process_set=process_set)
+    if process_set is not hvd.global_process_set:
+        expect(hvd.ShutDownError, "remove_process_set() and add_process_set()", hvd.barrier,
+               process_set=process_set)
+
+
+checking = SetParts.check
+if n > 2:
+    part = hvd.add_process_set(list(range(n - 1)))
+    if r < n - 1:
+        fail_alone(n - 2, part)
+    assert torch.equal(hvd.allreduce(torch.ones(3), op=hvd.Sum), torch.full((3,), float(n)))
+    assert hvd.remove_process_set(part)
+    assert torch.equal(hvd.allreduce(torch.ones(3), op=hvd.Sum), torch.full((3,), float(n)))
+    part = hvd.add_process_set(list(range(n - 1)))     # the same ranks afresh
+    if r < n - 1:
+        assert torch.equal(hvd.allreduce(torch.ones(1 << 18), op=hvd.Sum, process_set=part),
+                           torch.full((1 << 18,), float(n - 1)))
+    assert hvd.remove_process_set(part)
+if n > 1:
+    fail_alone(n - 1, hvd.global_process_set)
 
 # check_consistency: silent on identical ranks, a named error on every rank otherwise; and the
 # opt-in per-step check inside DistributedOptimizer, every 2 steps from a new init().
