@@ -22,6 +22,7 @@ from .compression import Compression, Compressor
 from .engine import Handle
 from .errors import ArgumentTypeError, RingReduceError, UnsupportedError
 from .kernels import ReduceOp
+from .negotiation import AGREED
 from .process_sets import ActiveSet, ProcessSet, active
 from .reduce_spec import ReduceSpec
 from .signature import digest
@@ -150,6 +151,22 @@ class refusing:
         return False
 
 
+def meet_failure(ps: ActiveSet, name: str, kind: str, begun: int, error: BaseException) -> None:
+    """A collective's work failed on this rank (an allocation, say). Where that came before the
+    collective began here (`begun`: the set's count before the work), it still meets the other
+    ranks' call of `name`, as `refusing` does, with a check that carries the error, so theirs
+    fail with a MismatchError quoting it instead of waiting for ours. Once begun, a failure is
+    the transport's to tell (StallWatch.failed)."""
+    if not isinstance(error, Exception) or isinstance(error, AGREED) \
+            or ps.transport.watch.begun != begun:
+        return      # (an interrupt meets nothing: it ends the job, or the caller knows)
+    signature = {"collective": kind, "name": name, "failed": f"{type(error).__name__}: {error}"}
+    try:
+        ps.transport.check(signature)
+    except RingReduceError:
+        pass    # the others' calls failed: `error` goes on
+
+
 def run(work: Work) -> Any:
     """Run a collective synchronously, inline on this thread when the set's engine is idle."""
     ps, name, fn = work
@@ -186,8 +203,14 @@ def allreduce_work(tensor: torch.Tensor, average: Optional[bool], name: Optional
     spec = _allreduce_spec(t, op, pre, post, name)
 
     def work() -> torch.Tensor:
-        out = tensor if in_place and _same_memory(t, tensor) else fresh(t.shape, t.dtype, t.device)
-        ps.transport.allreduce(t, out, spec)
+        begun = ps.transport.watch.begun
+        try:
+            out = (tensor if in_place and _same_memory(t, tensor)
+                   else fresh(t.shape, t.dtype, t.device))
+            ps.transport.allreduce(t, out, spec)
+        except BaseException as error:
+            meet_failure(ps, name, kind, begun, error)
+            raise
         if not in_place:
             return out
         if out is not tensor:
@@ -223,14 +246,20 @@ def grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str],
     signed = digest(signature)
 
     def work() -> list[torch.Tensor]:
-        if len(wires) == 1 and contexts[0] is None:     # straight from input to output
-            out = tensors[0] if in_place and _same_memory(wires[0], tensors[0]) \
-                else fresh(wires[0].shape, wires[0].dtype, wires[0].device)
-            ps.transport.allreduce(wires[0], out, ReduceSpec(
-                wires[0].dtype, op, prescale, postscale, signed, signature))
-            results = [out]
-        else:
-            results = _reduce_fused(ps, wires, op, prescale, postscale, signed, signature)
+        begun = ps.transport.watch.begun
+        try:
+            if len(wires) == 1 and contexts[0] is None:     # straight from input to output
+                out = tensors[0] if in_place and _same_memory(wires[0], tensors[0]) \
+                    else fresh(wires[0].shape, wires[0].dtype, wires[0].device)
+                ps.transport.allreduce(wires[0], out, ReduceSpec(
+                    wires[0].dtype, op, prescale, postscale, signed, signature))
+                results = [out]
+            else:
+                results = _reduce_fused(ps, wires, op, prescale, postscale, signed, signature)
+        except BaseException as error:
+            meet_failure(ps, name, kind, begun, error)
+            raise
+        if len(wires) != 1 or contexts[0] is not None:
             results = [compression.decompress(r, ctx).view_as(t)
                        for r, ctx, t in zip(results, contexts, checked)]
         if not in_place:
@@ -310,8 +339,13 @@ def broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
         # In place, straight into `t`, the caller's memory or our own copy of it: the signatures
         # agree, and an MPI failure from here on ends the job; a temporary would cost
         # broadcast_parameters the model's size again (kept by the engine thread's arena).
-        out = t if ps.rank == root or in_place else torch.empty_like(t)
-        ps.transport.broadcast(out, root, signature)
+        begun = ps.transport.watch.begun
+        try:
+            out = t if ps.rank == root or in_place else torch.empty_like(t)
+            ps.transport.broadcast(out, root, signature)
+        except BaseException as error:
+            meet_failure(ps, name, kind, begun, error)
+            raise
         if in_place:
             if not _same_memory(out, tensor):
                 with torch.no_grad():

@@ -174,7 +174,7 @@ class ActiveSet:
         too, free the set's window, board and communicators (collective)."""
         self.engine.shutdown()
         departures = self.transport.watch.departures
-        departures.announce()
+        departures.announce(self.transport.watch.begun)
         departures.wait_for_everyone()
         self.transport.free()
         for comm in (self.cross, self.local, self.comm):

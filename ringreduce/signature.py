@@ -42,15 +42,18 @@ def label(signature: Signature) -> str:
 def describe_mismatch(signatures: Sequence[Signature], ranks: Sequence[int]) -> str:
     """Name the tensor, the first differing field, and what each rank (global rank `ranks[i]`
     for signature i) submitted; or, where a rank refused its part (a mistake in its arguments,
-    its signature's "refused" field), that rank's error."""
-    refused = [(r, s["refused"]) for r, s in zip(ranks, signatures) if "refused" in s]
-    if refused:
-        name = str(signatures[0].get("name"))
-        who = ", ".join(str(r) for r, _ in refused)
-        errors = "; ".join(f"rank {r}: {error}" for r, error in refused)
-        return (f"ringreduce: {name!r} cannot run: a mistake in the arguments of "
-                f"{'rank' if len(refused) == 1 else 'ranks'} {who} ({errors}). Every rank's "
-                "call fails; later collectives run as usual.")
+    its signature's "refused" field, or a failure before its data moved, "failed"), that rank's
+    error."""
+    for field, cause in (("refused", "a mistake in the arguments of"),
+                         ("failed", "a failure before its data moved, on")):
+        refused = [(r, s[field]) for r, s in zip(ranks, signatures) if field in s]
+        if refused:
+            name = str(signatures[0].get("name"))
+            who = ", ".join(str(r) for r, _ in refused)
+            errors = "; ".join(f"rank {r}: {error}" for r, error in refused)
+            return (f"ringreduce: {name!r} cannot run: {cause} "
+                    f"{'rank' if len(refused) == 1 else 'ranks'} {who} ({errors}). Every "
+                    "rank's call fails; later collectives run as usual.")
     fields = list(signatures[0])
     fields += [k for s in signatures[1:] for k in s if k not in fields]
     for field in fields:

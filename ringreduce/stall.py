@@ -6,7 +6,9 @@ member's count (one-sided, so the missing ranks need not cooperate) and logs whi
 reached the collective and the last one they did reach, again every interval for as long as the
 stall lasts; after `stall_shutdown_time` it hands that message to its `on_shutdown` (which ends
 the job). A member that shuts down says goodbye to the others (a small message on the set's
-communicator); a rank waiting in a collective, or starting one, raises ShutDownError naming it.
+communicator, with how many collectives it began); a rank waiting in a collective that member
+never began, or starting one, raises ShutDownError naming it. (One it began, it finished: that
+one still completes here, though its last messages may arrive after the goodbye.)
 
 A member whose collective fails in a way its peers cannot see (an allocation, a kernel, MPI, an
 interrupt: anything but the errors every member raises alike) tells them so, the same way. Its
@@ -88,18 +90,19 @@ class ProgressBoard:
 
 class Departures:
     """Which members have shut down, and which have failed in a collective. A member leaving
-    says goodbye to every other member, one failing says why; the others notice it whenever
-    they look (while waiting, and before each collective)."""
+    says goodbye to every other member, with how many collectives it had begun (it finished
+    them all first), one failing says why; the others notice it whenever they look (while
+    waiting, and before each collective)."""
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm
-        self.gone: set[int] = set()          # set ranks
+        self.gone: dict[int, int] = {}       # set rank -> the collectives it had begun
         self.failures: dict[int, str] = {}   # set rank -> what failed there, and why
-        self._token = np.array([comm.rank], dtype=np.int64)
-        self._received = np.zeros(1, dtype=np.int64)
+        self._received = np.zeros(2, dtype=np.int64)
 
-    def announce(self) -> None:
-        requests = [self.comm.Isend(self._token, dest=r, tag=GOODBYE_TAG)
+    def announce(self, begun: int) -> None:
+        token = np.array([self.comm.rank, begun], dtype=np.int64)
+        requests = [self.comm.Isend(token, dest=r, tag=GOODBYE_TAG)
                     for r in range(self.comm.size) if r != self.comm.rank]
         mpi().Request.Waitall(requests)
 
@@ -110,18 +113,22 @@ class Departures:
                     for r in range(self.comm.size) if r != self.comm.rank]
         mpi().Request.Waitall(requests)
 
-    def look(self) -> bool:
-        """Receive every goodbye and failure that has arrived; True if any member has left or
-        failed so far."""
+    def look(self) -> None:
+        """Receive every goodbye and failure that has arrived."""
         MPI = mpi()
         status = MPI.Status()
         while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=GOODBYE_TAG, status=status):
             self.comm.Recv(self._received, source=status.Get_source(), tag=GOODBYE_TAG)
-            self.gone.add(int(self._received[0]))
+            self.gone[int(self._received[0])] = int(self._received[1])
         while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=FAILED_TAG, status=status):
             source = status.Get_source()
             self.failures[source] = self.comm.recv(source=source, tag=FAILED_TAG)
-        return bool(self.gone or self.failures)
+
+    def ended(self, collective: int) -> bool:
+        """Whether collective #`collective` can no longer complete: some member failed, or
+        left before beginning it. (One that left after, finished its part first: a collective
+        that completes on some members sooner than on others still completes on all.)"""
+        return bool(self.failures) or any(begun < collective for begun in self.gone.values())
 
     def wait_for_everyone(self) -> None:
         """Until every other member has said goodbye too (at shut-down, before the frees that
@@ -178,7 +185,8 @@ class StallWatch:
         if self._published is not None:
             self._published[0] = begun      # the board's publish(), inline: the hot path
         if self.departures.gone or self.departures.failures:
-            raise ShutDownError(self._departed())
+            if self.departures.ended(begun):
+                raise ShutDownError(self._departed())
 
     def failed(self, error: BaseException) -> None:
         """This member's collective #begun failed where the others may wait on it: tell them
@@ -223,7 +231,8 @@ class StallWatch:
             time.sleep(0.0001)
             if now >= next_look:
                 next_look = now + _GOODBYE_EVERY
-                if self.departures.look():
+                self.departures.look()
+                if self.departures.ended(self.begun):
                     raise ShutDownError(self._departed())
             if now >= shutdown_at:
                 self.on_shutdown(f"{self.describe(now - start)} Shutting the job down after "
@@ -251,7 +260,8 @@ class StallWatch:
             return (head + f"{who} failed in its {what}, so the members' messages are out of "
                     f"step, and ringreduce{self.where or ' in this job'} is shut down. "
                     f"{again} on every rank to go on.")
-        names = sorted(self.ranks[r] for r in self.departures.gone)
+        names = sorted(self.ranks[r] for r, begun in self.departures.gone.items()
+                       if begun < self.begun)
         who = f"rank {names[0]}" if len(names) == 1 else f"ranks {names}"
         return (head + f"{who} shut down (ringreduce.shutdown(), or the end of its script) "
                 "without it. Every rank must run the same collectives: let the ranks finish "

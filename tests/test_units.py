@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ringreduce as hvd
-from ringreduce import _native, config, crossnode, engine, kernels, ring, signature
+from ringreduce import _native, config, crossnode, engine, kernels, ring, signature, stall
 from ringreduce.buffers import as_array
 from ringreduce.mpi import mpi
 
@@ -708,3 +708,17 @@ def test_a_done_callback_may_start_work_and_block_until_it_is_done():
     finally:
         gate.set()
         e.shutdown()
+
+
+def test_a_member_that_left_after_a_collective_does_not_fail_it():
+    """A goodbye carries how many collectives the member had begun (it finished them all): the
+    ones it took part in still complete on the others, whose last messages may arrive after it
+    left; later ones cannot. A member's failure ends every one."""
+    departures = stall.Departures(mpi().COMM_SELF)
+    assert not departures.ended(1)
+    departures.gone[1] = 5
+    assert not departures.ended(5)
+    assert departures.ended(6)
+    departures.gone.clear()
+    departures.failures[2] = "collective #3 allreduce 'x' (MemoryError: ...)"
+    assert departures.ended(1)

@@ -7,6 +7,7 @@ import torch
 
 import ringreduce as hvd
 from checks import expect
+from ringreduce import collective_work
 from ringreduce.transport import Transport
 from ringreduce.ways import SetParts
 
@@ -253,6 +254,33 @@ else:
            threading.Lock(), name="locks")
 assert hvd.broadcast_object({"from": r}, root_rank=n - 1) == {"from": n - 1}
 assert hvd.allgather_object(("r", r)) == [("r", k) for k in range(n)]
+
+# A failure on one rank before its collective began there (the output's allocation): the call
+# still meets the others' (a check carrying the error), so theirs fail with a MismatchError
+# quoting it, its own with the error as cause, and the set goes on.
+def failing_fresh(*args, **kwargs):
+    collective_work.fresh = allocating
+    raise MemoryError("injected before the collective")
+
+
+allocating = collective_work.fresh
+if r == n - 1:
+    collective_work.fresh = failing_fresh
+try:
+    hvd.allreduce(torch.ones(1 << 18), name="early", op=hvd.Sum)
+    raise AssertionError("no error")
+except hvd.RingReduceError as e:
+    if r == n - 1:
+        assert isinstance(e.__cause__, MemoryError) and "'early'" in str(e), repr(e)
+    else:
+        assert isinstance(e, hvd.MismatchError), repr(e)
+        for fragment in ["'early' cannot run: a failure before its data moved, on rank",
+                         f"rank {n - 1}: MemoryError: injected before the collective"]:
+            assert fragment in str(e), f"{fragment!r} not in {e}"
+finally:
+    collective_work.fresh = allocating
+assert torch.equal(hvd.allreduce(torch.ones(1 << 18), op=hvd.Sum),
+                   torch.full((1 << 18,), float(n)))
 
 # A failure of one rank's own inside a collective, once the members have agreed to run it
 # (they wait for data it will never send): every member raises, the others ShutDownError naming
