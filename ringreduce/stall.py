@@ -35,6 +35,8 @@ log = logging.getLogger("ringreduce")
 _BUSY_SECONDS = 0.00005  # poll flat out this long (as MPI does): a peer is usually close
 _YIELD_SECONDS = 0.001   # then yield the core between polls (oversubscribed ranks), then sleep
 _GOODBYE_EVERY = 0.005   # seconds between looks for a departed member while waiting
+_DEPARTED_GRACE = 1.0    # how long a collective that a member began before it left may still
+                         # take to complete here (what it sent is on its way)
 _REMEMBERED = 4096       # the labels of this many recent collectives, for stall reports
 _JOINED_COUNT = 1 << 62  # what a joined rank publishes on the progress board
 _READ_SECONDS = 2.0      # how long a stall report waits for the members' counts (at most
@@ -221,6 +223,7 @@ class StallWatch:
         shutdown_at = start + self.shutdown_time if self.shutdown_time > 0 and not self.quiet \
             else never
         next_look = start + _YIELD_SECONDS
+        grace_ends = never
         while not done():
             now = time.monotonic()
             if now - start < _BUSY_SECONDS:
@@ -234,6 +237,13 @@ class StallWatch:
                 self.departures.look()
                 if self.departures.ended(self.begun):
                     raise ShutDownError(self._departed())
+                if self.departures.gone:
+                    # Those that left had begun this one, by their counts, so they did their
+                    # part: it completes in a moment. (Counts can differ where a collective
+                    # ran again after the members settled their order by name.)
+                    grace_ends = min(grace_ends, now + _DEPARTED_GRACE)
+                    if now >= grace_ends:
+                        raise ShutDownError(self._departed(every=True))
             if now >= shutdown_at:
                 self.on_shutdown(f"{self.describe(now - start)} Shutting the job down after "
                                  f"{self.shutdown_time:g} s (RINGREDUCE_STALL_SHUTDOWN_TIME).")
@@ -247,7 +257,9 @@ class StallWatch:
         slot = count % _REMEMBERED
         return self._recent_labels[slot] if self._recent_counts[slot] == count else ""
 
-    def _departed(self) -> str:
+    def _departed(self, every: bool = False) -> str:
+        """Why this collective cannot complete: a member failed, or these left: those that had
+        not begun it, or `every` one."""
         me = self.comm.rank
         head = (f"ringreduce: rank {self.ranks[me]}: collective #{self.begun} "
                 f"{self._name(self.begun)}{self.where} cannot complete: ")
@@ -261,7 +273,7 @@ class StallWatch:
                     f"step, and ringreduce{self.where or ' in this job'} is shut down. "
                     f"{again} on every rank to go on.")
         names = sorted(self.ranks[r] for r, begun in self.departures.gone.items()
-                       if begun < self.begun)
+                       if every or begun < self.begun)
         who = f"rank {names[0]}" if len(names) == 1 else f"ranks {names}"
         return (head + f"{who} shut down (ringreduce.shutdown(), or the end of its script) "
                 "without it. Every rank must run the same collectives: let the ranks finish "

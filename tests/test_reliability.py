@@ -19,12 +19,12 @@ def stamps(output, what):
                                                     re.MULTILINE)}
 
 
-@pytest.mark.parametrize("mode", ["leave_end", "leave_exit"])
+@pytest.mark.parametrize("mode", ["leave_end", "leave_exit", "leave_ahead"])
 def test_rank_that_leaves_ends_the_others_wait_with_an_error_naming_it(mode):
     result = run_mpi(2, "reliability_check.py", mode, timeout=60)
     assert result.returncode != 0, "a rank's uncaught ShutDownError must fail the job"
     assert "OK rank 1" not in result.output
-    assert ("OK rank 0" in result.output) == (mode == "leave_end")
+    assert ("OK rank 0" in result.output) == (mode != "leave_exit")
     message = re.search(r"^MESSAGE (.*)$", result.output, re.MULTILINE)
     assert message, result.output[-3000:]
     assert ("rank 1: collective #2 allreduce 'waiting.here' cannot complete: rank 0 shut down"

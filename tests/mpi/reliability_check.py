@@ -3,6 +3,9 @@
 
 leave_end     rank 0 reaches the end of its script while rank 1 waits in an allreduce
 leave_exit    the same through sys.exit(0)
+leave_ahead   the same with rank 0's count of collectives ahead (counts can differ after the
+              ranks settled an order by name): rank 1's wait ends after the grace a collective
+              the leaver began gets to complete
 fewer         rank 0 has fewer batches than the others and finishes first
 recovery      one rank alone runs an extra backward pass, calls step() a second time, or
               unfreezes a parameter: every rank raises, and after zero_grad() the step redone
@@ -24,6 +27,7 @@ import torch.nn as nn
 
 import ringreduce as hvd
 from checks import expect, run_cases
+from ringreduce import process_sets
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -36,6 +40,8 @@ def stamp(what):
 def leave():
     hvd.allreduce(torch.ones(3), name="before")
     if r == 0:
+        if sys.argv[1] == "leave_ahead":
+            process_sets._job.active[0].transport.watch.begun += 3
         stamp("LEAVING")
         if sys.argv[1] == "leave_exit":
             sys.exit(0)
@@ -277,8 +283,8 @@ def stall():
     hvd.allreduce(torch.ones(4), name="stalled.here")
 
 
-MODES = {"leave_end": leave, "leave_exit": leave, "fewer": fewer, "recovery": recovery,
-         "optimizer": optimizer, "checkpoint": checkpoint, "alltoall": alltoall,
+MODES = {"leave_end": leave, "leave_exit": leave, "leave_ahead": leave, "fewer": fewer,
+         "recovery": recovery, "optimizer": optimizer, "checkpoint": checkpoint, "alltoall": alltoall,
          "stoppable": stoppable, "stall": stall}
 modes = sys.argv[1].split(",")
 if len(modes) == 1:
