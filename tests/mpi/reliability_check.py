@@ -284,8 +284,8 @@ def stall():
 
 
 MODES = {"leave_end": leave, "leave_exit": leave, "leave_ahead": leave, "fewer": fewer,
-         "recovery": recovery, "optimizer": optimizer, "checkpoint": checkpoint, "alltoall": alltoall,
-         "stoppable": stoppable, "stall": stall}
+         "recovery": recovery, "optimizer": optimizer, "checkpoint": checkpoint,
+         "alltoall": alltoall, "stoppable": stoppable, "stall": stall}
 modes = sys.argv[1].split(",")
 if len(modes) == 1:
     MODES[modes[0]]()
