@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .errors import ShutDownError
+from .errors import RingReduceError, ShutDownError
 from .mpi import mpi
 
 log = logging.getLogger("ringreduce")
@@ -192,14 +192,21 @@ class StallWatch:
 
     def failed(self, error: BaseException) -> None:
         """This member's collective #begun failed where the others may wait on it: tell them
-        (see the module's docstring). Once is enough: the set is shut down from then on."""
+        (see the module's docstring), and raise the RingReduceError that says so here, `error`
+        as its cause. Returns (for the caller to raise `error` itself) where nobody was told,
+        in a set of one or after the first failure, which shut the set down, and for an
+        interrupt, which stays what it is."""
         if self.departures.failures or self.comm.size == 1:
-            return      # told already; or no member could be out of step with this one
+            return
         cause = f"{type(error).__name__}: {error}"
         if len(cause) > _FAILURE_CHARACTERS:
             cause = cause[:_FAILURE_CHARACTERS] + " ..."
-        self.departures.announce_failure(
-            f"collective #{self.begun} {self._name(self.begun)}".rstrip() + f" ({cause})")
+        what = f"collective #{self.begun} {self._name(self.begun)}".rstrip()
+        self.departures.announce_failure(f"{what} ({cause})")
+        if isinstance(error, Exception):
+            raise RingReduceError(
+                f"ringreduce: rank {self.ranks[self.comm.rank]}: {what}{self.where} failed here "
+                f"({cause}), and the other members were told: {self._shut_down()}") from error
 
     def wait_request(self, request: Any) -> None:
         """Wait for one MPI request, as `wait` does (reports, departures, failures). One left
@@ -266,18 +273,20 @@ class StallWatch:
         if self.departures.failures:
             failed, what = min(self.departures.failures.items())
             who = "this rank" if failed == me else f"rank {self.ranks[failed]}"
-            again = ("Make the set afresh (remove_process_set() and add_process_set(), or a "
-                     "new torch.distributed group), or call ringreduce.shutdown() and init()"
-                     if self.where else "Call ringreduce.shutdown() and init()")
-            return (head + f"{who} failed in its {what}, so the members' messages are out of "
-                    f"step, and ringreduce{self.where or ' in this job'} is shut down. "
-                    f"{again} on every rank to go on.")
+            return head + f"{who} failed in its {what}: {self._shut_down()}"
         names = sorted(self.ranks[r] for r, begun in self.departures.gone.items()
                        if every or begun < self.begun)
         who = f"rank {names[0]}" if len(names) == 1 else f"ranks {names}"
         return (head + f"{who} shut down (ringreduce.shutdown(), or the end of its script) "
                 "without it. Every rank must run the same collectives: let the ranks finish "
                 "together, or use join() for uneven data.")
+
+    def _shut_down(self) -> str:
+        again = ("Make the set afresh (remove_process_set() and add_process_set(), or a new "
+                 "torch.distributed group), or call ringreduce.shutdown() and init()"
+                 if self.where else "Call ringreduce.shutdown() and init()")
+        return (f"the members' messages are out of step, so ringreduce"
+                f"{self.where or ' in this job'} is shut down. {again} on every rank to go on.")
 
     def describe(self, waited: float) -> str:
         where = (f"ringreduce: stall: rank {self.ranks[self.comm.rank]} has waited {waited:.0f} s "

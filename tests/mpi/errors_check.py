@@ -305,6 +305,8 @@ def fail_alone(failing_rank, process_set):
     except hvd.RingReduceError as e:
         if r == failing_rank:
             assert isinstance(e.__cause__, MemoryError) and "'lone'" in str(e), repr(e)
+            assert "failed here (MemoryError: injected on one rank), and the other members " \
+                "were told" in str(e), str(e)
         else:
             assert isinstance(e, hvd.ShutDownError), repr(e)
             for fragment in [f"rank {failing_rank} failed in its collective", "allreduce 'lone'",
