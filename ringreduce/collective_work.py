@@ -277,13 +277,16 @@ def _reduce_fused(ps: ActiveSet, tensors: Sequence[torch.Tensor], op: ReduceOp,
                   prescale: float, postscale: float, signed: int,
                   signature: dict) -> list[torch.Tensor]:
     """Several tensors: one fused buffer per dtype, reduced in place; returns views of it. The
-    signature is checked with the first buffer."""
+    signature is checked with the first buffer. Every buffer is made before the first exchange,
+    so that a failure to make one is met by the others' call (`meet_failure`)."""
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
+    fused_by_dtype = {dtype: torch.cat([tensors[i].reshape(-1) for i in members])
+                      for dtype, members in by_dtype.items()}
     results: list[Any] = [None] * len(tensors)
     for dtype, members in by_dtype.items():
-        fused = torch.cat([tensors[i].reshape(-1) for i in members])
+        fused = fused_by_dtype[dtype]
         lengths = [tensors[i].numel() for i in members]
         ps.transport.allreduce(fused, fused, ReduceSpec(dtype, op, prescale, postscale, signed,
                                                         signature, lengths))

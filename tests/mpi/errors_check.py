@@ -282,6 +282,34 @@ finally:
 assert torch.equal(hvd.allreduce(torch.ones(1 << 18), op=hvd.Sum),
                    torch.full((1 << 18,), float(n)))
 
+# The same for a group of two dtypes, whose second fused buffer cannot be made on rank n-1:
+# every buffer is made before the first exchange, so the failure still meets the others' call.
+def failing_cat(*args, **kwargs):
+    failing_cat.calls += 1
+    if failing_cat.calls == 2:
+        raise MemoryError("injected at the second fusion")
+    return concatenating(*args, **kwargs)
+
+
+failing_cat.calls = 0
+concatenating = torch.cat
+if r == n - 1:
+    torch.cat = failing_cat
+try:
+    hvd.grouped_allreduce([torch.ones(4), torch.ones(4, dtype=torch.float64)], name="early2",
+                          op=hvd.Sum)
+    raise AssertionError("no error")
+except hvd.RingReduceError as e:
+    if r == n - 1:
+        assert isinstance(e.__cause__, MemoryError) and "'early2'" in str(e), repr(e)
+    else:
+        assert isinstance(e, hvd.MismatchError), repr(e)
+        assert f"rank {n - 1}: MemoryError: injected at the second fusion" in str(e), str(e)
+finally:
+    torch.cat = concatenating
+assert [t.tolist() for t in hvd.grouped_allreduce(
+    [torch.ones(2), torch.ones(2, dtype=torch.float64)], op=hvd.Sum)] == [[float(n)] * 2] * 2
+
 # A failure of one rank's own inside a collective, once the members have agreed to run it
 # (they wait for data it will never send): every member raises, the others ShutDownError naming
 # that rank and its cause, at once (no stall); every later collective on that set says so (its
