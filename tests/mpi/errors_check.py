@@ -258,6 +258,21 @@ assert hvd.allgather_object(("r", r)) == [("r", k) for k in range(n)]
 # A failure on one rank before its collective began there (the output's allocation): the call
 # still meets the others' (a check carrying the error), so theirs fail with a MismatchError
 # quoting it, its own with the error as cause, and the set goes on.
+def expect_met(name, injected, call, *args, **kwargs):
+    """`call` fails on rank n-1 with MemoryError(injected), met on the others."""
+    try:
+        call(*args, name=name, op=hvd.Sum, **kwargs)
+        raise AssertionError(f"{name}: no error")
+    except hvd.RingReduceError as e:
+        if r == n - 1:
+            assert isinstance(e.__cause__, MemoryError) and f"'{name}'" in str(e), repr(e)
+        else:
+            assert isinstance(e, hvd.MismatchError), repr(e)
+            for fragment in [f"'{name}' cannot run: a failure before its data moved, on rank",
+                             f"rank {n - 1}: MemoryError: {injected}"]:
+                assert fragment in str(e), f"{fragment!r} not in {e}"
+
+
 def failing_fresh(*args, **kwargs):
     collective_work.fresh = allocating
     raise MemoryError("injected before the collective")
@@ -267,16 +282,7 @@ allocating = collective_work.fresh
 if r == n - 1:
     collective_work.fresh = failing_fresh
 try:
-    hvd.allreduce(torch.ones(1 << 18), name="early", op=hvd.Sum)
-    raise AssertionError("no error")
-except hvd.RingReduceError as e:
-    if r == n - 1:
-        assert isinstance(e.__cause__, MemoryError) and "'early'" in str(e), repr(e)
-    else:
-        assert isinstance(e, hvd.MismatchError), repr(e)
-        for fragment in ["'early' cannot run: a failure before its data moved, on rank",
-                         f"rank {n - 1}: MemoryError: injected before the collective"]:
-            assert fragment in str(e), f"{fragment!r} not in {e}"
+    expect_met("early", "injected before the collective", hvd.allreduce, torch.ones(1 << 18))
 finally:
     collective_work.fresh = allocating
 assert torch.equal(hvd.allreduce(torch.ones(1 << 18), op=hvd.Sum),
@@ -296,15 +302,8 @@ concatenating = torch.cat
 if r == n - 1:
     torch.cat = failing_cat
 try:
-    hvd.grouped_allreduce([torch.ones(4), torch.ones(4, dtype=torch.float64)], name="early2",
-                          op=hvd.Sum)
-    raise AssertionError("no error")
-except hvd.RingReduceError as e:
-    if r == n - 1:
-        assert isinstance(e.__cause__, MemoryError) and "'early2'" in str(e), repr(e)
-    else:
-        assert isinstance(e, hvd.MismatchError), repr(e)
-        assert f"rank {n - 1}: MemoryError: injected at the second fusion" in str(e), str(e)
+    expect_met("early2", "injected at the second fusion", hvd.grouped_allreduce,
+               [torch.ones(4), torch.ones(4, dtype=torch.float64)])
 finally:
     torch.cat = concatenating
 assert [t.tolist() for t in hvd.grouped_allreduce(
