@@ -340,7 +340,7 @@ def broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
 
     def work() -> torch.Tensor:
         # In place, straight into `t`, the caller's memory or our own copy of it: the signatures
-        # agree, and an MPI failure from here on ends the job; a temporary would cost
+        # agree, and a failure from here on shuts the set down (stall.py); a temporary would cost
         # broadcast_parameters the model's size again (kept by the engine thread's arena).
         begun = ps.transport.watch.begun
         try:

@@ -27,8 +27,9 @@ Kernel = Callable[..., None]    # (target, arrived[, mine]): target = (mine or t
 Wait = Callable[[Any], None]    # (request): returns once it is complete
 Bounds = Sequence[tuple[int, int]]
 TAG = 7
-# Requests a failed ring left pending (a peer left or failed, see stall.py): MPI may still read
-# or write their buffers, which these references keep alive for the life of the process.
+# Requests an error left pending (a peer left or failed, see stall.py), here and in any other
+# exchange: MPI may still read or write their buffers, which these references keep alive for
+# the life of the process.
 ABANDONED: list[Any] = []
 
 

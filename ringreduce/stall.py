@@ -30,6 +30,7 @@ import numpy as np
 
 from .errors import RingReduceError, ShutDownError
 from .mpi import mpi
+from .ring import ABANDONED
 
 log = logging.getLogger("ringreduce")
 _BUSY_SECONDS = 0.00005  # poll flat out this long (as MPI does): a peer is usually close
@@ -44,7 +45,6 @@ _READ_SECONDS = 2.0      # how long a stall report waits for the members' counts
 GOODBYE_TAG = 31
 FAILED_TAG = 32
 _FAILURE_CHARACTERS = 400   # of the cause, in the message that tells the peers
-_ABANDONED: list[Any] = []  # requests left pending by an error (see wait_request)
 
 
 class ProgressBoard:
@@ -214,7 +214,7 @@ class StallWatch:
         try:
             self.wait(request.Test)
         except BaseException:
-            _ABANDONED.append(request)
+            ABANDONED.append(request)
             raise
 
     def wait(self, done: Callable[[], bool]) -> None:
