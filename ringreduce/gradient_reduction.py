@@ -21,6 +21,7 @@ import weakref
 from typing import Any, Callable, Optional
 
 import torch
+from torch.autograd import Variable
 
 from . import cuda, fusion, sparse_gradients, timeline
 from .collectives import submit
@@ -71,6 +72,7 @@ class GradientReduction(WrappedOptimizer):
         self._prefix = ps.optimizer_prefix()
         self._views = options.gradient_as_bucket_view
         self._broken: Optional[str] = None     # why this step cannot be completed
+        self._in_backward = False    # a backward pass reached our hooks and has not finished
         self._stepped_on: Optional[tuple] = None    # see _steps_again
         self._sparse: set[int] = set()         # parameters whose gradients come sparse
         self._hooked: set[int] = set()
@@ -172,6 +174,9 @@ class GradientReduction(WrappedOptimizer):
 
     def _on_gradient(self, p: torch.Tensor) -> None:
         self._begin_step()
+        if not self._in_backward:
+            self._in_backward = True
+            Variable._execution_engine.queue_callback(self._backward_finished)
         key = id(p)
         if key not in self._pass_count:      # trainable only since this step began
             return
@@ -201,6 +206,23 @@ class GradientReduction(WrappedOptimizer):
         if self._waiting[bucket.index] == 0:
             timeline.record(bucket.name, "gradients ready")
         self._submit_ready_buckets()
+
+    def _backward_finished(self) -> None:
+        """Run by autograd at the end of a backward pass that reached our hooks, and only if
+        it finished: a pass that raises skips its queued callbacks."""
+        self._in_backward = False
+
+    def _break_if_backward_failed(self) -> None:
+        """After a backward pass that raised on this rank before it finished (an out-of-memory
+        error caught by the script, say), its gradients are incomplete, and the buckets it
+        submitted wait for the other ranks' buckets: the step is broken, so that zero_grad() or
+        step() meets the others' collectives and every rank skips the step. Without this, the
+        next step's buckets would pair with the others' buckets of this one."""
+        if self._in_backward:
+            self._in_backward = False
+            if self._broken is None:
+                self._broken = (f"a backward pass on rank {self._rank} raised before it "
+                                "finished, so its gradients are incomplete")
 
     def _sparse_gradient_leaves(self, p: torch.Tensor) -> bool:
         """A final sparse gradient, as Horovod treats it: with sparse_as_dense in a set of more
@@ -296,6 +318,7 @@ class GradientReduction(WrappedOptimizer):
         last of them is the step's agreement: where any rank's step is broken (an extra
         backward pass), or some ranks step again on the same gradients while others do not,
         every rank raises UsageError, so that no rank steps."""
+        self._break_if_backward_failed()
         again = self._steps_again()
         self._begin_step()                   # also when no gradient came this step
         self._submit_ready_buckets(force=True)
@@ -418,6 +441,7 @@ class GradientReduction(WrappedOptimizer):
                               process_set=self._process_set)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._break_if_backward_failed()
         if not self._synchronized and (self._handles or (self._broken is not None
                                                          and not self._fresh)):
             if self._broken is None:

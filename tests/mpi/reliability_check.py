@@ -7,9 +7,9 @@ leave_ahead   the same with rank 0's count of collectives ahead (counts can diff
               ranks settled an order by name): rank 1's wait ends after the grace a collective
               the leaver began gets to complete
 fewer         rank 0 has fewer batches than the others and finishes first
-recovery      one rank alone runs an extra backward pass, calls step() a second time, or
-              unfreezes a parameter: every rank raises, and after zero_grad() the step redone
-              gives every rank the same parameters as one process would
+recovery      one rank alone runs an extra backward pass, calls step() a second time,
+              unfreezes a parameter, or has a backward pass raise (caught): every rank raises,
+              and after zero_grad() the next step gives every rank one process's parameters
 optimizer     a parameter unfrozen after wrapping; parameters no rank has a gradient for;
               two DistributedOptimizers in one backward
 checkpoint    load failures and unloadable extras raise the same error on every rank
@@ -215,6 +215,40 @@ def recovery():
                 expect(hvd.UsageError, skipped, opt.step)
             train(model, opt, reference, ref_opt, 3)       # the recipe: zero_grad(), again
             matches_one_process(model, reference, what)
+
+    # a backward pass that raises on one rank alone after its first bucket went (an out-of-
+    # memory error that the script catches, to skip the batch): the culprit's zero_grad(), or
+    # its step(), meets the others' step, and every rank skips it, naming the culprit; the next
+    # step gives every rank one process's parameters. Without the check, the culprit's next
+    # step paired with the others' failed one, silently.
+    def out_of_memory(grad):
+        raise MemoryError("out of memory (simulated)")
+
+    for views in (False, True):
+        for culprit in range(n):
+            for then in ("zero_grad", "step"):
+                model, opt, reference, ref_opt = models(7, gradient_as_bucket_view=views,
+                                                        first_bucket_bytes=24)
+                assert len(opt._buckets) == 2, [b.names for b in opt._buckets]
+                what = f"views={views}, backward raised on rank {culprit}, then {then}()"
+                skipped = [f"skipped on every rank because ranks [{culprit}] broke it",
+                           f"a backward pass on rank {culprit} raised before it finished",
+                           "zero_grad()"]
+                hidden = model[0](batch(r, 0))
+                if r == culprit:
+                    hidden.register_hook(out_of_memory)   # after the last layer's bucket went
+                    expect(MemoryError, "out of memory",
+                           lambda: model[1](hidden).sum().backward())
+                    assert len(opt._handles) == 1, what
+                    if then == "zero_grad":
+                        opt.zero_grad()
+                    else:
+                        expect(hvd.UsageError, skipped, opt.step)
+                else:
+                    model[1](hidden).sum().backward()
+                    expect(hvd.UsageError, skipped, opt.step)
+                train(model, opt, reference, ref_opt, 1)
+                matches_one_process(model, reference, what)
 
     # a parameter unfrozen on one rank only: MismatchError on every rank naming it; after
     # zero_grad() and the fix, the step goes through and the ranks agree
