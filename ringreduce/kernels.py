@@ -33,18 +33,21 @@ class ReduceOp(enum.IntEnum):
     Product = _native.OP_PRODUCT
 
 
+address: Callable[[np.ndarray], int] = _native.address
+"""address(array): where a contiguous array begins; a tenth of the time of `.ctypes.data`."""
+
+
 @functools.lru_cache(maxsize=None)
 def reducer(dtype: torch.dtype, op: ReduceOp) -> Kernel:
     """The kernel `target = target op source` for `dtype`, or `mine op source` into target
-    (the ring out of place); the target's address read once: each `.ctypes.data` costs a
-    microsecond, and rings call this per segment."""
+    (the ring out of place); called once per row of the small gather and per ring segment."""
     code, combine = CODES[dtype], _native.combine
 
     def kernel(target: np.ndarray, source: np.ndarray, mine: Optional[np.ndarray] = None
                ) -> None:
-        address = target.ctypes.data
-        combine(code, op, address if mine is None else mine.ctypes.data, source.ctypes.data,
-                address, target.size, False, 1.0, 1.0)
+        at = address(target)
+        combine(code, op, at if mine is None else address(mine), address(source), at,
+                target.size, False, 1.0, 1.0)
 
     return kernel
 
@@ -53,7 +56,7 @@ def finish(array: np.ndarray, dtype: torch.dtype, divisor: float, scale: float) 
     """array = array / divisor * scale in place (integers: times scale / divisor in float64,
     truncated toward zero, as Horovod scales them); factors of 1 are free."""
     if (divisor != 1.0 or scale != 1.0) and array.size:
-        _native.finish(CODES[dtype], array.ctypes.data, array.size, float(divisor), float(scale))
+        _native.finish(CODES[dtype], address(array), array.size, float(divisor), float(scale))
 
 
 _CASTS = {(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),

@@ -39,6 +39,7 @@ from .config import Settings
 from .crossnode import BetweenNodes
 from .errors import RingReduceError
 from .kernels import ReduceOp
+from .mpi import mpi
 from .negotiation import Negotiator
 from .reduce_spec import ReduceSpec
 from .scratch import ScratchPool
@@ -46,6 +47,7 @@ from .shm import NodeWindow
 from .signature import Signature, label
 
 _AVERAGE = ReduceOp.Average     # (an enum's class attribute costs a lookup each time)
+_BYTES = np.dtype(np.uint8)
 Pieces = Callable[[ReduceSpec], Callable[[np.ndarray], None]]
 
 
@@ -316,24 +318,69 @@ class NodeBlocks(_OnNode):
 
 
 class MpiGather(Way):
-    """Up to the small message size: every rank's buffer gathered by MPI, the rows reduced in
-    rank order on every rank."""
+    """Up to the small message size: the members' digests gathered by MPI, then, where they
+    agree, every member's buffer, and the rows reduced in rank order on every member. Its
+    exchange checks the signature before it writes the output, so the small way takes it whole
+    (small_way.py), from the public call: where no shared memory serves (one rank per node on a
+    number of nodes recursive doubling does not take, a set whose nodes hold different numbers
+    of its members, RINGREDUCE_SHARED_MEMORY=0)."""
+
+    carries_signature = True
 
     def __init__(self, parts: SetParts) -> None:
         super().__init__(parts)
         self.limit = parts.settings.small_message_bytes
+        self._memory = mpi().buffer.fromaddress
+        # The digest exchange, as the negotiator's (a member that has joined sends its own)
+        self._header = np.zeros(2, dtype=np.int64)     # digest, per-rank word (0)
+        self._headers = np.zeros((parts.size, 2), dtype=np.int64)
 
     def applies(self, src: torch.Tensor, spec: ReduceSpec) -> bool:
         return src.nbytes <= self.limit
 
     def run(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
-        parts, size = self.parts, self.parts.size
-        parts.check(spec)
-        buf = as_array(parts.prescaled(src, dst, spec, always_copy=True))
-        if buf.size:
-            gathered = parts.scratch.get("gather", buf.dtype, size * buf.size)
-            ring.gather_allreduce(parts.comm, buf, kernels.reducer(spec.dtype, spec.op),
-                                  gathered.reshape(size, -1), parts.wait, parts.finisher(spec))
+        parts, address, count = self.parts, src.data_ptr(), src.numel()
+        if spec.prescale != 1.0:        # (not into dst: it is written once the digests agree)
+            staged = parts.scratch.get("prescaled", _BYTES, src.nbytes)
+            address = kernels.address(staged)
+            kernels.copy_stream(address, src.data_ptr(), src.nbytes)
+            _native.finish(spec.code, address, count, 1.0, spec.prescale)
+        if not self.exchange(address, dst.data_ptr(), src.nbytes, count, spec.code, spec.op,
+                             parts.divisor(spec.op), spec.postscale, spec.digest or 0):
+            self.explain(spec.describe)
+
+    def exchange(self, src: int, dst: int, nbytes: int, count: int, code: int, op: ReduceOp,
+                 divisor: float, scale: float, digest: int,
+                 output: Optional[Callable[[], int]] = None) -> bool:
+        """Allreduce `nbytes` at address `src` into `dst` (or into what `output()` makes, once
+        our data is on its way); False, with nothing written, where the digests differ."""
+        parts, memory, size = self.parts, self._memory, self.parts.size
+        self._header[0] = digest
+        parts.wait(parts.comm.Iallgather(self._header, self._headers))
+        digests = self._headers[:, 0].tolist()
+        if digests.count(digests[0]) != size:
+            return False
+        rows = parts.scratch.get("gather", _BYTES, size * nbytes)
+        request = parts.comm.Iallgather(memory(src, nbytes), rows) if nbytes else None
+        if output is not None:
+            dst = output()
+        if request is not None:
+            parts.wait(request)
+            first = kernels.address(rows)
+            _native.combine(code, op, first, first + nbytes, dst, count, False, 1.0, 1.0)
+            for row in range(2, size):
+                _native.combine(code, op, dst, first + row * nbytes, dst, count, False, 1.0,
+                                1.0)
+            if divisor != 1.0 or scale != 1.0:
+                _native.finish(code, dst, count, divisor, scale)
+        return True
+
+    def explain(self, describe: Callable[[], Signature]) -> None:
+        """The digests differed: PeersJoined, OutOfOrder or MismatchError, the same on every
+        member."""
+        self.parts.negotiator.judge(self._headers[:, 0].copy(), describe)
+        raise RingReduceError(f"ringreduce: {label(describe())}: the digests differed, then "
+                              "agreed")
 
 
 class MpiRing(Way):
