@@ -9,9 +9,8 @@ state is synchronised from rank 0 when training starts, commits are in-memory co
 
 How a reset differs from Horovod's, and why:
 - No `shutdown()` + `init()`. Horovod restarts to form a new world; ours is the same world
-  afterwards, and a restart would break what holds the old one: a `DistributedOptimizer` keeps
-  its set's engine, process sets and a running timeline end, and `init()`'s communicator and
-  settings would be lost. Instead all ranks meet in one collective (the agreement), which runs
+  afterwards, and a restart would end what the old one holds: process sets (until registered
+  again) and a running timeline, and `init()`'s communicator and settings would be lost. Instead all ranks meet in one collective (the agreement), which runs
   after every collective each rank had queued; then each `DistributedOptimizer` in the state
   forgets the step it had begun. An error that reaches Python leaves ringreduce's
   communicators usable (a `MismatchError` is raised on every rank before any data moves); an

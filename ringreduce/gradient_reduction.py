@@ -135,13 +135,26 @@ class GradientReduction(WrappedOptimizer):
 
     def _replan_if_changed(self) -> None:
         """Before anything of a step is submitted: a parameter frozen or unfrozen since the
-        plan, or a gradient found sparse, re-plans the buckets. Every rank that makes the same
+        plan, a gradient found sparse, or the set made anew by init(), re-plans the buckets. Every rank that makes the same
         change re-plans alike; a rank that does not fails the buckets' signature check
         (MismatchError naming the parameters)."""
         trainable = frozenset(id(p) for _, p in self._trainable())
-        if trainable != self._planned or self._sparse != self._planned_sparse:
+        if (self._found_new_set() or trainable != self._planned
+                or self._sparse != self._planned_sparse):
             self._plan()
             self._reset_step()
+
+    def _found_new_set(self) -> bool:
+        """After shutdown() and init() (Horovod's way on after an error, which its optimizers
+        survive), the set this optimizer reduced on is closed: take the set's new one (a
+        process set other than the global one must be registered again first, as in
+        Horovod), and a new prefix of bucket names there, as every rank does at the same
+        step. True where it did."""
+        if not self._set.closed:
+            return False
+        self._set = active(self._process_set, "DistributedOptimizer's step")
+        self._prefix = self._set.optimizer_prefix()
+        return True
 
     def _point_grads_at_buckets(self) -> None:
         for bucket in self._buckets:
@@ -442,6 +455,8 @@ class GradientReduction(WrappedOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._break_if_backward_failed()
+        if self._set.closed:    # shutdown() and init() since: the step's collectives are gone
+            self._synchronized, self._handles = True, []
         if not self._synchronized and (self._handles or (self._broken is not None
                                                          and not self._fresh)):
             if self._broken is None:

@@ -108,6 +108,7 @@ class ActiveSet:
                              self.transport.negotiator.agreement)
         self._names: dict[str, itertools.count] = {}   # per kind: see auto_name
         self._optimizers = itertools.count()
+        self.closed = False     # shut down: what holds it must find the set's new one (active)
 
     def optimizer_prefix(self) -> str:
         """What the bucket names of the set's next DistributedOptimizer start with: nothing
@@ -172,6 +173,7 @@ class ActiveSet:
         """Run what is queued, say goodbye to the other members (so that one still waiting in
         a collective with this rank raises instead of hanging), and once every member has left
         too, free the set's window, board and communicators (collective)."""
+        self.closed = True
         self.engine.shutdown()
         departures = self.transport.watch.departures
         departures.announce(self.transport.watch.begun)

@@ -361,6 +361,30 @@ if n > 2:
         assert torch.equal(hvd.allreduce(torch.ones(1 << 18), op=hvd.Sum, process_set=part),
                            torch.full((1 << 18,), float(n - 1)))
     assert hvd.remove_process_set(part)
+# A DistributedOptimizer made before the failure and the shutdown() + init() that follow it
+# trains on after them, as Horovod's does: one step before, one after, equal to one process's.
+torch.manual_seed(3)
+survivor = torch.nn.Linear(4, 3)
+reference = torch.nn.Linear(4, 3)
+reference.load_state_dict(survivor.state_dict())
+survivor_opt = hvd.DistributedOptimizer(torch.optim.SGD(survivor.parameters(), lr=0.1),
+                                        survivor.named_parameters())
+reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+
+def survivor_step(step):
+    def batch(k):
+        return torch.arange(12.0).reshape(3, 4) * (k + 1) + step
+
+    survivor_opt.zero_grad()
+    survivor(batch(r)).sum().backward()
+    survivor_opt.step()
+    reference_opt.zero_grad()
+    sum(reference(batch(k)).sum() for k in range(n)).div(n).backward()
+    reference_opt.step()
+
+
+survivor_step(0)
 if n > 1:
     fail_alone(n - 1, hvd.global_process_set)
 
@@ -368,6 +392,10 @@ if n > 1:
 # opt-in per-step check inside DistributedOptimizer, every 2 steps from a new init().
 hvd.shutdown()
 hvd.init(consistency_check_steps=2)
+survivor_step(1)
+for mine, theirs in zip(survivor.parameters(), reference.parameters()):
+    assert torch.allclose(mine, theirs, atol=1e-5), "the optimizer after init() again"
+assert hvd.allgather(survivor.weight.detach().reshape(1, -1)).unique(dim=0).shape[0] == 1
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4),
                             torch.nn.Linear(4, 2))
