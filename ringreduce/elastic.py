@@ -8,15 +8,19 @@ state is synchronised from rank 0 when training starts, commits are in-memory co
 `HorovodInternalError` rolls every rank back to the last commit and runs the function again.
 
 How a reset differs from Horovod's, and why:
-- No `shutdown()` + `init()`. Horovod restarts to form a new world; ours is the same world
-  afterwards, and a restart would end what the old one holds: process sets (until registered
-  again) and a running timeline, and `init()`'s communicator and settings would be lost. Instead all ranks meet in one collective (the agreement), which runs
-  after every collective each rank had queued; then each `DistributedOptimizer` in the state
-  forgets the step it had begun. An error that reaches Python leaves ringreduce's
-  communicators usable (a `MismatchError` is raised on every rank before any data moves); an
-  MPI failure from a dead peer ends the job anyway. A failure inside a collective's exchange
-  on some rank shuts the set down on every member (stall.py): the reset's own collective then
-  raises that `ShutDownError` on every rank, out of the decorated function.
+- No `shutdown()` + `init()` as a rule. Horovod restarts to form a new world; ours is the
+  same world afterwards, and a restart would end what the old one holds: process sets (until
+  registered again) and a running timeline. Instead all ranks meet in one collective (the
+  agreement), which runs after every collective each rank had queued; then each
+  `DistributedOptimizer` in the state forgets the step it had begun. An error that reaches
+  Python leaves ringreduce's communicators usable (a `MismatchError` is raised on every rank
+  before any data moves); an MPI failure from a dead peer ends the job anyway.
+- The exception: a failure inside a collective's exchange on some rank shuts the set down on
+  every member (stall.py). Where that set is the job's, the agreement raises that
+  `ShutDownError` on every rank, and every rank runs `world.restart()`: `shutdown()` and
+  `init()` on init()'s communicator and settings, with the same process sets registered
+  again, as Horovod's reset restarts. A `DistributedOptimizer` finds the new set at its next
+  step. (A member that left, its process gone, still ends the job.)
 - A rank that failed alone still resets with the others: while its agreement is pending, each
   collective the others run fails with `MismatchError` naming it (negotiation.RESET), so they
   reset too. (If they have left the function already, it waits there, and the stall report
@@ -41,7 +45,7 @@ from .elastic_state import (ROOT_RANK, HostsUpdatedInterrupt, HostUpdateResult,
                             OptimizerStateHandler, SamplerStateHandler, State, StateHandler,
                             TorchState, abandon_pending_steps, get_handler_registry,
                             set_handler_registry)
-from .errors import HorovodInternalError, RingReduceError
+from .errors import HorovodInternalError, RingReduceError, ShutDownError
 from .negotiation import RESET, ResetPending
 from .objects import allgather_object
 
@@ -104,7 +108,19 @@ def reset_limit() -> int:
 def _reset_together(reason: BaseException, failures: int, limit: int, what_runs: str) -> None:
     """Meet every rank, then go on, or give up on every rank when some rank has failed more
     than `limit` times."""
-    everyone = _agree(_describe(reason), failures, not _caused_by_reset(reason))
+    description, own = _describe(reason), not _caused_by_reset(reason)
+    try:
+        everyone = _agree(description, failures, own)
+    except ShutDownError as shut:
+        if not shut.restartable:
+            raise
+        # A member failed inside a collective, which shut the job down on every rank (its
+        # messages are out of step): every rank comes here, and starts afresh together.
+        if world.rank() == ROOT_RANK:
+            log.warning("ringreduce: elastic reset: a failure inside a collective shut the job "
+                        "down; shutdown() and init() on every rank")
+        world.restart()
+        everyone = _agree(description, failures, own)
     most = max(count for _, count, _ in everyone)
     report = _summarize(everyone)
     if most > limit:

@@ -20,7 +20,13 @@ class ShutDownError(RingReduceError):
     while this rank waited in a collective with it, or before this rank started one: it could
     never complete. Names the rank that left and the collective. Also raised on every member
     once one has failed inside a collective (its traffic is out of step then), until
-    shutdown() and init()."""
+    shutdown() and init(). `restartable`: a member failed (or left to start afresh) and none
+    left for good, so that shutdown() and init() on every rank bring the set back (elastic's
+    reset does)."""
+
+    def __init__(self, message: str, restartable: bool = False) -> None:
+        super().__init__(message)
+        self.restartable = restartable
 
 
 class JoinedError(RingReduceError):

@@ -167,6 +167,7 @@ class GradientReduction(WrappedOptimizer):
 
     def _reset_step(self) -> None:
         self._fresh = True                   # nothing of this step seen yet
+        self._in_backward = False
         self._pass_count = dict.fromkeys(self._planned, 0)
         self._waiting = [len(b.params) for b in self._buckets]  # params not ready, per bucket
         self._next_bucket = 0                # buckets are submitted strictly in order

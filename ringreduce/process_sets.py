@@ -169,14 +169,15 @@ class ActiveSet:
                          f"{self.ranks[self.rank]}: root_rank {root_rank!r} is not a rank of "
                          f"{scope}")
 
-    def close(self) -> None:
+    def close(self, restarting: bool = False) -> None:
         """Run what is queued, say goodbye to the other members (so that one still waiting in
         a collective with this rank raises instead of hanging), and once every member has left
-        too, free the set's window, board and communicators (collective)."""
+        too, free the set's window, board and communicators (collective). `restarting`: every
+        member starts afresh at once (world.restart)."""
         self.closed = True
         self.engine.shutdown()
         departures = self.transport.watch.departures
-        departures.announce(self.transport.watch.begun)
+        departures.announce(self.transport.watch.begun, restarting)
         departures.wait_for_everyone()
         self.transport.free()
         for comm in (self.cross, self.local, self.comm):
@@ -222,8 +223,9 @@ def start(comm: Any, settings: Settings, abort: Callable[[str], None],
     return job.active[0]
 
 
-def stop() -> None:
-    """Close every set this rank belongs to (the global one last) and forget them all."""
+def stop(restarting: bool = False) -> None:
+    """Close every set this rank belongs to (the global one last) and forget them all;
+    `restarting`: to start afresh at once with every rank (world.restart)."""
     global _job
     job, _job = _job, None
     if job is None:
@@ -231,7 +233,7 @@ def stop() -> None:
     groups = [k for k in job.active if isinstance(k, str)]    # open_group's, newest last
     for set_id in groups[::-1] + sorted((k for k in job.active if isinstance(k, int)),
                                         reverse=True):
-        job.active[set_id].close()
+        job.active[set_id].close(restarting)
     job.groups_comm.Free()
     for set_id, process_set in job.sets.items():
         if set_id != 0:
@@ -394,6 +396,13 @@ def register_at_init(process_sets: Union[None, str, Iterable[ProcessSet]]) -> No
                          "or 'dynamic'")
     if wanted:
         _register(_state("init()"), wanted, "init")
+
+
+def registered_sets() -> list[ProcessSet]:
+    """The process sets registered with add_process_set() or init(), other than the global
+    one, in the order they were (the same on every rank)."""
+    job = _state("registered_sets()")
+    return [job.sets[k] for k in sorted(k for k in job.sets if isinstance(k, int) and k != 0)]
 
 
 def open_group(ranks: Sequence[int], label: str) -> ProcessSet:

@@ -99,11 +99,14 @@ class Departures:
     def __init__(self, comm: Any) -> None:
         self.comm = comm
         self.gone: dict[int, int] = {}       # set rank -> the collectives it had begun
+        self.restarting: set[int] = set()    # of those, the ones that start afresh (restart)
         self.failures: dict[int, str] = {}   # set rank -> what failed there, and why
-        self._received = np.zeros(2, dtype=np.int64)
+        self._received = np.zeros(3, dtype=np.int64)
 
-    def announce(self, begun: int) -> None:
-        token = np.array([self.comm.rank, begun], dtype=np.int64)
+    def announce(self, begun: int, restarting: bool = False) -> None:
+        """Say goodbye: this member leaves, having begun `begun` collectives; `restarting`:
+        to start afresh at once with every member (world.restart)."""
+        token = np.array([self.comm.rank, begun, restarting], dtype=np.int64)
         requests = [self.comm.Isend(token, dest=r, tag=GOODBYE_TAG)
                     for r in range(self.comm.size) if r != self.comm.rank]
         mpi().Request.Waitall(requests)
@@ -121,10 +124,18 @@ class Departures:
         status = MPI.Status()
         while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=GOODBYE_TAG, status=status):
             self.comm.Recv(self._received, source=status.Get_source(), tag=GOODBYE_TAG)
-            self.gone[int(self._received[0])] = int(self._received[1])
+            member, begun, restarting = self._received.tolist()
+            self.gone[member] = begun
+            if restarting:
+                self.restarting.add(member)
         while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=FAILED_TAG, status=status):
             source = status.Get_source()
             self.failures[source] = self.comm.recv(source=source, tag=FAILED_TAG)
+
+    def restartable(self) -> bool:
+        """Whether shutdown() and init() on every member bring the set back: a member failed
+        inside a collective, or left to start afresh, and none left for good."""
+        return bool(self.failures or self.gone) and self.restarting.issuperset(self.gone)
 
     def ended(self, collective: int) -> bool:
         """Whether collective #`collective` can no longer complete: some member failed, or
@@ -188,7 +199,7 @@ class StallWatch:
             self._published[0] = begun      # the board's publish(), inline: the hot path
         if self.departures.gone or self.departures.failures:
             if self.departures.ended(begun):
-                raise ShutDownError(self._departed())
+                raise self._ended()
 
     def failed(self, error: BaseException) -> None:
         """This member's collective #begun failed where the others may wait on it: tell them
@@ -243,14 +254,14 @@ class StallWatch:
                 next_look = now + _GOODBYE_EVERY
                 self.departures.look()
                 if self.departures.ended(self.begun):
-                    raise ShutDownError(self._departed())
+                    raise self._ended()
                 if self.departures.gone:
                     # Those that left had begun this one, by their counts, so they did their
                     # part: it completes in a moment. (Counts can differ where a collective
                     # ran again after the members settled their order by name.)
                     grace_ends = min(grace_ends, now + _DEPARTED_GRACE)
                     if now >= grace_ends:
-                        raise ShutDownError(self._departed(every=True))
+                        raise self._ended(every=True)
             if now >= shutdown_at:
                 self.on_shutdown(f"{self.describe(now - start)} Shutting the job down after "
                                  f"{self.shutdown_time:g} s (RINGREDUCE_STALL_SHUTDOWN_TIME).")
@@ -263,6 +274,10 @@ class StallWatch:
     def _name(self, count: int) -> str:
         slot = count % _REMEMBERED
         return self._recent_labels[slot] if self._recent_counts[slot] == count else ""
+
+    def _ended(self, every: bool = False) -> ShutDownError:
+        """The error of a collective that cannot complete (see _departed)."""
+        return ShutDownError(self._departed(every), restartable=self.departures.restartable())
 
     def _departed(self, every: bool = False) -> str:
         """Why this collective cannot complete: a member failed, or these left: those that had

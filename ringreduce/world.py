@@ -25,11 +25,13 @@ from .config import Settings, ignored_horovod_variables
 from .cuda_aware import resolve_cuda_aware
 from .errors import RingReduceError
 from .mpi import mpi
-from .process_sets import ProcessSet, global_set, is_running, register_at_init, start, stop
+from .process_sets import (ProcessSet, global_set, is_running, register_at_init,
+                           registered_sets, start, stop)
 
 log = logging.getLogger("ringreduce")
 _init_lock = threading.Lock()
 _atexit_registered = False
+_started_with: tuple = (None, {})    # init()'s communicator and settings, for restart()
 
 
 def init(comm: Any = None, process_sets: Union[None, str, Iterable[ProcessSet]] = None,
@@ -40,11 +42,12 @@ def init(comm: Any = None, process_sets: Union[None, str, Iterable[ProcessSet]] 
     init returns), or "dynamic" (accepted for Horovod; sets may always be added later).
     Keyword arguments override `RINGREDUCE_*` settings, e.g. `simulated_nodes=2`.
     """
-    global _atexit_registered
+    global _atexit_registered, _started_with
     with _init_lock:
         if is_running():
             return
         resolved = Settings.load(**settings)
+        _started_with = (comm, settings)
         MPI = mpi()
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise RingReduceError(
@@ -81,9 +84,24 @@ def init(comm: Any = None, process_sets: Union[None, str, Iterable[ProcessSet]] 
 def shutdown() -> None:
     """Finish what is queued, stop the engines and free our communicators. `init()` may be
     called again afterwards."""
+    _shut_down()
+
+
+def _shut_down(restarting: bool = False) -> None:
     with _init_lock:
-        stop()              # each set's engine, window and communicators, the global one last
+        stop(restarting)    # each set's engine, window and communicators, the global one last
         timeline.stop()     # after the engine threads ended: no event is cut off
+
+
+def restart() -> None:
+    """shutdown() and init() again (collective), on init()'s communicator and settings, with
+    the process sets registered now registered again, in their order: the same world, for
+    elastic's reset after a member's failure inside a collective shut the job down. What held
+    the old sets finds the new ones (a DistributedOptimizer at its next step)."""
+    sets = registered_sets()
+    comm, settings = _started_with
+    _shut_down(restarting=True)
+    init(comm, process_sets=sets, **settings)
 
 
 def is_initialized() -> bool:

@@ -722,3 +722,20 @@ def test_a_member_that_left_after_a_collective_does_not_fail_it():
     departures.gone.clear()
     departures.failures[2] = "collective #3 allreduce 'x' (MemoryError: ...)"
     assert departures.ended(1)
+
+
+def test_a_set_is_restartable_after_a_failure_or_a_restart_and_not_after_a_member_left():
+    """elastic's reset restarts the job (shutdown() and init() on every rank) only where no
+    member has left for good: init() would wait for it."""
+    departures = stall.Departures(mpi().COMM_SELF)
+    assert not departures.restartable()
+    departures.failures[2] = "collective #3 allreduce 'x' (MemoryError: ...)"
+    assert departures.restartable()
+    departures.gone[1] = 4              # left to start afresh: its goodbye said so
+    departures.restarting.add(1)
+    assert departures.restartable()
+    departures.gone[0] = 4              # left for good (the end of its script)
+    assert not departures.restartable()
+    departures.failures.clear()
+    del departures.gone[0]
+    assert departures.restartable()     # one restarting is enough: the failure comes later

@@ -3,7 +3,8 @@
 python elastic_check.py [all | kill]
   all:    the ElasticSampler's exact indices, state sync from rank 0, commit/restore round
           trips, ObjectState, host updates, a training run with injected failures that must end
-          bitwise equal to an uninterrupted one; then resets with plain collectives only (one
+          bitwise equal to an uninterrupted one (also after a failure inside a bucket's
+          allreduce on one rank, which restarts the job); then resets with plain collectives only (one
           rank failing alone), and the reset limit.
   kill:   a rank killed inside an elastic run must still end the job (no fault-tolerant MPI).
 """
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ringreduce as hvd
 from ringreduce import elastic
+from ringreduce.transport import Transport
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -235,8 +237,19 @@ def dataset():
     return TensorDataset(torch.arange(SAMPLES), x, y)
 
 
+IN_A_BUCKET = "in a bucket's allreduce"
+working_way = Transport._way
+
+
+def failing_way(*args, **kwargs):
+    Transport._way = working_way
+    raise MemoryError(f"injected inside a collective on rank {r}")
+
+
 class Fault:
-    """Raise HorovodInternalError once, at (epoch, batch, where), on the given ranks."""
+    """Raise HorovodInternalError once, at (epoch, batch, where), on the given ranks; or, where
+    is IN_A_BUCKET, fail inside the next allreduce there (a bucket's, in backward): the others
+    wait in it, and are told."""
 
     def __init__(self, epoch, batch, where, ranks):
         self.at, self.ranks, self.fired = (epoch, batch, where), ranks, False
@@ -244,6 +257,9 @@ class Fault:
     def maybe_raise(self, epoch, batch, where):
         if not self.fired and (epoch, batch, where) == self.at and r in self.ranks:
             self.fired = True
+            if where == IN_A_BUCKET:
+                Transport._way = failing_way
+                return
             raise hvd.HorovodInternalError(f"injected failure at {self.at} on rank {r}")
 
 
@@ -274,6 +290,7 @@ def train_with(faults):
             offset = state.batch
             for i, (index, x, y) in enumerate(loader):
                 fault_at("before forward", offset + i)
+                fault_at(IN_A_BUCKET, offset + i)
                 opt.zero_grad()
                 F.cross_entropy(model(x), y).backward()
                 fault_at("after backward", offset + i)
@@ -314,6 +331,11 @@ def check_training_with_failures():
     assert starts == [(0, 0)] + want, starts
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p, q), f"{name} differs from the uninterrupted run"
+    if n > 1:   # a failure inside a collective: the job restarts (shutdown() and init())
+        model, resets, starts = train_with([Fault(1, 1, IN_A_BUCKET, [n - 1])])
+        assert resets == [(1, 1)] and starts == [(0, 0), (1, 1)], (resets, starts)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.equal(p, q), f"{name} differs from the uninterrupted run (restart)"
 
 
 def check_lone_failure_with_plain_collectives():
