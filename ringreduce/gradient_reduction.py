@@ -135,9 +135,9 @@ class GradientReduction(WrappedOptimizer):
 
     def _replan_if_changed(self) -> None:
         """Before anything of a step is submitted: a parameter frozen or unfrozen since the
-        plan, a gradient found sparse, or the set made anew by init(), re-plans the buckets. Every rank that makes the same
-        change re-plans alike; a rank that does not fails the buckets' signature check
-        (MismatchError naming the parameters)."""
+        plan, a gradient found sparse, or the set made anew by init(), re-plans the buckets.
+        Every rank that makes the same change re-plans alike; a rank that does not fails the
+        buckets' signature check (MismatchError naming the parameters)."""
         trainable = frozenset(id(p) for _, p in self._trainable())
         if (self._found_new_set() or trainable != self._planned
                 or self._sparse != self._planned_sparse):

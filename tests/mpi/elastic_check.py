@@ -4,8 +4,8 @@ python elastic_check.py [all | kill]
   all:    the ElasticSampler's exact indices, state sync from rank 0, commit/restore round
           trips, ObjectState, host updates, a training run with injected failures that must end
           bitwise equal to an uninterrupted one (also after a failure inside a bucket's
-          allreduce on one rank, which restarts the job); then resets with plain collectives only (one
-          rank failing alone), and the reset limit.
+          allreduce on one rank, which restarts the job); then resets with plain collectives
+          only (one rank failing alone), and the reset limit.
   kill:   a rank killed inside an elastic run must still end the job (no fault-tolerant MPI).
 """
 import copy
