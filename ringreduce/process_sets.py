@@ -341,6 +341,7 @@ def _register(job: _Job, wanted: Sequence[ProcessSet], what: str) -> None:
             continue
         seen.add(set_id)
         ps.ranks, ps.process_set_id = ranks, set_id
+        job.sets[set_id] = ps       # the caller's object: shutdown() invalidates it (stop)
     if duplicates:
         raise ValueError(f"ringreduce: {what}: duplicate process sets ({'; '.join(duplicates)});"
                          " a set with the same ranks is registered already")

@@ -385,6 +385,7 @@ def survivor_step(step):
 
 
 survivor_step(0)
+stale = hvd.add_process_set([0]) if n > 1 else None
 if n > 1:
     fail_alone(n - 1, hvd.global_process_set)
 
@@ -393,6 +394,14 @@ if n > 1:
 hvd.shutdown()
 hvd.init(consistency_check_steps=2)
 survivor_step(1)
+# a set registered before shutdown() is not registered after init() (as Horovod's sets), and
+# does not stand for a set registered since under the same id
+if stale is not None:
+    assert stale.process_set_id is None, stale
+    fresh = hvd.add_process_set([0])
+    expect(ValueError, "not registered", hvd.allreduce, torch.ones(1), process_set=stale)
+    assert stale.process_set_id is None and fresh.process_set_id is not None
+    assert hvd.remove_process_set(fresh)
 for mine, theirs in zip(survivor.parameters(), reference.parameters()):
     assert torch.allclose(mine, theirs, atol=1e-5), "the optimizer after init() again"
 assert hvd.allgather(survivor.weight.detach().reshape(1, -1)).unique(dim=0).shape[0] == 1
