@@ -394,7 +394,7 @@ if n > 1:
 hvd.shutdown()
 hvd.init(consistency_check_steps=2)
 survivor_step(1)
-# a set registered before shutdown() is not registered after init() (as Horovod's sets), and
+# a set registered before shutdown() is not registered after init(), and
 # does not stand for a set registered since under the same id
 if stale is not None:
     assert stale.process_set_id is None, stale
