@@ -64,7 +64,7 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path):
     """Killed twice at different moments (a seeded random delay after a checkpoint, a random
     rank): once in its first run, then again once its resumed run has written a checkpoint of
     its own; resumed to the end, it has the parameters of the run never killed."""
-    args = ["--epochs", "12", "--checkpoint-every", "5", "--no-reference"]
+    args = ["--epochs", "8", "--checkpoint-every", "3", "--no-reference"]
     clean = run_mpi(2, DEMO, *args, "--checkpoint-dir", str(tmp_path / "clean"), timeout=180)
     assert clean.returncode == 0, clean.output[-3000:]
     want = final_digest(clean.output)
