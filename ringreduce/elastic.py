@@ -17,10 +17,11 @@ How a reset differs from Horovod's, and why:
   before any data moves); an MPI failure from a dead peer ends the job anyway.
 - The exception: a failure inside a collective's exchange on some rank shuts the set down on
   every member (stall.py). Where that set is the job's, the agreement raises that
-  `ShutDownError` on every rank, and every rank runs `world.restart()`: `shutdown()` and
-  `init()` on init()'s communicator and settings, with the same process sets registered
-  again, as Horovod's reset restarts. A `DistributedOptimizer` finds the new set at its next
-  step. (A member that left, its process gone, still ends the job.)
+  `ShutDownError` on every rank; where it is another, its members say so in the agreement.
+  Either way every rank then runs `world.restart()`: `shutdown()` and `init()` on init()'s
+  communicator and settings, with the same process sets registered again, as Horovod's reset
+  restarts. A `DistributedOptimizer` finds the new set at its next step. (A member that left,
+  its process gone, still ends the job.)
 - A rank that failed alone still resets with the others: while its agreement is pending, each
   collective the others run fails with `MismatchError` naming it (negotiation.RESET), so they
   reset too. (If they have left the function already, it waits there, and the stall report
@@ -48,6 +49,7 @@ from .elastic_state import (ROOT_RANK, HostsUpdatedInterrupt, HostUpdateResult,
 from .errors import HorovodInternalError, RingReduceError, ShutDownError
 from .negotiation import RESET, ResetPending
 from .objects import allgather_object
+from .process_sets import failed_sets
 
 log = logging.getLogger("ringreduce")
 
@@ -111,17 +113,20 @@ def _reset_together(reason: BaseException, failures: int, limit: int, what_runs:
     description, own = _describe(reason), not _caused_by_reset(reason)
     try:
         everyone = _agree(description, failures, own)
-    except ShutDownError as shut:
+        restart = any(failed for *_, failed in everyone)    # a process set's, on its members
+    except ShutDownError as shut:       # the job's set: every rank comes here
         if not shut.restartable:
             raise
-        # A member failed inside a collective, which shut the job down on every rank (its
-        # messages are out of step): every rank comes here, and starts afresh together.
+        restart = True
+    if restart:
+        # A member failed inside a collective, which shut its set down (its messages are out
+        # of step): every rank starts afresh, with every set made anew.
         if world.rank() == ROOT_RANK:
-            log.warning("ringreduce: elastic reset: a failure inside a collective shut the job "
+            log.warning("ringreduce: elastic reset: a failure inside a collective shut a set "
                         "down; shutdown() and init() on every rank")
         world.restart()
         everyone = _agree(description, failures, own)
-    most = max(count for _, count, _ in everyone)
+    most = max(count for _, count, *_ in everyone)
     report = _summarize(everyone)
     if most > limit:
         raise RingReduceError(
@@ -139,11 +144,12 @@ def _reset_together(reason: BaseException, failures: int, limit: int, what_runs:
         log.warning("ringreduce: elastic reset after a host update; running %s again", what_runs)
 
 
-def _agree(description: str, failures: int, own: bool) -> list[tuple[str, int, bool]]:
-    """Every rank's (error, failure count, whether the error was its own), once every rank has
-    reached the reset. A rank that failed alone waits here while the others' collectives fail
-    (negotiation.RESET: not their own errors), which sends them here too."""
-    return allgather_object((description, failures, own), name=RESET)
+def _agree(description: str, failures: int, own: bool) -> list[tuple[str, int, bool, bool]]:
+    """Every rank's (error, failure count, whether the error was its own, whether a failure
+    inside a collective shut one of its sets down), once every rank has reached the reset. A
+    rank that failed alone waits here while the others' collectives fail (negotiation.RESET:
+    not their own errors), which sends them here too."""
+    return allgather_object((description, failures, own, bool(failed_sets())), name=RESET)
 
 
 def _caused_by_reset(error: BaseException) -> bool:
@@ -163,12 +169,12 @@ def _describe(reason: BaseException) -> str:
     return f"{type(reason).__name__}: {first[:300]}"
 
 
-def _summarize(everyone: list[tuple[str, int, bool]]) -> str:
+def _summarize(everyone: list[tuple[str, int, bool, bool]]) -> str:
     """'ranks [0, 2]: X; rank 1: Y': each distinct error with the ranks that raised it, the
     ranks' own errors first, then those whose collectives were stopped for the reset."""
     def ranks_of(own: bool) -> dict[str, list[int]]:
         grouped: dict[str, list[int]] = {}
-        for rank_number, (description, _, was_own) in enumerate(everyone):
+        for rank_number, (description, _, was_own, _) in enumerate(everyone):
             if was_own == own:
                 grouped.setdefault(description, []).append(rank_number)
         return grouped

@@ -440,6 +440,13 @@ def close_group(process_set: ProcessSet) -> None:
         job.sets.pop(label)._invalidate()
 
 
+def failed_sets() -> list[Union[int, str]]:
+    """The ids of this rank's sets that a member's failure inside a collective shut down
+    (every later collective there raises ShutDownError until the set is made afresh)."""
+    job = _state("failed_sets()")
+    return [k for k, held in job.active.items() if held.transport.watch.departures.failures]
+
+
 def global_set(what: str) -> ActiveSet:
     """The global set (every rank), or NotInitializedError naming `what`."""
     return _state(what).active[0]

@@ -357,6 +357,34 @@ def check_lone_failure_with_plain_collectives():
     assert attempts == [0, 2], attempts               # again from the commit of step 2
 
 
+def check_failure_inside_a_process_set():
+    """One member of a process set of ranks 0..n-2 fails inside its collective there: the set
+    is shut down on its members, the last rank's next collective meets the reset, and every
+    rank restarts the job, the set registered again under the same object."""
+    if n < 3:
+        return
+    part = hvd.add_process_set(list(range(n - 1)))
+    attempts = []
+
+    @elastic.run
+    def train(state):
+        attempts.append(state.step)
+        for state.step in range(state.step, 4):
+            if state.step == 2 and r == n - 2 and len(attempts) == 1:
+                Transport._way = failing_way          # in the set's next allreduce
+            if r < n - 1:       # (1 MiB: the general path, where the failure is injected)
+                total = hvd.allreduce(torch.ones(1 << 18), op=hvd.Sum, name="in.part",
+                                      process_set=part)
+                assert torch.equal(total, torch.full((1 << 18,), float(n - 1)))
+            hvd.allreduce(torch.ones(3), op=hvd.Sum, name="everyone")
+            state.commit()
+        return state.step
+
+    assert train(elastic.ObjectState(step=0)) == 3
+    assert attempts == [0, 1], attempts                # again from the commit of step 1
+    assert part.process_set_id is not None and hvd.remove_process_set(part)
+
+
 def check_reset_limit():
     attempts = []
 
@@ -405,7 +433,8 @@ def check_killed_rank_ends_the_job():
 
 CHECKS = {"all": (check_sampler, check_sync_and_round_trip, check_object_state,
                   check_host_updates, check_training_with_failures,
-                  check_lone_failure_with_plain_collectives, check_reset_limit),
+                  check_lone_failure_with_plain_collectives,
+                  check_failure_inside_a_process_set, check_reset_limit),
           "kill": (check_killed_rank_ends_the_job,)}
 for check in CHECKS[(sys.argv[1:] or ["all"])[0]]:
     check()
