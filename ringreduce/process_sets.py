@@ -442,9 +442,12 @@ def close_group(process_set: ProcessSet) -> None:
 
 def failed_sets() -> list[Union[int, str]]:
     """The ids of this rank's sets that a member's failure inside a collective shut down
-    (every later collective there raises ShutDownError until the set is made afresh)."""
+    (every later collective there raises ShutDownError until the set is made afresh), where
+    no member left for good (Departures.restartable)."""
     job = _state("failed_sets()")
-    return [k for k, held in job.active.items() if held.transport.watch.departures.failures]
+    return [k for k, held in job.active.items()
+            if held.transport.watch.departures.failures
+            and held.transport.watch.departures.restartable()]
 
 
 def global_set(what: str) -> ActiveSet:
