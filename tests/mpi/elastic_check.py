@@ -338,22 +338,35 @@ def check_training_with_failures():
             assert torch.equal(p, q), f"{name} differs from the uninterrupted run (restart)"
 
 
-def check_lone_failure_with_plain_collectives():
+def run_with_one_failure(steps, fail_step, fail_rank, fail, step):
+    """An elastic function of `steps` steps, each `step(k)` then a commit, where `fail()` runs
+    on `fail_rank` before step `fail_step` of the first attempt; returns the step each attempt
+    began at."""
     attempts = []
 
     @elastic.run
     def train(state):
         attempts.append(state.step)
-        for state.step in range(state.step, 6):
-            if state.step == 3 and r == n - 1 and len(attempts) == 1:
-                raise hvd.HorovodInternalError(f"injected failure on rank {r} alone")
-            total = hvd.allreduce(torch.full((5000,), float(state.step)), op=hvd.Sum,
-                                  name="metric")     # the others wait here for rank n - 1
-            assert torch.all(total == state.step * n)
+        for state.step in range(state.step, steps):
+            if state.step == fail_step and r == fail_rank and len(attempts) == 1:
+                fail()
+            step(state.step)
             state.commit()
         return state.step
 
-    assert train(elastic.ObjectState(step=0)) == 5
+    assert train(elastic.ObjectState(step=0)) == steps - 1
+    return attempts
+
+
+def check_lone_failure_with_plain_collectives():
+    def fail():
+        raise hvd.HorovodInternalError(f"injected failure on rank {r} alone")
+
+    def metric(k):      # the others wait here for rank n - 1
+        total = hvd.allreduce(torch.full((5000,), float(k)), op=hvd.Sum, name="metric")
+        assert torch.all(total == k * n)
+
+    attempts = run_with_one_failure(6, 3, n - 1, fail, metric)
     assert attempts == [0, 2], attempts               # again from the commit of step 2
 
 
@@ -364,23 +377,18 @@ def check_failure_inside_a_process_set():
     if n < 3:
         return
     part = hvd.add_process_set(list(range(n - 1)))
-    attempts = []
 
-    @elastic.run
-    def train(state):
-        attempts.append(state.step)
-        for state.step in range(state.step, 4):
-            if state.step == 2 and r == n - 2 and len(attempts) == 1:
-                Transport._way = failing_way          # in the set's next allreduce
-            if r < n - 1:       # (1 MiB: the general path, where the failure is injected)
-                total = hvd.allreduce(torch.ones(1 << 18), op=hvd.Sum, name="in.part",
-                                      process_set=part)
-                assert torch.equal(total, torch.full((1 << 18,), float(n - 1)))
-            hvd.allreduce(torch.ones(3), op=hvd.Sum, name="everyone")
-            state.commit()
-        return state.step
+    def fail():
+        Transport._way = failing_way          # in the set's next allreduce
 
-    assert train(elastic.ObjectState(step=0)) == 3
+    def in_part_then_everyone(k):
+        if r < n - 1:       # (1 MiB: the general path, where the failure is injected)
+            total = hvd.allreduce(torch.ones(1 << 18), op=hvd.Sum, name="in.part",
+                                  process_set=part)
+            assert torch.equal(total, torch.full((1 << 18,), float(n - 1)))
+        hvd.allreduce(torch.ones(3), op=hvd.Sum, name="everyone")
+
+    attempts = run_with_one_failure(4, 2, n - 2, fail, in_part_then_everyone)
     assert attempts == [0, 1], attempts                # again from the commit of step 1
     assert part.process_set_id is not None and hvd.remove_process_set(part)
 
