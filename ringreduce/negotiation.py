@@ -76,9 +76,25 @@ class Negotiator:
             return self.node.exchange_headers(value, per_rank)
         if self.between is not None:
             return self.between.headers(value, per_rank)
-        self._header[:] = (value, per_rank)
-        self.watch.wait(self.comm.Iallgather(self._header, self._headers).Test)
+        self._gather_headers(value, per_rank)
         return self._headers[:, 0].copy(), self._headers[:, 1].copy()
+
+    def _gather_headers(self, value: int, per_rank: int) -> None:
+        """The exchange by MPI alone (no node window, no recursive doubling), into _headers."""
+        self._header[0], self._header[1] = value, per_rank
+        self.watch.wait(self.comm.Iallgather(self._header, self._headers).Test)
+
+    def digests_agree(self, value: int) -> bool:
+        """`exchange(value, 0)` by MPI alone, for a way whose data follows in an exchange of
+        its own (ways.MpiGather), at the cost of a small allreduce: whether every member's
+        digest is the same; `last_digests()` then tells them."""
+        self._gather_headers(value, 0)
+        digests = self._headers[:, 0].tolist()
+        return digests.count(digests[0]) == len(digests)
+
+    def last_digests(self) -> np.ndarray:
+        """Every member's digest in the last `digests_agree`."""
+        return self._headers[:, 0].copy()
 
     def check(self, signature: Signature, per_rank: int = 0,
               precomputed: Optional[int] = None) -> np.ndarray:

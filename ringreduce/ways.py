@@ -331,9 +331,6 @@ class MpiGather(Way):
         super().__init__(parts)
         self.limit = parts.settings.small_message_bytes
         self._memory = mpi().buffer.fromaddress
-        # The digest exchange, as the negotiator's (a member that has joined sends its own)
-        self._header = np.zeros(2, dtype=np.int64)     # digest, per-rank word (0)
-        self._headers = np.zeros((parts.size, 2), dtype=np.int64)
 
     def applies(self, src: torch.Tensor, spec: ReduceSpec) -> bool:
         return src.nbytes <= self.limit
@@ -355,10 +352,7 @@ class MpiGather(Way):
         """Allreduce `nbytes` at address `src` into `dst` (or into what `output()` makes, once
         our data is on its way); False, with nothing written, where the digests differ."""
         parts, memory, size = self.parts, self._memory, self.parts.size
-        self._header[0] = digest
-        parts.wait(parts.comm.Iallgather(self._header, self._headers))
-        digests = self._headers[:, 0].tolist()
-        if digests.count(digests[0]) != size:
+        if not parts.negotiator.digests_agree(digest):
             return False
         rows = parts.scratch.get("gather", _BYTES, size * nbytes)
         request = parts.comm.Iallgather(memory(src, nbytes), rows) if nbytes else None
@@ -378,7 +372,7 @@ class MpiGather(Way):
     def explain(self, describe: Callable[[], Signature]) -> None:
         """The digests differed: PeersJoined, OutOfOrder or MismatchError, the same on every
         member."""
-        self.parts.negotiator.judge(self._headers[:, 0].copy(), describe)
+        self.parts.negotiator.judge(self.parts.negotiator.last_digests(), describe)
         raise RingReduceError(f"ringreduce: {label(describe())}: the digests differed, then "
                               "agreed")
 
