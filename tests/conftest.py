@@ -1,6 +1,7 @@
 """Test helpers: run a worker script under a real `mpiexec`, always with a timeout."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -10,6 +11,7 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -79,6 +81,111 @@ def run_ok(n: int, script: str, *args: str, **kwargs) -> Run:
     for r in range(n):
         assert f"OK rank {r}" in result.output, f"rank {r} did not finish:\n{result.output[-4000:]}"
     return result
+
+
+# Worker scripts that must succeed on every rank share one launch per rank count
+# (tests/mpi/in_one_launch.py): starting Python, torch and MPI costs 3-7 s a launch on two
+# cores. A test says which script it runs with the mark `shared_script(...)` returns and a
+# parameter `n`; the launch at n runs the scripts of the selected tests, in the tests' order,
+# and each test then checks its own script's outcome (a failure shows that script's output).
+# An argument "{tmp}" stands for a fresh directory of the launch's.
+
+
+@dataclass(frozen=True)
+class SharedScript:
+    script: str
+    args: Callable[[int], list]
+    env: dict
+    timeout: Callable[[int], float]
+
+
+SHARED: dict[str, SharedScript] = {}
+
+
+def shared_script(label: str, script: str, *, args: Callable[[int], list] = lambda n: [],
+                  env: dict | None = None, timeout: Callable[[int], float] = lambda n: 120):
+    """Register a worker script for the shared launches; the mark for the tests that run it."""
+    SHARED[label] = SharedScript(script, args, env or {}, timeout)
+    return pytest.mark.shared_launch(label)
+
+
+def shared_tests(items) -> dict[int, list[str]]:
+    """Per rank count, the labels of the selected tests' shared scripts, in the tests' order."""
+    labels: dict[int, list[str]] = {}
+    for item in items:
+        mark = item.get_closest_marker("shared_launch")
+        if mark is not None:
+            found = labels.setdefault(item.callspec.params["n"], [])
+            if mark.args[0] not in found:
+                found.append(mark.args[0])
+    return labels
+
+
+def launch_seconds(n: int, labels: list[str]) -> float:
+    return sum(SHARED[label].timeout(n) for label in labels) + 60
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "shared_launch(label): runs in a launch shared with "
+                            "other worker scripts at the same rank count (conftest.py)")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """The first test at a rank count runs the whole launch: its pytest timeout covers it."""
+    labels = shared_tests(items)
+    for item in items:
+        if item.get_closest_marker("shared_launch") is not None:
+            n = item.callspec.params["n"]
+            item.add_marker(pytest.mark.timeout(launch_seconds(n, labels[n])))
+
+
+class SharedLaunches:
+    """The shared launches, each run once, when the first of its tests asks for it."""
+
+    def __init__(self, items, tmp_path_factory):
+        self.labels = shared_tests(items)
+        self.tmp_path_factory = tmp_path_factory
+        self.runs: dict[int, Run] = {}
+
+    def run(self, n: int) -> Run:
+        if n not in self.runs:
+            tmp = str(self.tmp_path_factory.mktemp(f"shared_launch_{n}"))
+            entries = [{"label": label, "script": SHARED[label].script,
+                        "args": [arg.replace("{tmp}", tmp) for arg in SHARED[label].args(n)],
+                        "env": SHARED[label].env, "timeout": SHARED[label].timeout(n)}
+                       for label in self.labels[n]]
+            self.runs[n] = run_mpi(n, "in_one_launch.py", json.dumps(entries),
+                                   timeout=launch_seconds(n, self.labels[n]))
+        return self.runs[n]
+
+
+@pytest.fixture(scope="session")
+def shared_launches(request, tmp_path_factory):
+    return SharedLaunches(request.session.items, tmp_path_factory)
+
+
+@pytest.fixture
+def shared_run(request, shared_launches):
+    """The check of this test's shared script: it succeeded on every rank of the launch. It
+    returns the launch, whose output holds every script's: count in it only what this script
+    alone prints."""
+    label = request.node.get_closest_marker("shared_launch").args[0]
+    n = request.node.callspec.params["n"]
+
+    def expect_ok() -> Run:
+        run = shared_launches.run(n)
+        lines = run.output.splitlines()
+        marks = [i for i, line in enumerate(lines) if f"SCRIPT {label} " in line]
+        own = ("\n".join(lines[marks[0]:marks[-1] + 40]) if marks
+               else "(none: the launch ended before this script began)")
+        missing = [r for r in range(n) if f"SCRIPT {label} ok rank {r} (" not in run.output]
+        assert not missing, (f"{SHARED[label].script} ({label}) did not succeed on ranks "
+                             f"{missing} of {n} (the launch's exit status: {run.returncode}); "
+                             f"its output:\n{own[-6000:]}\nthe launch's end:\n"
+                             f"{run.output[-2000:]}")
+        return run
+    return expect_ok
 
 
 @pytest.fixture(scope="session")

@@ -4,14 +4,15 @@ sub-communicator of 3 at 4 ranks; through hvd.allreduce at 3 ranks in errors_che
 import pytest
 import torch
 
-from conftest import run_ok
+from conftest import shared_script
 from ringreduce import adasum
 from ringreduce.errors import HorovodInternalError
 
 
+@shared_script("adasum", "adasum_check.py")
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_adasum_matches_horovods_tree_and_is_identical_on_every_rank(n):
-    run_ok(n, "adasum_check.py", timeout=120)
+def test_adasum_matches_horovods_tree_and_is_identical_on_every_rank(n, shared_run):
+    shared_run()
 
 
 @pytest.mark.parametrize("size", [1, 2, 4, 8, 1024])

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import PATHS, run_mpi, run_ok
+from conftest import PATHS, run_mpi, shared_script
 
 SETTINGS = {
     2: {"default": {}, "mpi-gather": PATHS["mpi-gather"],
@@ -15,9 +15,11 @@ SETTINGS = {
 }
 
 
+@shared_script("by name", "by_name_check.py", args=lambda n: [json.dumps(SETTINGS[n])],
+               timeout=lambda n: 60 * len(SETTINGS[n]))
 @pytest.mark.parametrize("n", [2, 3])
-def test_collectives_pair_by_name(n):
-    run_ok(n, "by_name_check.py", json.dumps(SETTINGS[n]), timeout=60 * len(SETTINGS[n]))
+def test_collectives_pair_by_name(n, shared_run):
+    shared_run()
 
 
 def test_names_pending_on_some_ranks_only_are_reported_and_shut_down():

@@ -1,11 +1,11 @@
 """Every collective at 1-4 ranks under a real mpiexec, on every allreduce path and with
-simulated nodes: one launch per rank count runs them all (collectives_check.py names the path
-that failed)."""
+simulated nodes, and the error paths: in the launch shared at each rank count
+(collectives_check.py names the path that failed)."""
 import json
 
 import pytest
 
-from conftest import PATHS, RANK_COUNTS, run_ok
+from conftest import PATHS, RANK_COUNTS, shared_script
 
 NODES = {"RINGREDUCE_SIMULATED_NODES": "2"}
 SETTINGS = {
@@ -19,19 +19,36 @@ SETTINGS = {
 }
 
 
+ON_EVERY_PATH = shared_script("collectives", "collectives_check.py",
+                              args=lambda n: [json.dumps(SETTINGS[n])],
+                              timeout=lambda n: 120 * len(SETTINGS[n]))
+ERRORS = shared_script("errors", "errors_check.py")
+# No shared memory anywhere: every exchange between the two nodes is the recursive doubling of
+# crossnode.py (small allreduces carry their signature with the data; a joined rank's and a
+# mismatched rank's headers-only messages meet them).
+ERRORS_ACROSS_NODES = shared_script("errors, 2 nodes of 1", "errors_check.py", env=NODES)
+JOIN_ACROSS_NODES = shared_script("join, 2 nodes of 1", "join_check.py", env=NODES)
+
+
+@ON_EVERY_PATH
 @pytest.mark.parametrize("n", RANK_COUNTS)
-def test_collectives_match_reference_on_every_path(n):
-    run_ok(n, "collectives_check.py", json.dumps(SETTINGS[n]), timeout=120 * len(SETTINGS[n]))
+def test_collectives_match_reference_on_every_path(n, shared_run):
+    shared_run()
 
 
+@ERRORS
 @pytest.mark.parametrize("n", RANK_COUNTS)
-def test_error_paths(n):
-    run_ok(n, "errors_check.py", timeout=120)
+def test_error_paths(n, shared_run):
+    shared_run()
 
 
-@pytest.mark.parametrize("script", ["errors_check.py", "join_check.py"])
-def test_one_rank_per_simulated_node(script):
-    """No shared memory anywhere: every exchange between the two nodes is the recursive
-    doubling of crossnode.py (small allreduces carry their signature with the data; a joined
-    rank's and a mismatched rank's headers-only messages meet them)."""
-    run_ok(2, script, env={"RINGREDUCE_SIMULATED_NODES": "2"}, timeout=120)
+@ERRORS_ACROSS_NODES
+@pytest.mark.parametrize("n", [2])
+def test_error_paths_with_one_rank_per_simulated_node(n, shared_run):
+    shared_run()
+
+
+@JOIN_ACROSS_NODES
+@pytest.mark.parametrize("n", [2])
+def test_join_with_one_rank_per_simulated_node(n, shared_run):
+    shared_run()

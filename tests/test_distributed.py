@@ -1,13 +1,13 @@
 """The torch.distributed backend "ringreduce" (ringreduce/distributed.py) under a real mpiexec:
-the cases are in tests/mpi/distributed_check.py, one launch per rank count (at 2 ranks with
-Lightning's strategies and a stalled rank too)."""
+the cases are in tests/mpi/distributed_check.py, in the launch shared at 2 and 3 ranks (at 2
+with Lightning's strategies and a stalled rank too)."""
 import re
 import subprocess
 import sys
 
 import pytest
 
-from conftest import run_ok
+from conftest import shared_script
 
 
 def needs_test_extra() -> None:
@@ -27,6 +27,10 @@ CASES = ("case_all_reduce", "case_all_reduce_coalesced", "case_coalesced", "case
 AT_TWO = ("case_lightning_ringreduce_strategy", "case_lightning_ddp", "case_stall")
 
 
+BACKEND = shared_script("torch.distributed backend", "distributed_check.py",
+                        args=lambda n: ["lightning"] if n == 2 else [], timeout=lambda n: 240)
+
+
 def expect_cases(output: str, cases, n: int) -> None:
     for case in cases:
         for rank in range(n):
@@ -34,10 +38,12 @@ def expect_cases(output: str, cases, n: int) -> None:
                 + output[-4000:]
 
 
-def test_backend_at_two_ranks_with_lightning_and_a_stall():
+@BACKEND
+@pytest.mark.parametrize("n", [2])
+def test_backend_at_two_ranks_with_lightning_and_a_stall(n, shared_run):
     needs_test_extra()
     pytest.importorskip("lightning", reason="the lightning extra is not installed")
-    output = run_ok(2, "distributed_check.py", "lightning", timeout=240).output
+    output = shared_run().output
     expect_cases(output, CASES + AT_TWO, 2)
     group = re.search(r"STALL GROUP ('\w+')", output)
     assert group, output[-4000:]
@@ -47,9 +53,11 @@ def test_backend_at_two_ranks_with_lightning_and_a_stall():
         output[-4000:]
 
 
-def test_backend_at_three_ranks():
+@BACKEND
+@pytest.mark.parametrize("n", [3])
+def test_backend_at_three_ranks(n, shared_run):
     needs_test_extra()
-    expect_cases(run_ok(3, "distributed_check.py", timeout=240).output, CASES, 3)
+    expect_cases(shared_run().output, CASES, 3)
 
 
 def test_core_package_leaves_torch_distributed_alone_until_asked():

@@ -2,20 +2,29 @@
 in one process."""
 import pytest
 
-from conftest import PATHS, run_mpi, run_ok
+from conftest import PATHS, run_mpi, shared_script
 from ringreduce import elastic
 from ringreduce.errors import HorovodInternalError
 
 BATCHES_PER_RANK = {1: 12, 2: 6, 3: 4}      # elastic_check.py: 24 samples, batches of 2
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_elastic_training_sync_commit_restore_and_resets(n):
-    """At 3 ranks over MPI's paths (no shared memory): the reset agreement then meets the
-    others' collective there too (the signature check by Iallgather, which the gather and ring
-    paths share)."""
-    output = run_ok(n, "elastic_check.py", env=PATHS["mpi-ring"] if n == 3 else {},
-                    timeout=120).output
+@shared_script("elastic", "elastic_check.py")
+@pytest.mark.parametrize("n", [1, 2])
+def test_elastic_training_sync_commit_restore_and_resets(n, shared_run):
+    check_resets(n, shared_run().output)
+
+
+@shared_script("elastic on MPI's paths", "elastic_check.py", env=PATHS["mpi-ring"])
+@pytest.mark.parametrize("n", [3])
+def test_elastic_at_three_ranks_on_mpis_paths(n, shared_run):
+    """Over MPI's paths (no shared memory): the reset agreement then meets the others'
+    collective there too (the signature check by Iallgather, which the gather and ring paths
+    share)."""
+    check_resets(n, shared_run().output)
+
+
+def check_resets(n: int, output: str) -> None:
     # Rank 0 reports each reset, with every rank's error; the failures injected on every rank
     # (and, from 2 ranks on, one rank's alone) are recovered from, then the limit ends a
     # deterministic error.

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import PATHS, RANK_COUNTS, run_ok
+from conftest import PATHS, RANK_COUNTS, run_ok, shared_script
 import ringreduce as hvd
 from ringreduce import config
 
@@ -129,24 +129,31 @@ def test_init_warns_once_about_horovod_variables_it_ignores():
                                "HOROVOD_CYCLE_TIME") == 1, result.output
 
 
+@shared_script("parity", "parity_check.py", timeout=lambda n: 400)
 @pytest.mark.parametrize("n", RANK_COUNTS)
-def test_parity_and_every_collectives_gradient_at_every_rank_count(n):
-    """One launch: parity_check's checks, then the gradient of every collective against a
-    single-process reference (autograd_check's); a failure names its check and rank."""
-    run_ok(n, "parity_check.py", timeout=400)
+def test_parity_and_every_collectives_gradient_at_every_rank_count(n, shared_run):
+    """parity_check's checks, then the gradient of every collective against a single-process
+    reference (autograd_check's); a failure names its check and rank."""
+    shared_run()
 
 
+@shared_script("join", "join_check.py", timeout=lambda n: 240)
 @pytest.mark.parametrize("n", RANK_COUNTS)
-def test_join_with_every_rank_joining_first(n):
-    """One launch per rank count; each rank joins first in turn (the output's last 'JOIN'
-    line names the case that failed)."""
-    run_ok(n, "join_check.py", timeout=240)
+def test_join_with_every_rank_joining_first(n, shared_run):
+    """Each rank joins first in turn (the output's last 'JOIN' line names the case that
+    failed)."""
+    shared_run()
 
 
-def test_join_on_other_data_paths_and_across_simulated_nodes():
-    """One launch at 4 ranks, one setting per path (a failure names its setting)."""
-    settings = {"mpi-gather, rank 1 first": {**PATHS["mpi-gather"], "JOIN_FIRST": "1"},
-                "shm-blocks, rank 1 first": {**PATHS["shm-blocks"], "JOIN_FIRST": "1"},
-                "2 nodes of 2, rank 2 first": {"RINGREDUCE_SIMULATED_NODES": "2",
-                                               "JOIN_FIRST": "2"}}
-    run_ok(4, "join_check.py", json.dumps(settings), timeout=360)
+JOIN_PATHS = {"mpi-gather, rank 1 first": {**PATHS["mpi-gather"], "JOIN_FIRST": "1"},
+              "shm-blocks, rank 1 first": {**PATHS["shm-blocks"], "JOIN_FIRST": "1"},
+              "2 nodes of 2, rank 2 first": {"RINGREDUCE_SIMULATED_NODES": "2",
+                                             "JOIN_FIRST": "2"}}
+
+
+@shared_script("join on other paths", "join_check.py", args=lambda n: [json.dumps(JOIN_PATHS)],
+               timeout=lambda n: 360)
+@pytest.mark.parametrize("n", [4])
+def test_join_on_other_data_paths_and_across_simulated_nodes(n, shared_run):
+    """At 4 ranks, one setting per path (a failure names its setting)."""
+    shared_run()

@@ -4,9 +4,10 @@ sparse_allreduce_async, alltoall's float splits, parameter names), at 2 and 3 ra
 against a reference that applies Horovod's procedure in one process."""
 import pytest
 
-from conftest import run_ok
+from conftest import shared_script
 
 
+@shared_script("horovod parity", "horovod_parity_check.py", timeout=lambda n: 90)
 @pytest.mark.parametrize("n", (2, 3))
-def test_numbers_match_horovods_procedures(n):
-    run_ok(n, "horovod_parity_check.py", timeout=90)
+def test_numbers_match_horovods_procedures(n, shared_run):
+    shared_run()

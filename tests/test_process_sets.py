@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from conftest import PATHS, run_ok
+from conftest import PATHS, run_ok, shared_script
 
 
 NODES = {"RINGREDUCE_SIMULATED_NODES": "2"}
@@ -15,9 +15,11 @@ SETTINGS = {2: {"default": {}}, 3: {"default": {}},
                 "2 nodes of 2, shm-blocks": {**PATHS["shm-blocks"], **NODES}}}
 
 
+@shared_script("process sets", "process_sets_check.py", args=lambda n: [json.dumps(SETTINGS[n])],
+               timeout=lambda n: 120 * len(SETTINGS[n]))
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_process_sets(n):
-    run_ok(n, "process_sets_check.py", json.dumps(SETTINGS[n]), timeout=120 * len(SETTINGS[n]))
+def test_process_sets(n, shared_run):
+    shared_run()
 
 
 def test_a_stall_report_names_the_set_and_its_missing_rank():
@@ -29,7 +31,8 @@ def test_a_stall_report_names_the_set_and_its_missing_rank():
                for line in stall), result.output[-3000:]
 
 
+@shared_script("node protocol", "node_protocol_check.py", timeout=lambda n: 180,
+               env={"RINGREDUCE_SHARED_SMALL_BYTES": "4096", "RINGREDUCE_BLOCK_BYTES": "16384"})
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_node_protocol_in_c_equals_the_python_oracle(n):
-    run_ok(n, "node_protocol_check.py", timeout=180,
-           env={"RINGREDUCE_SHARED_SMALL_BYTES": "4096", "RINGREDUCE_BLOCK_BYTES": "16384"})
+def test_node_protocol_in_c_equals_the_python_oracle(n, shared_run):
+    shared_run()

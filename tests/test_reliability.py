@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import WORKERS, find_mpiexec, run_mpi, run_ok, worker_env
+from conftest import WORKERS, find_mpiexec, run_mpi, shared_script, worker_env
 
 
 def stamps(output, what):
@@ -43,12 +43,13 @@ def test_rank_with_fewer_batches_fails_the_others_step_not_a_hang(n):
         in result.output, result.output[-3000:]
 
 
+@shared_script("reliability", "reliability_check.py", timeout=lambda n: 240,
+               args=lambda n: ["optimizer,recovery,alltoall" + (",checkpoint" if n == 3 else ""),
+                               "{tmp}"])
 @pytest.mark.parametrize("n", [2, 3])
-def test_reliability_cases(n, tmp_path):
-    """One launch per rank count runs every mode (a failure names its mode and rank);
-    checkpoint's errors at 3 ranks."""
-    modes = "optimizer,recovery,alltoall" + (",checkpoint" if n == 3 else "")
-    run_ok(n, "reliability_check.py", modes, str(tmp_path), timeout=240)
+def test_reliability_cases(n, shared_run):
+    """Every mode (a failure names its mode and rank); checkpoint's errors at 3 ranks."""
+    shared_run()
 
 
 def test_stopped_rank_is_reported_every_interval_and_the_job_recovers():

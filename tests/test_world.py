@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from conftest import run_mpi, run_ok
+from conftest import run_mpi, run_ok, shared_script
 
 
 def topology(result):
@@ -13,16 +13,19 @@ def topology(result):
     return sorted(list(map(int, row.split())) for row in rows)
 
 
+@shared_script("topology", "topology_check.py", timeout=lambda n: 60)
 @pytest.mark.parametrize("n", [1, 3])
-def test_one_node_topology(n):
-    rows = topology(run_ok(n, "topology_check.py", timeout=60))
+def test_one_node_topology(n, shared_run):
+    rows = topology(shared_run())
     assert rows == [[r, n, r, n, 0, 1] for r in range(n)]
 
 
-def test_simulated_nodes_split_ranks_into_blocks():
-    result = run_ok(4, "topology_check.py", env={"RINGREDUCE_SIMULATED_NODES": "2"}, timeout=60)
+@shared_script("topology, 2 nodes of 2", "topology_check.py", timeout=lambda n: 60,
+               env={"RINGREDUCE_SIMULATED_NODES": "2"})
+@pytest.mark.parametrize("n", [4])
+def test_simulated_nodes_split_ranks_into_blocks(n, shared_run):
     # ranks 0,1 on node 0 and 2,3 on node 1: local = rank % 2, cross = rank // 2
-    assert topology(result) == [[r, 4, r % 2, 2, r // 2, 2] for r in range(4)]
+    assert topology(shared_run()) == [[r, 4, r % 2, 2, r // 2, 2] for r in range(4)]
 
 
 @pytest.mark.parametrize("n,failing", [(2, 1), (3, 0)])

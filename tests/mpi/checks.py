@@ -58,17 +58,18 @@ def then_barrier(check: Callable[[], None]) -> Callable[[], None]:
 def per_setting(argument: Optional[str], start: Callable[[], None], checks: Callable[[], None],
                 stop: Callable[[], None]) -> None:
     """For each setting of `argument`, a JSON object {label: {RINGREDUCE_* variable: value}}
-    (None: the environment as it is): set its variables, start(), checks(), stop(). A failed
-    assertion names the setting's label, and the settings after it still run; the failures of
-    every setting are raised together at the end."""
+    (None: the environment as it is): set its variables, start(), checks(), stop(). A failure
+    names the setting's label, and the settings after it still run, on every rank (a rank that
+    fails alone shuts down, and the others' error there is caught too); the failures of every
+    setting are raised together at the end."""
     failures = []
     for label, variables in json.loads(argument or '{"as launched": {}}').items():
         os.environ.update(variables)
         start()
         try:
             checks()
-        except AssertionError as e:
-            failures.append(f"[{label}] {e}")
+        except Exception as e:      # an assertion, or the error a failure on another rank gave
+            failures.append(f"[{label}] {type(e).__name__}: {e}")
             print(f"FAILED {failures[-1]}", flush=True)     # (as in run_cases)
         stop()
         for name in variables:
