@@ -1,13 +1,13 @@
 """The Lightning strategy (ringreduce/lightning.py) under a real mpiexec at 2 ranks, with
 lightning.pytorch and the standalone pytorch_lightning; the cases are in
-tests/mpi/lightning_check.py, one launch."""
+tests/mpi/lightning_check.py, in the launch shared at 2 ranks."""
 import importlib.util
 import subprocess
 import sys
 
 import pytest
 
-from conftest import run_ok
+from conftest import shared_script
 
 pytest.importorskip("lightning", reason="the lightning extra is not installed "
                     "(pip install -e '.[lightning]')")
@@ -18,8 +18,11 @@ CASES = ("case_collectives", "case_fit_matches_one_process", "case_checkpoint_re
 STANDALONE = importlib.util.find_spec("pytorch_lightning") is not None
 
 
-def test_strategy_at_two_ranks(tmp_path):
-    output = run_ok(2, "lightning_check.py", str(tmp_path), timeout=240).output
+@shared_script("lightning strategy", "lightning_check.py", args=lambda n: ["{tmp}"],
+               timeout=lambda n: 240)
+@pytest.mark.parametrize("n", [2])
+def test_strategy_at_two_ranks(n, shared_run):
+    output = shared_run().output
     for case in CASES + (("case_pytorch_lightning",) if STANDALONE else ()):
         for rank in (0, 1):
             assert f"CASE {case} ok rank {rank}" in output, f"{case} on rank {rank}:\n" \
