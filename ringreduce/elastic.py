@@ -21,7 +21,8 @@ How a reset differs from Horovod's, and why:
   Either way every rank then runs `world.restart()`: `shutdown()` and `init()` on init()'s
   communicator and settings, with the same process sets registered again, as Horovod's reset
   restarts. A `DistributedOptimizer` finds the new set at its next step. (A member that left,
-  its process gone, still ends the job.)
+  its process gone, still ends the job; one that left for good by `shutdown()` meanwhile
+  makes the restart raise `ShutDownError` on every other rank, naming it.)
 - A rank that failed alone still resets with the others: while its agreement is pending, each
   collective the others run fails with `MismatchError` naming it (negotiation.RESET), so they
   reset too. (If they have left the function already, it waits there, and the stall report

@@ -169,11 +169,12 @@ class ActiveSet:
                          f"{self.ranks[self.rank]}: root_rank {root_rank!r} is not a rank of "
                          f"{scope}")
 
-    def close(self, restarting: bool = False) -> None:
+    def close(self, restarting: bool = False) -> list[int]:
         """Run what is queued, say goodbye to the other members (so that one still waiting in
         a collective with this rank raises instead of hanging), and once every member has left
         too, free the set's window, board and communicators (collective). `restarting`: every
-        member starts afresh at once (world.restart)."""
+        member starts afresh at once (world.restart). Returns the members (global ranks) that
+        did not leave to start afresh: every member knows them alike, all goodbyes in."""
         self.closed = True
         self.engine.shutdown()
         departures = self.transport.watch.departures
@@ -182,6 +183,8 @@ class ActiveSet:
         self.transport.free()
         for comm in (self.cross, self.local, self.comm):
             comm.Free()
+        return sorted(self.ranks[member] for member in departures.gone
+                      if member not in departures.restarting)
 
 
 @dataclass
@@ -223,21 +226,23 @@ def start(comm: Any, settings: Settings, abort: Callable[[str], None],
     return job.active[0]
 
 
-def stop(restarting: bool = False) -> None:
+def stop(restarting: bool = False) -> list[int]:
     """Close every set this rank belongs to (the global one last) and forget them all;
-    `restarting`: to start afresh at once with every rank (world.restart)."""
+    `restarting`: to start afresh at once with every rank (world.restart). Returns the ranks
+    that left the job without restarting (every rank's list is the same)."""
     global _job
     job, _job = _job, None
     if job is None:
-        return
+        return []
     groups = [k for k in job.active if isinstance(k, str)]    # open_group's, newest last
     for set_id in groups[::-1] + sorted((k for k in job.active if isinstance(k, int)),
                                         reverse=True):
-        job.active[set_id].close(restarting)
+        left = job.active[set_id].close(restarting)     # the global set's last
     job.groups_comm.Free()
     for set_id, process_set in job.sets.items():
         if set_id != 0:
             process_set._invalidate()
+    return left
 
 
 def active(process_set: ProcessSet, what: str) -> ActiveSet:

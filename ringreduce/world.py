@@ -23,7 +23,7 @@ import torch
 from . import ring, timeline
 from .config import Settings, ignored_horovod_variables
 from .cuda_aware import resolve_cuda_aware
-from .errors import RingReduceError
+from .errors import RingReduceError, ShutDownError
 from .mpi import mpi
 from .process_sets import (ProcessSet, global_set, is_running, register_at_init,
                            registered_sets, start, stop)
@@ -87,10 +87,12 @@ def shutdown() -> None:
     _shut_down()
 
 
-def _shut_down(restarting: bool = False) -> None:
+def _shut_down(restarting: bool = False) -> list[int]:
+    """Returns the ranks that left without restarting (stop())."""
     with _init_lock:
-        stop(restarting)    # each set's engine, window and communicators, the global one last
+        left = stop(restarting)     # each set's engine, window and communicators, global last
         timeline.stop()     # after the engine threads ended: no event is cut off
+    return left
 
 
 def restart() -> None:
@@ -100,7 +102,13 @@ def restart() -> None:
     the old sets finds the new ones (a DistributedOptimizer at its next step)."""
     sets = registered_sets()
     comm, settings = _started_with
-    _shut_down(restarting=True)
+    rank = global_set("restart()").rank
+    left = _shut_down(restarting=True)
+    if left:    # init() would wait for them for ever: end here, on every rank alike
+        raise ShutDownError(
+            f"ringreduce: rank {rank}: cannot restart the job: ranks {left} left it for good "
+            "(shutdown(), or the end of the script) while the others restarted. Every rank "
+            "must take part in a restart; the job ends here.")
     init(comm, process_sets=sets, **settings)
 
 

@@ -56,6 +56,19 @@ def test_killed_rank_ends_an_elastic_job():
     assert "OK rank" not in result.output
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_restart_without_a_rank_that_left_for_good_ends_the_job(n):
+    """A restart (elastic's, after a failure inside a collective) that a rank left for good
+    does not wait for it in init(): every rank that restarts raises, naming it."""
+    result = run_mpi(n, "elastic_check.py", "leave", timeout=60)
+    assert result.returncode != 0
+    assert result.seconds < 30, f"took {result.seconds:.1f}s to exit"
+    assert f"LEFT rank {n - 1}" in result.output, result.output[-3000:]
+    for rank in range(n - 1):
+        assert (f"REFUSED rank {rank}: ringreduce: rank {rank}: cannot restart the job: ranks "
+                f"[{n - 1}] left it for good") in result.output, result.output[-3000:]
+
+
 def test_reset_limit_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv(elastic.RESET_LIMIT_VARIABLE, raising=False)
     assert elastic.reset_limit() == elastic.DEFAULT_RESET_LIMIT == 5

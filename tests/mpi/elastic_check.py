@@ -20,7 +20,7 @@ from mpi4py import MPI
 from torch.utils.data import DataLoader, TensorDataset
 
 import ringreduce as hvd
-from ringreduce import elastic
+from ringreduce import elastic, world
 from ringreduce.transport import Transport
 
 hvd.init()
@@ -439,11 +439,28 @@ def check_killed_rank_ends_the_job():
     raise AssertionError("training went on after a rank was killed")
 
 
+def check_restart_refused_when_a_rank_left_for_good():
+    """The last rank leaves for good while the others restart (as when it leaves during an
+    elastic reset another member's failure started): init() would wait for it for ever, so
+    the restart ends with a ShutDownError naming it, on every rank that restarts."""
+    if r == n - 1:
+        hvd.shutdown()
+        print(f"LEFT rank {r}", flush=True)
+        sys.exit(0)
+    try:
+        world.restart()
+    except hvd.ShutDownError as e:
+        print(f"REFUSED rank {r}: {e}", flush=True)
+        raise
+    raise AssertionError("restarted without a rank that had left")
+
+
 CHECKS = {"all": (check_sampler, check_sync_and_round_trip, check_object_state,
                   check_host_updates, check_training_with_failures,
                   check_lone_failure_with_plain_collectives,
                   check_failure_inside_a_process_set, check_reset_limit),
-          "kill": (check_killed_rank_ends_the_job,)}
+          "kill": (check_killed_rank_ends_the_job,),
+          "leave": (check_restart_refused_when_a_rank_left_for_good,)}
 for check in CHECKS[(sys.argv[1:] or ["all"])[0]]:
     check()
     hvd.barrier()
