@@ -37,7 +37,7 @@ def give_up(label: str, timeout: float) -> None:
     os._exit(3)
 
 
-def run_script(label: str, script: str, args: list, timeout: float) -> bool:
+def run_script(label: str, script: str, args: list) -> bool:
     """Run one script to its end on this rank; whether it succeeded."""
     sys.argv = [os.path.join(HERE, script), *args]
     try:
@@ -64,7 +64,7 @@ def main() -> int:
         watchdog.start()
         print(f"SCRIPT {label} start rank {rank}", flush=True)
         start = time.monotonic()
-        ok = run_script(label, entry["script"], entry.get("args", []), timeout)
+        ok = run_script(label, entry["script"], entry.get("args", []))
         try:
             if hvd.is_initialized():
                 hvd.shutdown()
@@ -72,6 +72,8 @@ def main() -> int:
             ok = False
             print(f"SCRIPT {label} FAILED rank {rank}: shutdown() after it raised "
                   f"{type(e).__name__}: {e}", flush=True)
+        sys.stdout.flush()      # (this script's output before the next one's)
+        sys.stderr.flush()
         runner.Barrier()        # (mpi4py lets go of the GIL: the watchdog still fires)
         watchdog.cancel()
         for name, value in saved.items():
