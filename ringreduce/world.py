@@ -54,7 +54,7 @@ def init(comm: Any = None, process_sets: Union[None, str, Iterable[ProcessSet]] 
                 "ringreduce: MPI was initialised below MPI_THREAD_MULTIPLE; ringreduce runs "
                 "collectives from its engine threads while yours run. Import ringreduce (or set "
                 "mpi4py.rc.thread_level = 'multiple') before importing mpi4py.MPI.")
-        ours = (MPI.COMM_WORLD if comm is None else comm).Dup()
+        ours = _duplicate(MPI.COMM_WORLD if comm is None else comm, resolved)
         aware, how = resolve_cuda_aware(resolved.cuda_aware, MPI, ours)
         resolved = dataclasses.replace(resolved, cuda_aware=aware)
         log.info("ringreduce: rank %d: CUDA-aware MPI: %s (%s)", ours.rank,
@@ -79,6 +79,33 @@ def init(comm: Any = None, process_sets: Union[None, str, Iterable[ProcessSet]] 
         log.debug("rank %d/%d: local %d/%d, cross %d/%d", ours.rank, ours.size, glob.local.rank,
                   glob.local.size, glob.cross.rank, glob.cross.size)
     register_at_init(process_sets)
+
+
+def _duplicate(comm: Any, settings: Settings) -> Any:
+    """`comm.Dup()`, waited for with the stall watch's reports: a rank that never calls init()
+    (it exited, or took another branch) keeps every other rank here, which a report says every
+    RINGREDUCE_STALL_CHECK_TIME seconds; RINGREDUCE_STALL_SHUTDOWN_TIME ends the job."""
+    ours, request = comm.Idup()
+    start = time.monotonic()
+    never = float("inf")
+    check, limit = settings.stall_check_time, settings.stall_shutdown_time
+    next_report = start + check if check > 0 else never
+    shutdown_at = start + limit if limit > 0 else never
+    while not request.Test():
+        time.sleep(0.0005)
+        now = time.monotonic()
+        if now < next_report and now < shutdown_at:
+            continue
+        waited = (f"ringreduce: stall: rank {comm.rank} has waited {now - start:.0f} s in "
+                  f"init() for the other ranks of its communicator ({comm.size} ranks): every "
+                  "rank must call init(), and a rank that never does (it exited, or took "
+                  "another branch) keeps the others here.")
+        if now >= shutdown_at:
+            abort(f"{waited} Shutting the job down after {limit:g} s "
+                  "(RINGREDUCE_STALL_SHUTDOWN_TIME).")
+        log.warning(waited)
+        next_report += check
+    return ours
 
 
 def shutdown() -> None:

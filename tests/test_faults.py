@@ -58,3 +58,18 @@ def test_stall_shutdown_aborts_the_job():
     assert result.seconds < 30, f"took {result.seconds:.1f}s to exit"
     assert "Shutting the job down after 3 s" in result.output
     assert "which ranks [1] have not submitted" in result.output
+
+
+def test_a_rank_that_never_calls_init_is_reported_and_the_stall_shutdown_ends_the_job():
+    """Rank 1 exits without init(): rank 0's init() waits for it (MPI's duplicate of the
+    communicator is collective), saying so every check interval, then ends the job."""
+    env = {"RINGREDUCE_STALL_CHECK_TIME": "1", "RINGREDUCE_STALL_SHUTDOWN_TIME": "3"}
+    result = run_mpi(2, "fault_check.py", "skip_init", "1", env=env, timeout=60)
+    assert result.returncode != 0
+    assert result.seconds < 30, f"took {result.seconds:.1f}s to exit"
+    assert "SKIPPED init() on rank 1" in result.output, result.output[-3000:]
+    waited = "ringreduce: stall: rank 0 has waited 1 s in init() for the other ranks"
+    assert waited in result.output, result.output[-3000:]
+    assert "in init() for the other ranks of its communicator (2 ranks): every rank must " \
+           "call init()" in result.output
+    assert "Shutting the job down after 3 s" in result.output

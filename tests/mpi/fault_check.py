@@ -1,7 +1,8 @@
 """Fault injection in a small training loop: python fault_check.py MODE VICTIM_RANK
 
 MODE: raise_in_backward | sigkill | sleep (past the stall time) |
-      sleep_small (the same, where the others wait in a small allreduce).
+      sleep_small (the same, where the others wait in a small allreduce) |
+      skip_init (the victim exits without calling init()).
 (A failure inside every rank's engine thread, which the job survives: errors_check.py.)
 """
 import os
@@ -11,10 +12,14 @@ import time
 
 import torch
 import torch.nn as nn
+from mpi4py import MPI
 
 import ringreduce as hvd
 
 mode, victim = sys.argv[1], int(sys.argv[2])
+if mode == "skip_init" and MPI.COMM_WORLD.rank == victim:
+    print(f"SKIPPED init() on rank {victim}", flush=True)
+    sys.exit(0)
 hvd.init()
 r = hvd.rank()
 torch.manual_seed(0)
