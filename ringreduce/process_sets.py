@@ -179,7 +179,7 @@ class ActiveSet:
         self.engine.shutdown()
         departures = self.transport.watch.departures
         departures.announce(self.transport.watch.begun, restarting)
-        departures.wait_for_everyone()
+        self.transport.watch.wait_for_goodbyes()
         self.transport.free()
         for comm in (self.cross, self.local, self.comm):
             comm.Free()

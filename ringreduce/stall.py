@@ -143,14 +143,23 @@ class Departures:
         that completes on some members sooner than on others still completes on all.)"""
         return bool(self.failures) or any(begun < collective for begun in self.gone.values())
 
-    def wait_for_everyone(self) -> None:
+    def wait_for_everyone(self, report: Callable[[float, list[int]], None],
+                          every: float) -> None:
         """Until every other member has said goodbye too (at shut-down, before the frees that
-        are collective)."""
+        are collective); `report(seconds, members not gone)` every `every` seconds meanwhile
+        (0: never)."""
         others = self.comm.size - 1
         self.look()
+        start = time.monotonic()
+        next_report = start + every if every > 0 else float("inf")
         while len(self.gone) < others:
             time.sleep(0.001)
             self.look()
+            now = time.monotonic()
+            if now >= next_report:
+                report(now - start, [r for r in range(self.comm.size)
+                                     if r != self.comm.rank and r not in self.gone])
+                next_report += every
 
 
 class StallWatch:
@@ -180,6 +189,17 @@ class StallWatch:
     def free(self) -> None:
         if self.board is not None:
             self.board.free()
+
+    def wait_for_goodbyes(self) -> None:
+        """After this member's goodbye, until every other member's: a report every check
+        interval names those still working (no shutdown: a rank that finishes first waits,
+        by design, for one that evaluates or saves at the end)."""
+        def report(seconds: float, missing: list[int]) -> None:
+            log.warning(f"ringreduce: rank {self.ranks[self.comm.rank]} has waited "
+                        f"{seconds:.0f} s in shutdown(){self.where} for ranks "
+                        f"{[self.ranks[r] for r in missing]} to shut down too (every rank "
+                        "waits for the others there, or at the end of its script)")
+        self.departures.wait_for_everyone(report, self.check_time)
 
     def set_joined(self, joined: bool) -> None:
         """While this rank has joined, it waits quietly, and its peers' reports do not count

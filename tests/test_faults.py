@@ -73,3 +73,15 @@ def test_a_rank_that_never_calls_init_is_reported_and_the_stall_shutdown_ends_th
     assert "in init() for the other ranks of its communicator (2 ranks): every rank must " \
            "call init()" in result.output
     assert "Shutting the job down after 3 s" in result.output
+
+
+def test_ranks_waiting_in_shutdown_for_one_still_working_say_so_and_end_normally():
+    """Rank 2 works on (sleeps) after training while ranks 0 and 1 end their script: their
+    shutdown() waits for it, naming it every check interval, and the job ends normally."""
+    env = {"RINGREDUCE_STALL_CHECK_TIME": "1", "RINGREDUCE_STALL_SHUTDOWN_TIME": "2",
+           "FAULT_SLEEP": "3.5"}
+    result = run_ok(3, "fault_check.py", "finish_late", "2", env=env, timeout=90)
+    for rank in (0, 1):
+        assert (f"ringreduce: rank {rank} has waited 1 s in shutdown() for ranks [2] to shut "
+                "down too") in result.output, result.output[-3000:]
+    assert "Shutting the job down" not in result.output

@@ -2,7 +2,8 @@
 
 MODE: raise_in_backward | sigkill | sleep (past the stall time) |
       sleep_small (the same, where the others wait in a small allreduce) |
-      skip_init (the victim exits without calling init()).
+      skip_init (the victim exits without calling init()) |
+      finish_late (the victim works on after the training, the others at their end).
 (A failure inside every rank's engine thread, which the job survives: errors_check.py.)
 """
 import os
@@ -53,6 +54,8 @@ for step in range(1000):
     opt.zero_grad()
     model(x).pow(2).mean().backward()
     opt.step()
-    if mode in ("sleep", "sleep_small") and step == 5:
+    if mode in ("sleep", "sleep_small", "finish_late") and step == 5:
         break
+if mode == "finish_late" and r == victim:      # the others wait for it in shutdown()
+    time.sleep(float(os.environ.get("FAULT_SLEEP", "60")))
 print(f"OK rank {r}", flush=True)
