@@ -79,7 +79,7 @@ def test_ranks_waiting_in_shutdown_for_one_still_working_say_so_and_end_normally
     """Rank 2 works on (sleeps) after training while ranks 0 and 1 end their script: their
     shutdown() waits for it, naming it every check interval, and the job ends normally."""
     env = {"RINGREDUCE_STALL_CHECK_TIME": "1", "RINGREDUCE_STALL_SHUTDOWN_TIME": "2",
-           "FAULT_SLEEP": "3.5"}
+           "FAULT_SLEEP": "2.5"}
     result = run_ok(3, "fault_check.py", "finish_late", "2", env=env, timeout=90)
     for rank in (0, 1):
         assert (f"ringreduce: rank {rank} has waited 1 s in shutdown() for ranks [2] to shut "
