@@ -96,12 +96,13 @@ class Settings:
         "splitting by shared memory; 0 = off. For testing multi-node topology on one machine")
     stall_check_time: float = _setting(
         60.0, float,
-        "seconds a rank waits for the others to join a collective before it logs which ranks "
-        "are missing (and again every such interval); 0 = off",
+        "seconds a rank waits for the others to join a collective (or to reach init(), or "
+        "shutdown()) before it logs so (and again every such interval); 0 = off",
         horovod="HOROVOD_STALL_CHECK_TIME_SECONDS")
     stall_shutdown_time: float = _setting(
         0.0, float,
-        "seconds of such waiting after which the job is aborted with that message; 0 = never",
+        "seconds of such waiting (in a collective or init()) after which the job is aborted "
+        "with that message; 0 = never",
         horovod="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
     consistency_check_steps: int = _setting(
         0, int,
