@@ -148,18 +148,33 @@ class Departures:
         """Until every other member has said goodbye too (at shut-down, before the frees that
         are collective); `report(seconds, members not gone)` every `every` seconds meanwhile
         (0: never)."""
-        others = self.comm.size - 1
-        self.look()
-        start = time.monotonic()
-        next_report = start + every if every > 0 else float("inf")
-        while len(self.gone) < others:
-            time.sleep(0.001)
+        def everyone_gone() -> bool:
             self.look()
-            now = time.monotonic()
-            if now >= next_report:
-                report(now - start, [r for r in range(self.comm.size)
-                                     if r != self.comm.rank and r not in self.gone])
-                next_report += every
+            return len(self.gone) == self.comm.size - 1
+
+        wait_reporting(everyone_gone, every, lambda seconds: report(seconds, [
+            r for r in range(self.comm.size) if r != self.comm.rank and r not in self.gone]))
+
+
+def wait_reporting(done: Callable[[], bool], every: float, report: Callable[[float], None],
+                   give_up_after: float = 0.0,
+                   give_up: Optional[Callable[[float], None]] = None) -> None:
+    """Until `done()`, polled each millisecond, outside a collective's wait (init(), shutdown()):
+    `report(seconds waited)` every `every` seconds and `give_up(seconds)` once at
+    `give_up_after` (0: never, either)."""
+    start = time.monotonic()
+    never = float("inf")
+    next_report = start + every if every > 0 else never
+    give_up_at = start + give_up_after if give_up_after > 0 else never
+    while not done():
+        time.sleep(0.001)
+        now = time.monotonic()
+        if now >= give_up_at:
+            give_up(now - start)
+            give_up_at = never
+        if now >= next_report:
+            report(now - start)
+            next_report += every
 
 
 class StallWatch:

@@ -27,6 +27,7 @@ from .errors import RingReduceError, ShutDownError
 from .mpi import mpi
 from .process_sets import (ProcessSet, global_set, is_running, register_at_init,
                            registered_sets, start, stop)
+from .stall import wait_reporting
 
 log = logging.getLogger("ringreduce")
 _init_lock = threading.Lock()
@@ -86,25 +87,18 @@ def _duplicate(comm: Any, settings: Settings) -> Any:
     (it exited, or took another branch) keeps every other rank here, which a report says every
     RINGREDUCE_STALL_CHECK_TIME seconds; RINGREDUCE_STALL_SHUTDOWN_TIME ends the job."""
     ours, request = comm.Idup()
-    start = time.monotonic()
-    never = float("inf")
-    check, limit = settings.stall_check_time, settings.stall_shutdown_time
-    next_report = start + check if check > 0 else never
-    shutdown_at = start + limit if limit > 0 else never
-    while not request.Test():
-        time.sleep(0.0005)
-        now = time.monotonic()
-        if now < next_report and now < shutdown_at:
-            continue
-        waited = (f"ringreduce: stall: rank {comm.rank} has waited {now - start:.0f} s in "
-                  f"init() for the other ranks of its communicator ({comm.size} ranks): every "
-                  "rank must call init(), and a rank that never does (it exited, or took "
-                  "another branch) keeps the others here.")
-        if now >= shutdown_at:
-            abort(f"{waited} Shutting the job down after {limit:g} s "
-                  "(RINGREDUCE_STALL_SHUTDOWN_TIME).")
-        log.warning(waited)
-        next_report += check
+    limit = settings.stall_shutdown_time
+
+    def waited(seconds: float) -> str:
+        return (f"ringreduce: stall: rank {comm.rank} has waited {seconds:.0f} s in init() "
+                f"for the other ranks of its communicator ({comm.size} ranks): every rank "
+                "must call init(), and a rank that never does (it exited, or took another "
+                "branch) keeps the others here.")
+
+    wait_reporting(request.Test, settings.stall_check_time,
+                   lambda seconds: log.warning(waited(seconds)), limit,
+                   lambda seconds: abort(f"{waited(seconds)} Shutting the job down after "
+                                         f"{limit:g} s (RINGREDUCE_STALL_SHUTDOWN_TIME)."))
     return ours
 
 

@@ -1,5 +1,6 @@
 """What the worker scripts assert with: exact tensors, errors that name what went wrong, and
 one launch run under several settings."""
+import contextlib
 import json
 import os
 from typing import Callable, Optional, Sequence, Union
@@ -55,6 +56,21 @@ def then_barrier(check: Callable[[], None]) -> Callable[[], None]:
     return case
 
 
+@contextlib.contextmanager
+def variables_set(variables: dict):
+    """The environment with `variables` set, then as it was."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def per_setting(argument: Optional[str], start: Callable[[], None], checks: Callable[[], None],
                 stop: Callable[[], None]) -> None:
     """For each setting of `argument`, a JSON object {label: {RINGREDUCE_* variable: value}}
@@ -64,15 +80,13 @@ def per_setting(argument: Optional[str], start: Callable[[], None], checks: Call
     setting are raised together at the end."""
     failures = []
     for label, variables in json.loads(argument or '{"as launched": {}}').items():
-        os.environ.update(variables)
-        start()
-        try:
-            checks()
-        except Exception as e:      # an assertion, or the error a failure on another rank gave
-            failures.append(f"[{label}] {type(e).__name__}: {e}")
-            print(f"FAILED {failures[-1]}", flush=True)     # (as in run_cases)
-        stop()
-        for name in variables:
-            del os.environ[name]
+        with variables_set(variables):
+            start()
+            try:
+                checks()
+            except Exception as e:  # an assertion, or the error a failure on another rank gave
+                failures.append(f"[{label}] {type(e).__name__}: {e}")
+                print(f"FAILED {failures[-1]}", flush=True)     # (as in run_cases)
+            stop()
     if failures:
         raise AssertionError("; ".join(failures))

@@ -19,6 +19,7 @@ import time
 import traceback
 
 import ringreduce as hvd
+from checks import variables_set
 from ringreduce.mpi import mpi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -56,31 +57,24 @@ def main() -> int:
     failed = []
     for entry in json.loads(sys.argv[1]):
         label, timeout = entry["label"], float(entry["timeout"])
-        variables = entry.get("env", {})
-        saved = {name: os.environ.get(name) for name in variables}
-        os.environ.update(variables)
         watchdog = threading.Timer(timeout, give_up, (label, timeout))
         watchdog.daemon = True
         watchdog.start()
         print(f"SCRIPT {label} start rank {rank}", flush=True)
         start = time.monotonic()
-        ok = run_script(label, entry["script"], entry.get("args", []))
-        try:
-            if hvd.is_initialized():
-                hvd.shutdown()
-        except Exception as e:
-            ok = False
-            print(f"SCRIPT {label} FAILED rank {rank}: shutdown() after it raised "
-                  f"{type(e).__name__}: {e}", flush=True)
+        with variables_set(entry.get("env", {})):
+            ok = run_script(label, entry["script"], entry.get("args", []))
+            try:
+                if hvd.is_initialized():
+                    hvd.shutdown()
+            except Exception as e:
+                ok = False
+                print(f"SCRIPT {label} FAILED rank {rank}: shutdown() after it raised "
+                      f"{type(e).__name__}: {e}", flush=True)
         sys.stdout.flush()      # (this script's output before the next one's)
         sys.stderr.flush()
         runner.Barrier()        # (mpi4py lets go of the GIL: the watchdog still fires)
         watchdog.cancel()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
         if ok:
             print(f"SCRIPT {label} ok rank {rank} ({time.monotonic() - start:.1f} s)", flush=True)
         else:
