@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -87,7 +88,7 @@ def run_ok(n: int, script: str, *args: str, **kwargs) -> Run:
 # (tests/mpi/in_one_launch.py): starting Python, torch and MPI costs 3-7 s a launch on two
 # cores. A test says which script it runs with the mark `shared_script(...)` returns and a
 # parameter `n`; the launch at n runs the scripts of the selected tests, in the tests' order,
-# and each test then checks its own script's outcome (a failure shows that script's output).
+# and each test then checks its own script's outcome and reads its own script's output.
 # An argument "{tmp}" stands for a fresh directory of the launch's.
 
 
@@ -147,17 +148,29 @@ class SharedLaunches:
         self.labels = shared_tests(items)
         self.tmp_path_factory = tmp_path_factory
         self.runs: dict[int, Run] = {}
+        self.logs: dict[int, Path] = {}
 
     def run(self, n: int) -> Run:
         if n not in self.runs:
             tmp = str(self.tmp_path_factory.mktemp(f"shared_launch_{n}"))
+            self.logs[n] = self.tmp_path_factory.mktemp(f"shared_launch_{n}_output")
             entries = [{"label": label, "script": SHARED[label].script,
                         "args": [arg.replace("{tmp}", tmp) for arg in SHARED[label].args(n)],
                         "env": SHARED[label].env, "timeout": SHARED[label].timeout(n)}
                        for label in self.labels[n]]
             self.runs[n] = run_mpi(n, "in_one_launch.py", json.dumps(entries),
-                                   timeout=launch_seconds(n, self.labels[n]))
+                                   str(self.logs[n]), timeout=launch_seconds(n, self.labels[n]))
         return self.runs[n]
+
+    def output(self, n: int, label: str) -> str:
+        """What the script printed on every rank, rank by rank (its logs)."""
+        name = re.sub(r"[^A-Za-z0-9]+", "_", label)      # in_one_launch.output_name
+        parts = []
+        for r in range(n):
+            log = self.logs[n] / f"{name}.{r}.log"
+            parts.append(log.read_text(errors="replace") if log.exists()
+                         else f"(rank {r}: no output: the launch ended before this script)\n")
+        return "".join(parts)
 
 
 @pytest.fixture(scope="session")
@@ -168,23 +181,19 @@ def shared_launches(request, tmp_path_factory):
 @pytest.fixture
 def shared_run(request, shared_launches):
     """The check of this test's shared script: it succeeded on every rank of the launch. It
-    returns the launch, whose output holds every script's: count in it only what this script
-    alone prints."""
+    returns a Run of the launch's exit status and time, with this script's output alone."""
     label = request.node.get_closest_marker("shared_launch").args[0]
     n = request.node.callspec.params["n"]
 
     def expect_ok() -> Run:
         run = shared_launches.run(n)
-        lines = run.output.splitlines()
-        marks = [i for i, line in enumerate(lines) if f"SCRIPT {label} " in line]
-        own = ("\n".join(lines[marks[0]:marks[-1] + 40]) if marks
-               else "(none: the launch ended before this script began)")
+        own = shared_launches.output(n, label)
         missing = [r for r in range(n) if f"SCRIPT {label} ok rank {r} (" not in run.output]
         assert not missing, (f"{SHARED[label].script} ({label}) did not succeed on ranks "
                              f"{missing} of {n} (the launch's exit status: {run.returncode}); "
                              f"its output:\n{own[-6000:]}\nthe launch's end:\n"
                              f"{run.output[-2000:]}")
-        return run
+        return Run(run.returncode, own, run.seconds)
     return expect_ok
 
 

@@ -1,7 +1,9 @@
 """A failing, killed or stalled rank ends the job quickly with a message; nothing hangs."""
 import pytest
 
-from conftest import run_mpi, run_ok
+from conftest import run_mpi, shared_script
+
+STALL_REPORTS = {"RINGREDUCE_STALL_CHECK_TIME": "1"}
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -28,9 +30,11 @@ def test_sigkilled_rank_ends_the_job(n, nodes):
     assert "OK rank" not in result.output
 
 
-def test_stall_is_reported_with_missing_ranks_and_parameter_names():
-    env = {"RINGREDUCE_STALL_CHECK_TIME": "1", "FAULT_SLEEP": "3.5"}
-    result = run_ok(3, "fault_check.py", "sleep", "2", env=env, timeout=90)
+@shared_script("stall report", "fault_check.py", args=lambda n: ["sleep", "2"], timeout=lambda n: 90,
+               env={**STALL_REPORTS, "FAULT_SLEEP": "3.5"})
+@pytest.mark.parametrize("n", [3])
+def test_stall_is_reported_with_missing_ranks_and_parameter_names(n, shared_run):
+    result = shared_run()
     stall = [line for line in result.output.splitlines() if "ringreduce: stall" in line]
     assert stall, result.output[-3000:]
     assert any("which ranks [2] have not submitted" in line for line in stall), stall
@@ -38,13 +42,17 @@ def test_stall_is_reported_with_missing_ranks_and_parameter_names():
     assert all("rank 2 has waited" not in line for line in stall), stall
 
 
-@pytest.mark.parametrize("nodes", ["1", "2"])
-def test_stall_in_a_small_allreduce_is_reported(nodes):
+@pytest.mark.parametrize("n", [2])
+@pytest.mark.parametrize("nodes", [
+    pytest.param(nodes, marks=shared_script(
+        f"stall report, small allreduce, {nodes} node(s)", "fault_check.py",
+        args=lambda n: ["sleep_small", "1"], timeout=lambda n: 90,
+        env={**STALL_REPORTS, "FAULT_SLEEP": "2.5", "RINGREDUCE_SIMULATED_NODES": nodes}))
+    for nodes in ("1", "2")])
+def test_stall_in_a_small_allreduce_is_reported(nodes, n, shared_run):
     """The small synchronous allreduce waits in C first (the node's slots, or the exchange
     between nodes): the stall watch must still see it, and name it."""
-    env = {"RINGREDUCE_STALL_CHECK_TIME": "1", "FAULT_SLEEP": "2.5",
-           "RINGREDUCE_SIMULATED_NODES": nodes}
-    result = run_ok(2, "fault_check.py", "sleep_small", "1", env=env, timeout=90)
+    result = shared_run()
     stall = [line for line in result.output.splitlines() if "ringreduce: stall" in line]
     assert any("allreduce 'metric.3'" in line and "which ranks [1] have not submitted" in line
                for line in stall), result.output[-3000:]
@@ -75,12 +83,14 @@ def test_a_rank_that_never_calls_init_is_reported_and_the_stall_shutdown_ends_th
     assert "Shutting the job down after 3 s" in result.output
 
 
-def test_ranks_waiting_in_shutdown_for_one_still_working_say_so_and_end_normally():
+@shared_script("shutdown waits for a late rank", "fault_check.py",
+               args=lambda n: ["finish_late", "2"], timeout=lambda n: 90,
+               env={**STALL_REPORTS, "RINGREDUCE_STALL_SHUTDOWN_TIME": "2", "FAULT_SLEEP": "2.5"})
+@pytest.mark.parametrize("n", [3])
+def test_ranks_waiting_in_shutdown_for_one_still_working_say_so_and_end_normally(n, shared_run):
     """Rank 2 works on (sleeps) after training while ranks 0 and 1 end their script: their
     shutdown() waits for it, naming it every check interval, and the job ends normally."""
-    env = {"RINGREDUCE_STALL_CHECK_TIME": "1", "RINGREDUCE_STALL_SHUTDOWN_TIME": "2",
-           "FAULT_SLEEP": "2.5"}
-    result = run_ok(3, "fault_check.py", "finish_late", "2", env=env, timeout=90)
+    result = shared_run()
     for rank in (0, 1):
         assert (f"ringreduce: rank {rank} has waited 1 s in shutdown() for ranks [2] to shut "
                 "down too") in result.output, result.output[-3000:]

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from conftest import PATHS, run_ok, shared_script
+from conftest import PATHS, shared_script
 
 
 NODES = {"RINGREDUCE_SIMULATED_NODES": "2"}
@@ -22,9 +22,11 @@ def test_process_sets(n, shared_run):
     shared_run()
 
 
-def test_a_stall_report_names_the_set_and_its_missing_rank():
-    result = run_ok(3, "process_sets_check.py", "stall",
-                    env={"RINGREDUCE_STALL_CHECK_TIME": "1"}, timeout=90)
+@shared_script("process sets, stall", "process_sets_check.py", args=lambda n: ["stall"],
+               env={"RINGREDUCE_STALL_CHECK_TIME": "1"}, timeout=lambda n: 90)
+@pytest.mark.parametrize("n", [3])
+def test_a_stall_report_names_the_set_and_its_missing_rank(n, shared_run):
+    result = shared_run()
     stall = [line for line in result.output.splitlines() if "ringreduce: stall" in line]
     assert any("rank 0 has waited" in line and "allreduce 'set_stall' on process set" in line
                and "(ranks [0, 1]), which ranks [1] have not submitted" in line
