@@ -33,6 +33,10 @@ Methods (default order, by expected peak memory, the order of the memory pass):
                      (scaled by 1/size) and, after the reduction, back: two passes over the
                      gradients that DistributedOptimizer skips for a parameter with a bucket of
                      its own (reduced in place), e.g. the mlp's 74 MiB first layer
+    ddp_rr_view      the same with DDP's gradient_as_bucket_view=True: DDP makes the gradients
+                     views of its buckets after the first step, so the copy back goes; the
+                     copy in stays, since zero_grad() (set_to_none) hands autograd a fresh
+                     gradient each step, which DDP scales into its bucket
     ddp              torch.nn.parallel.DistributedDataParallel on a gloo group of every rank
                      (loopback TCP; without bench_common.cores_awake, which made gloo's small
                      messages quicker but DDP on gloo no faster, the cnn slower)
@@ -92,7 +96,8 @@ from bench_common import (init_torch_distributed, metadata as common_metadata,  
 
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
-METHODS = ["none", "ringreduce_view", "ringreduce", "allreduce_after", "ddp_rr", "ddp"]
+METHODS = ["none", "ringreduce_view", "ringreduce", "allreduce_after", "ddp_rr_view", "ddp_rr",
+           "ddp"]
 GLOO = None     # torch.distributed's gloo group of every rank (bench_common.init_torch_distributed)
 MODELS = ["mlp", "cnn", "mlp10m"]
 IMAGE = (3, 64, 64)
@@ -152,8 +157,9 @@ def setup(method: str, model: nn.Module, lr: float):
         opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
                                        gradient_as_bucket_view=method == "ringreduce_view")
         return model, opt, None
-    if method == "ddp_rr":
-        return nn.parallel.DistributedDataParallel(model), sgd, None
+    if method in ("ddp_rr", "ddp_rr_view"):
+        return nn.parallel.DistributedDataParallel(
+            model, gradient_as_bucket_view=method == "ddp_rr_view"), sgd, None
     if method == "ddp":
         return nn.parallel.DistributedDataParallel(model, process_group=GLOO), sgd, None
     if method == "allreduce_after":
@@ -362,7 +368,7 @@ def main() -> None:
         except ImportError:
             parser.error("--plot needs matplotlib: pip install -e '.[bench]'")
     torch.set_num_threads(1)
-    if {"ddp", "ddp_rr"} & set(methods):
+    if {"ddp", "ddp_rr", "ddp_rr_view"} & set(methods):
         GLOO = init_torch_distributed()
 
     meta = metadata(args)
@@ -401,7 +407,7 @@ def main() -> None:
     if RANK == 0:
         write_results({"meta": meta, "models": model_info, "results": results}, args.json,
                       args.plot, lambda png: plot(png, results, model_info, meta))
-    if {"ddp", "ddp_rr"} & set(methods):
+    if {"ddp", "ddp_rr", "ddp_rr_view"} & set(methods):
         import torch.distributed as dist
 
         dist.destroy_process_group()

@@ -62,6 +62,7 @@ TRAIN_METHODS = {
     "ringreduce_view": "ringreduce, bucket views",
     "allreduce_after": "one MPI `Allreduce` after backward",
     "ddp_rr": "DDP on `\"ringreduce\"`",
+    "ddp_rr_view": "DDP on `\"ringreduce\"`, bucket views",
     "ddp": "DDP on gloo",
 }
 TRAIN_MODELS = {"mlp": "MLP", "cnn": "ResNet-18-sized CNN", "mlp10m": "MLP"}
@@ -380,6 +381,13 @@ def train_tables(data: dict, source: str) -> str:
                       table(header, rows + memory), ""])
 
 
+def view_ratio(speed: dict) -> str:
+    """DDP with gradient_as_bucket_view on our backend ÷ DistributedOptimizer."""
+    if speed.get("ddp_rr_view") and speed.get("ringreduce"):
+        return f"{speed['ddp_rr_view'] / speed['ringreduce']:.2f} ×"
+    return "n/a"
+
+
 def train_dist(data: dict, source: str) -> str:
     """DDP on our backend beside DDP on gloo and DistributedOptimizer, samples/s."""
     meta, results = data["meta"], data["results"]
@@ -391,6 +399,7 @@ def train_dist(data: dict, source: str) -> str:
             "`DistributedOptimizer`, in the same run (samples/s of the whole job; ratios above "
             "1: DDP on `\"ringreduce\"` is faster).", ""]
     rows = []
+    views = any(r["method"] == "ddp_rr_view" for r in results)
     for info in data["models"]:
         name = info["model"]
         speed = {r["method"]: r["samples_per_s"] for r in results if r["model"] == name}
@@ -404,10 +413,14 @@ def train_dist(data: dict, source: str) -> str:
             return f"{speed['ddp_rr'] / speed[method]:.2f} ×" if speed.get(method) else "n/a"
 
         rows.append([model_label(name, info), cell("ringreduce"), cell("ddp_rr"), cell("ddp"),
-                     ratio("ddp"), ratio("ringreduce")])
+                     ratio("ddp"), ratio("ringreduce")]
+                    + ([cell("ddp_rr_view"), view_ratio(speed)] if views else []))
     title = f"DDP, {meta.get('ranks')} ranks, samples/s"
     header = [title, TRAIN_METHODS["ringreduce"], TRAIN_METHODS["ddp_rr"], TRAIN_METHODS["ddp"],
               "DDP `\"ringreduce\"` ÷ DDP gloo", "DDP `\"ringreduce\"` ÷ `DistributedOptimizer`"]
+    if views:
+        header += [TRAIN_METHODS["ddp_rr_view"],
+                   "DDP `\"ringreduce\"`, bucket views ÷ `DistributedOptimizer`"]
     return "\n".join(out + [f"**{title}**", "", table(header, rows), ""])
 
 
@@ -566,8 +579,10 @@ def headline(directory: Path) -> str:
                                  f"({speed['ddp']:.0f})")
                 lines.append(text + (", " + " and ".join(notes) if notes else "") + ".")
             if "ddp_rr" in speed and speed.get("ddp"):
+                views = (f" ({speed['ddp_rr_view'] / speed['ringreduce']:.2f} × with DDP's "
+                         "`gradient_as_bucket_view=True`)" if speed.get("ddp_rr_view") else "")
                 against = ([f"{speed['ddp_rr'] / speed['ringreduce']:.2f} × "
-                            "`DistributedOptimizer`"] if speed.get("ringreduce") else [])
+                            f"`DistributedOptimizer`{views}"] if speed.get("ringreduce") else [])
                 against.append(f"{speed['ddp_rr'] / speed['ddp']:.2f} × DDP on gloo")
                 lines.append(f"- **DDP on the `\"ringreduce\"` backend**, same model: "
                              f"{speed['ddp_rr']:.0f} samples/s, {' and '.join(against)}.")

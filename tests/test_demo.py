@@ -58,11 +58,11 @@ def test_training_benchmark_reports_every_method_in_sync_with_its_memory_pass(tm
     out = tmp_path / "train.json"
     script = Path(__file__).parents[1] / "scripts" / "bench_train.py"
     result = run_mpi(2, str(script), "--models", "mlp10m", "--methods",
-                     "none,ringreduce,ddp_rr,ddp", "--steps", "1", "--reps", "3", "--warmup",
-                     "1", "--batch", "4", "--json", str(out), timeout=180)
+                     "none,ringreduce,ddp_rr_view,ddp_rr,ddp", "--steps", "1", "--reps", "3",
+                     "--warmup", "1", "--batch", "4", "--json", str(out), timeout=180)
     assert result.returncode == 0, result.output[-4000:]
     rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
-    assert list(rows) == ["none", "ringreduce", "ddp_rr", "ddp"]
+    assert list(rows) == ["none", "ringreduce", "ddp_rr_view", "ddp_rr", "ddp"]
     for method, r in rows.items():
         assert len(r["rep_times_s"]) == 3 and r["time_s"] in r["rep_times_s"], r
         assert r["params_in_sync"] is (None if method == "none" else True), r

@@ -148,12 +148,12 @@ def _train_run(methods) -> dict:
 
 def test_figures_show_the_run_and_the_torch_distributed_rows(tmp_path):
     """A run with the new metadata and the backend's rows: the Run line names the commit, the
-    machine and the environment; the `dist` sections show dist_rr and ddp_rr beside gloo."""
+    machine and the environment; the `dist` sections show dist_rr and ddp_rr (and DDP with bucket views) beside gloo."""
     figures = _load(ROOT / "scripts" / "docs_figures.py", "_docs_figures_for_test")
     (tmp_path / "allreduce-2ranks.json").write_text(json.dumps(
         _allreduce_run(["ours_", "ours", "bucket", "dist_rr", "mpi", "gloo"])))
     (tmp_path / "train-2ranks.json").write_text(json.dumps(
-        _train_run(["none", "ringreduce", "ddp_rr", "ddp"])))
+        _train_run(["none", "ringreduce", "ddp_rr_view", "ddp_rr", "ddp"])))
     readme = tmp_path / "README.md"
     readme.write_text("# x\n<!-- figures:start -->\n<!-- figures:end -->\nafter\n")
     assert figures.main(["--dir", str(tmp_path), "--readme", str(readme)]) == 0
@@ -169,7 +169,9 @@ def test_figures_show_the_run_and_the_torch_distributed_rows(tmp_path):
     assert "`\"ringreduce\"` backend (`dist_rr`)" in dist and "× faster than gloo" in dist
     dist = train.split("[start:dist]")[1]
     assert "DDP on `\"ringreduce\"`" in dist and "DDP on gloo" in dist
-    assert "| MLP 23.5M (`mlp`) | 110 | 120 | 130 | 0.92 × | 1.09 × |" in dist
+    assert "| MLP 23.5M (`mlp`) | 110 | 130 | 140 | 0.93 × | 1.18 × | 120 | 1.09 × |" in dist
+    assert "1.18 × `DistributedOptimizer` (1.09 × with DDP's `gradient_as_bucket_view=True`)" \
+        in readme.read_text()
     head = readme.read_text()
     assert head.startswith("# x\n<!-- figures:start -->")
     assert head.endswith("<!-- figures:end -->\nafter\n")
