@@ -68,7 +68,7 @@ class JoinRounds:
         """After an exchange in which some members had joined, every member shares what it
         runs (None when joined). Returns the active members' common description; on an active
         member, MismatchError when they disagree among themselves."""
-        everyone = self.comm.allgather(mine)
+        everyone = self.negotiator.gather(mine)
         active = [(r, d) for r, d in enumerate(everyone) if d is not None]
         if all(d[:2] == active[0][1][:2] for _, d in active):
             return active[0][1]

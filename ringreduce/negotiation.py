@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import pickle
 import time
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -84,6 +85,18 @@ class Negotiator:
         self._header[0], self._header[1] = value, per_rank
         self.watch.wait(self.comm.Iallgather(self._header, self._headers).Test)
 
+    def gather(self, mine: Any) -> list:
+        """Every member's object (`comm.allgather`), waited on as a collective is: a member
+        that stops or leaves meanwhile gets the stall report or ShutDownError, not a silent
+        wait. For the rounds after an exchange that every member has passed (a mismatch's
+        signatures, a join round, a stall's pending names)."""
+        data = np.frombuffer(pickle.dumps(mine), dtype=np.uint8)
+        sizes = np.empty(self.comm.size, dtype=np.int64)
+        self.watch.wait(self.comm.Iallgather(np.array([data.size], dtype=np.int64), sizes).Test)
+        everyone = np.empty(int(sizes.sum()), dtype=np.uint8)
+        self.watch.wait(self.comm.Iallgatherv(data, [everyone, sizes]).Test)
+        return [pickle.loads(part.tobytes()) for part in np.split(everyone, np.cumsum(sizes)[:-1])]
+
     def digests_agree(self, value: int) -> bool:
         """`exchange(value, 0)` by MPI alone, for a way whose data follows in an exchange of
         its own (ways.MpiGather), at the cost of a small allreduce: whether every member's
@@ -117,7 +130,7 @@ class Negotiator:
         joined = [int(r) for r in np.flatnonzero(digests == JOINED)]
         if joined:
             raise PeersJoined(joined)
-        signatures = self.comm.allgather(dict(signature() if callable(signature) else signature))
+        signatures = self.gather(dict(signature() if callable(signature) else signature))
         if any(s.get("name") != signatures[0].get("name") for s in signatures):
             raise OutOfOrder()
         raise MismatchError(describe_mismatch(signatures, self.ranks))
@@ -179,7 +192,7 @@ class _Settling:
             mine = dict(zip(hashes.tolist(), names))
             return [mine[h] for h in lists[0].tolist() if h in common]
         if dues.max() > 0:
-            message = self._describe(n.comm.allgather(names), now - self.started)
+            message = self._describe(n.gather(names), now - self.started)
             if watch.check_time > 0:        # every interval from the start
                 self.next_report += watch.check_time * (1 + (now - self.next_report)
                                                         // watch.check_time)

@@ -83,6 +83,22 @@ def test_a_rank_that_never_calls_init_is_reported_and_the_stall_shutdown_ends_th
     assert "Shutting the job down after 3 s" in result.output
 
 
+@shared_script("stall while the signatures are gathered", "fault_check.py",
+               args=lambda n: ["slow_gather", "1"], timeout=lambda n: 90,
+               env={**STALL_REPORTS, "FAULT_SLEEP": "2.5"})
+@pytest.mark.parametrize("n", [2])
+def test_a_rank_late_to_a_mismatchs_report_is_waited_for_with_stall_reports(n, shared_run):
+    """After the digests differ, every rank gathers the signatures for the MismatchError's
+    message; rank 1 comes 2.5 s late to that gather: rank 0 says so while it waits (it
+    waited silently, in a blocking allgather), then both get the error."""
+    result = shared_run()
+    stall = [line for line in result.output.splitlines() if "ringreduce: stall" in line]
+    assert any("rank 0 has waited 1 s in collective #1 allreduce 'mismatched'" in line
+               for line in stall), result.output[-3000:]
+    for rank in (0, 1):
+        assert f"MISMATCH rank {rank}: " in result.output, result.output[-3000:]
+
+
 @shared_script("shutdown waits for a late rank", "fault_check.py",
                args=lambda n: ["finish_late", "2"], timeout=lambda n: 90,
                env={**STALL_REPORTS, "RINGREDUCE_STALL_SHUTDOWN_TIME": "2", "FAULT_SLEEP": "2.5"})

@@ -3,7 +3,10 @@
 MODE: raise_in_backward | sigkill | sleep (past the stall time) |
       sleep_small (the same, where the others wait in a small allreduce) |
       skip_init (the victim exits without calling init()) |
-      finish_late (the victim works on after the training, the others at their end).
+      finish_late (the victim works on after the training, the others at their end) |
+      slow_gather (every rank calls one allreduce with another length on the victim, which
+      is slow to share its signature for the mismatch's report: the others report the stall,
+      then every rank gets the MismatchError).
 (A failure inside every rank's engine thread, which the job survives: errors_check.py.)
 """
 import os
@@ -16,6 +19,7 @@ import torch.nn as nn
 from mpi4py import MPI
 
 import ringreduce as hvd
+from ringreduce import negotiation
 
 mode, victim = sys.argv[1], int(sys.argv[2])
 if mode == "skip_init" and MPI.COMM_WORLD.rank == victim:
@@ -23,6 +27,19 @@ if mode == "skip_init" and MPI.COMM_WORLD.rank == victim:
     sys.exit(0)
 hvd.init()
 r = hvd.rank()
+if mode == "slow_gather":
+    if r == victim:      # late into the gather of the signatures, after the digests differed
+        gather = negotiation.Negotiator.gather
+        negotiation.Negotiator.gather = lambda self, mine: (
+            time.sleep(float(os.environ.get("FAULT_SLEEP", "60"))), gather(self, mine))[1]
+    try:
+        hvd.allreduce(torch.ones(1 << 18 if r == victim else 1 << 17), name="mismatched")
+    except hvd.MismatchError as e:
+        print(f"MISMATCH rank {r}: {e}", flush=True)
+    else:
+        raise AssertionError("the mismatched allreduce did not raise")
+    print(f"OK rank {r}", flush=True)
+    sys.exit(0)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
