@@ -99,7 +99,16 @@ class RingReduceGroup(dist.ProcessGroup):
         if self._closed:
             raise RingReduceError(f"ringreduce backend: {kind} on {self._label}, which was "
                                   "destroyed (destroy_process_group)")
-        return active(self._process_set, kind)
+        try:
+            return active(self._process_set, kind)
+        except ValueError as exc:   # (torch made this group on its members: not one's mistake)
+            if self._process_set is global_process_set:
+                raise
+            raise RingReduceError(
+                f"ringreduce backend: {kind} on {self._label} on rank {world.rank()}: its "
+                "process set closed when ringreduce shut down (shutdown(), or an elastic "
+                "restart), and a group from dist.new_group() does not outlive it: make the "
+                "group again with dist.new_group() after init()") from exc
 
     def _global(self, group_rank: int, what: str) -> int:
         ranks = self._process_set.ranks

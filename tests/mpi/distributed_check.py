@@ -38,7 +38,8 @@ from models import Embedder, Net
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
 LIGHTNING = "lightning" in sys.argv[1:]
-hvd.init(stall_check_time=1.0 if LIGHTNING else 60.0)
+STALL_CHECK_TIME = 1.0 if LIGHTNING else 60.0      # (case_stall's report, at 2 ranks)
+hvd.init(stall_check_time=STALL_CHECK_TIME)
 r, n = hvd.rank(), hvd.size()
 SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
 
@@ -838,6 +839,23 @@ def case_lightning_ddp():
     fit(DDPStrategy(process_group_backend="ringreduce"), "DDPStrategy")
 
 
+def case_a_group_does_not_outlive_a_restart():
+    """ringreduce shut down and started again (as an elastic restart does): a group from
+    new_group() before it refuses its calls with an error saying to make it again, on every
+    member; the default group goes on, and a group made after works."""
+    before = dist.new_group(list(range(n)))
+    hvd.shutdown()
+    hvd.init(stall_check_time=STALL_CHECK_TIME)
+    expect(hvd.RingReduceError, ["closed when ringreduce shut down", f"on rank {r}",
+                                 "make the group again with dist.new_group() after init()"],
+           dist.all_reduce, torch.ones(2), group=before)
+    check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "the default group after")
+    after = dist.new_group(list(range(n)))
+    check_equal(reduced(torch.ones(2), SUM, after), torch.full((2,), float(n)),
+                "a group made after")
+    dist.destroy_process_group(after)
+
+
 def case_stall():
     """A rank that comes 2.5 s late to an all_reduce on a group of its own: the other logs our
     stall report naming that group's first call (the test reads it)."""
@@ -876,7 +894,8 @@ cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadc
          case_one_rank_errs, case_one_rank_refuses_its_inputs,
          case_one_rank_calls_another_kind, case_sparse_all_reduce,
          case_dtypes_moved_and_bool_reduced, case_ddp,
-         case_ddp_hooks_that_start_collectives, case_fsdp, case_torchmetrics]
+         case_ddp_hooks_that_start_collectives, case_fsdp, case_torchmetrics,
+         case_a_group_does_not_outlive_a_restart]
 run_cases([announced(case) for case in cases + ([case_stall] if LIGHTNING else [])], r)
 dist.destroy_process_group()
 print(f"OK rank {r}", flush=True)
