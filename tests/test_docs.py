@@ -148,7 +148,8 @@ def _train_run(methods) -> dict:
 
 def test_figures_show_the_run_and_the_torch_distributed_rows(tmp_path):
     """A run with the new metadata and the backend's rows: the Run line names the commit, the
-    machine and the environment; the `dist` sections show dist_rr and ddp_rr (and DDP with bucket views) beside gloo."""
+    machine and the environment; the `dist` sections show dist_rr and ddp_rr (and DDP with
+    bucket views) beside gloo."""
     figures = _load(ROOT / "scripts" / "docs_figures.py", "_docs_figures_for_test")
     (tmp_path / "allreduce-2ranks.json").write_text(json.dumps(
         _allreduce_run(["ours_", "ours", "bucket", "dist_rr", "mpi", "gloo"])))

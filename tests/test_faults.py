@@ -30,8 +30,8 @@ def test_sigkilled_rank_ends_the_job(n, nodes):
     assert "OK rank" not in result.output
 
 
-@shared_script("stall report", "fault_check.py", args=lambda n: ["sleep", "2"], timeout=lambda n: 90,
-               env={**STALL_REPORTS, "FAULT_SLEEP": "3.5"})
+@shared_script("stall report", "fault_check.py", args=lambda n: ["sleep", "2"],
+               timeout=lambda n: 90, env={**STALL_REPORTS, "FAULT_SLEEP": "3.5"})
 @pytest.mark.parametrize("n", [3])
 def test_stall_is_reported_with_missing_ranks_and_parameter_names(n, shared_run):
     result = shared_run()

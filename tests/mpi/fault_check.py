@@ -28,8 +28,8 @@ if mode == "skip_init" and MPI.COMM_WORLD.rank == victim:
 hvd.init()
 r = hvd.rank()
 if mode == "slow_gather":
+    gather = negotiation.Negotiator.gather
     if r == victim:      # late into the gather of the signatures, after the digests differed
-        gather = negotiation.Negotiator.gather
         negotiation.Negotiator.gather = lambda self, mine: (
             time.sleep(float(os.environ.get("FAULT_SLEEP", "60"))), gather(self, mine))[1]
     try:
@@ -38,6 +38,8 @@ if mode == "slow_gather":
         print(f"MISMATCH rank {r}: {e}", flush=True)
     else:
         raise AssertionError("the mismatched allreduce did not raise")
+    finally:
+        negotiation.Negotiator.gather = gather   # (the next script of a shared launch)
     print(f"OK rank {r}", flush=True)
     sys.exit(0)
 torch.manual_seed(0)

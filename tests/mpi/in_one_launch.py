@@ -10,7 +10,8 @@ that a test reads what its own script printed, not its neighbours'. The runner p
 output, then waits for every rank to finish that script before the next one starts, so a
 failure in one script does not hide the others. A script still running past its timeout on
 some rank (a hang, or ranks left waiting by a failure on another) ends the job from that rank,
-with every thread's stack printed to its log.
+with every thread's stack printed to its log. A script that patches a module (a class's method,
+say) must put it back before it ends: the next scripts run in the same process.
 """
 import faulthandler
 import contextlib
