@@ -156,18 +156,22 @@ class SharedLaunches:
             self.logs[n] = self.tmp_path_factory.mktemp(f"shared_launch_{n}_output")
             entries = [{"label": label, "script": SHARED[label].script,
                         "args": [arg.replace("{tmp}", tmp) for arg in SHARED[label].args(n)],
-                        "env": SHARED[label].env, "timeout": SHARED[label].timeout(n)}
+                        "env": SHARED[label].env, "timeout": SHARED[label].timeout(n),
+                        "output": str(self.output_prefix(n, label))}
                        for label in self.labels[n]]
             self.runs[n] = run_mpi(n, "in_one_launch.py", json.dumps(entries),
-                                   str(self.logs[n]), timeout=launch_seconds(n, self.labels[n]))
+                                   timeout=launch_seconds(n, self.labels[n]))
         return self.runs[n]
+
+    def output_prefix(self, n: int, label: str) -> Path:
+        """Where the launch at n writes a script's output: <prefix>.<rank>.log."""
+        return self.logs[n] / re.sub(r"[^A-Za-z0-9]+", "_", label)
 
     def output(self, n: int, label: str) -> str:
         """What the script printed on every rank, rank by rank (its logs)."""
-        name = re.sub(r"[^A-Za-z0-9]+", "_", label)      # in_one_launch.output_name
         parts = []
         for r in range(n):
-            log = self.logs[n] / f"{name}.{r}.log"
+            log = Path(f"{self.output_prefix(n, label)}.{r}.log")
             parts.append(log.read_text(errors="replace") if log.exists()
                          else f"(rank {r}: no output: the launch ended before this script)\n")
         return "".join(parts)

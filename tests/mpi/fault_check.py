@@ -29,9 +29,13 @@ hvd.init()
 r = hvd.rank()
 if mode == "slow_gather":
     gather = negotiation.Negotiator.gather
+
+    def late_gather(self, mine):
+        time.sleep(float(os.environ.get("FAULT_SLEEP", "60")))
+        return gather(self, mine)
+
     if r == victim:      # late into the gather of the signatures, after the digests differed
-        negotiation.Negotiator.gather = lambda self, mine: (
-            time.sleep(float(os.environ.get("FAULT_SLEEP", "60"))), gather(self, mine))[1]
+        negotiation.Negotiator.gather = late_gather
     try:
         hvd.allreduce(torch.ones(1 << 18 if r == victim else 1 << 17), name="mismatched")
     except hvd.MismatchError as e:

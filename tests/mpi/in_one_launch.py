@@ -1,11 +1,11 @@
 """Several worker scripts in one launch, one after another, so that Python, torch and MPI start
 once (3-7 s a launch on two cores) where each script would start them again.
 
-The arguments: a JSON list of {"label", "script", "args", "env", "timeout"}, and a directory
-for the scripts' output. Each script runs as its own launch would: fresh globals, its own argv,
-its environment variables set around it, and ringreduce shut down after it. Its output, Python's
-and C's (file descriptors 1 and 2), goes to `<directory>/<output_name(label)>.<rank>.log`, so
-that a test reads what its own script printed, not its neighbours'. The runner prints
+The argument: a JSON list of {"label", "script", "args", "env", "timeout", "output"}. Each
+script runs as its own launch would: fresh globals, its own argv, its environment variables set
+around it, and ringreduce shut down after it. Its output, Python's and C's (file descriptors 1
+and 2), goes to `<output>.<rank>.log`, so that a test reads what its own script printed, not
+its neighbours'. The runner prints
 `SCRIPT <label> ok rank <r>` or `SCRIPT <label> FAILED rank <r>: <why>` to the launch's
 output, then waits for every rank to finish that script before the next one starts, so a
 failure in one script does not hide the others. A script still running past its timeout on
@@ -17,7 +17,6 @@ import faulthandler
 import contextlib
 import json
 import os
-import re
 import runpy
 import sys
 import threading
@@ -33,11 +32,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 runner = mpi().COMM_WORLD.Dup()
 rank = runner.rank
 LAUNCH_OUTPUT = os.dup(1)       # the launch's own output, while fd 1 goes to a script's log
-
-
-def output_name(label: str) -> str:
-    """The file name of a label's logs (tests/conftest.py reads them)."""
-    return re.sub(r"[^A-Za-z0-9]+", "_", label)
 
 
 def say(line: str) -> None:
@@ -93,7 +87,6 @@ def run_script(label: str, script: str, args: list) -> bool:
 
 def main() -> int:
     failed = []
-    logs = sys.argv[2]
     for entry in json.loads(sys.argv[1]):
         label, timeout = entry["label"], float(entry["timeout"])
         watchdog = threading.Timer(timeout, give_up, (label, timeout))
@@ -101,8 +94,7 @@ def main() -> int:
         watchdog.start()
         print(f"SCRIPT {label} start rank {rank}", flush=True)
         start = time.monotonic()
-        log = os.path.join(logs, f"{output_name(label)}.{rank}.log")
-        with output_to(log), variables_set(entry.get("env", {})):
+        with output_to(f"{entry['output']}.{rank}.log"), variables_set(entry.get("env", {})):
             ok = run_script(label, entry["script"], entry.get("args", []))
             try:
                 if hvd.is_initialized():
