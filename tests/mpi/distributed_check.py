@@ -7,7 +7,8 @@ float tolerance) or a reference built from every rank's inputs (data movement, e
 our results bitwise identical across ranks; subgroups; send/recv; the errors; the dtypes
 only moved (bool, uint16/64, float8, complex64), bool reductions, DDP with a bool buffer;
 DDP (plain, find_unused_parameters, no_sync with accumulation, fp16_compress_hook, hooks
-whose callbacks start collectives: PowerSGD) against one process on the whole batch; FSDP
+whose callbacks start collectives: PowerSGD) against one process on the whole batch; DDP's
+join() with uneven inputs and ZeroRedundancyOptimizer against gloo; FSDP
 (fully_shard) against DDP; torchmetrics syncing to the whole-data value; thousands of small
 calls on both front doors leaving no objects alive.
 With `lightning` (2 ranks): first our Lightning strategy, which starts torch.distributed's
@@ -28,6 +29,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.join import Join
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ringreduce as hvd
@@ -685,6 +688,38 @@ def case_ddp():
     same_model(train(Net, hooked), reference, "DDP fp16_compress_hook", rtol=1e-3, atol=1e-4)
 
 
+def uneven(group, zero=False):
+    """DDP over `group` (None: the default one) inside `join()`, rank k taking 2 + 2k steps of
+    its own data (uneven inputs: the ranks that run out shadow the others' collectives), with
+    Adam, or ZeroRedundancyOptimizer (each rank steps its shard, then broadcasts it: joined
+    too, so that a rank that ran out also shadows those broadcasts)."""
+    torch.manual_seed(0)
+    model = mlp()
+    ddp = DDP(model, process_group=group, bucket_cap_mb=0.002)
+    if zero:
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam,
+                                      lr=0.01, process_group=group)
+    else:
+        opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(10 + r)
+    with Join([ddp, opt] if zero else [ddp]):
+        for _ in range(2 + 2 * r):
+            x, y = torch.randn(6, 1, 8, 8, generator=g), torch.randint(0, 10, (6,), generator=g)
+            opt.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+    return model
+
+
+def case_ddp_join_and_zero():
+    """The ranks that run out of data first (DDP's join() for uneven inputs) and
+    ZeroRedundancyOptimizer: against the same on gloo, identical on every rank."""
+    same_model(uneven(None), uneven(GLOO), "DDP join() with uneven inputs, against gloo",
+               rtol=1e-5, atol=1e-6)
+    same_model(uneven(None, zero=True), uneven(GLOO, zero=True),
+               "DDP join() and ZeroRedundancyOptimizer, against gloo", rtol=1e-5, atol=1e-6)
+
+
 def counted_average_hook(state, bucket):
     """Sums the bucket, then, in the future's callback, starts another collective (counting
     the ranks) and waits for it there, as PowerSGD's callbacks do."""
@@ -894,7 +929,8 @@ cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadc
          case_one_rank_errs, case_one_rank_refuses_its_inputs,
          case_one_rank_calls_another_kind, case_sparse_all_reduce,
          case_dtypes_moved_and_bool_reduced, case_ddp,
-         case_ddp_hooks_that_start_collectives, case_fsdp, case_torchmetrics,
+         case_ddp_hooks_that_start_collectives, case_ddp_join_and_zero, case_fsdp,
+         case_torchmetrics,
          case_a_group_does_not_outlive_a_restart]
 run_cases([announced(case) for case in cases + ([case_stall] if LIGHTNING else [])], r)
 dist.destroy_process_group()
