@@ -8,9 +8,10 @@ our results bitwise identical across ranks; subgroups; send/recv; the errors; th
 only moved (bool, uint16/64, float8, complex64), bool reductions, DDP with a bool buffer;
 DDP (plain, find_unused_parameters, no_sync with accumulation, fp16_compress_hook, hooks
 whose callbacks start collectives: PowerSGD) against one process on the whole batch; DDP's
-join() with uneven inputs and ZeroRedundancyOptimizer against gloo; FSDP
-(fully_shard) against DDP; torchmetrics syncing to the whole-data value; thousands of small
-calls on both front doors leaving no objects alive.
+join() with uneven inputs and ZeroRedundancyOptimizer against gloo; FSDP (fully_shard)
+against DDP, its state saved and loaded by torch.distributed.checkpoint; torchmetrics syncing
+to the whole-data value; thousands of small calls on both front doors leaving no objects
+alive.
 With `lightning` (2 ranks): first our Lightning strategy, which starts torch.distributed's
 default group on our backend (torchmetrics syncs through it), then Lightning's own DDP
 strategy with process_group_backend="ringreduce", which starts it by env:// (torch's
@@ -18,7 +19,9 @@ init_process_group), then a stalled rank's report. Each case prints "CASE <name>
 """
 import gc
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -287,6 +290,13 @@ def case_send_recv():
     box = [f"from {n - 1}"] if r == n - 1 else [None]
     dist.broadcast_object_list(box, src=n - 1)
     assert box == [f"from {n - 1}"], box
+    gathered = [None] * n if r == 1 else None
+    dist.gather_object(("at", r), gathered, dst=1)
+    assert gathered == ([("at", k) for k in range(n)] if r == 1 else None), gathered
+    mine = [None]
+    dist.scatter_object_list(mine, [f"to {k}" for k in range(n)] if r == n - 1 else None,
+                             src=n - 1)
+    assert mine == [f"to {r}"], mine
 
 
 def case_subgroup():
@@ -777,7 +787,24 @@ def case_fsdp():
                 fully_shard(layer)
         return fully_shard(model)
 
-    same_model(train(mlp, sharded), train(mlp, DDP), "FSDP (fully_shard) against DDP")
+    trained = train(mlp, sharded)
+    same_model(trained, train(mlp, DDP), "FSDP (fully_shard) against DDP")
+    # its sharded state through torch.distributed.checkpoint (each rank writes its shards; the
+    # plan is gathered and scattered as objects) into a fresh model: the same parameters
+    import torch.distributed.checkpoint as dcp
+    box = [tempfile.mkdtemp(prefix="dcp-") if r == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    dcp.save({"model": trained.state_dict()}, checkpoint_id=box[0])
+    torch.manual_seed(1)
+    fresh = sharded(mlp())
+    state = {"model": fresh.state_dict()}
+    dcp.load(state, checkpoint_id=box[0])
+    fresh.load_state_dict(state["model"])
+    for (name, p), q in zip(fresh.named_parameters(), trained.parameters()):
+        check_equal(p.full_tensor(), q.full_tensor(), f"FSDP state saved and loaded: {name}")
+    dist.barrier()
+    if r == 0:
+        shutil.rmtree(box[0])
 
 
 def case_torchmetrics():
