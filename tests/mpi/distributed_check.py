@@ -794,17 +794,19 @@ def case_fsdp():
     import torch.distributed.checkpoint as dcp
     box = [tempfile.mkdtemp(prefix="dcp-") if r == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    dcp.save({"model": trained.state_dict()}, checkpoint_id=box[0])
-    torch.manual_seed(1)
-    fresh = sharded(mlp())
-    state = {"model": fresh.state_dict()}
-    dcp.load(state, checkpoint_id=box[0])
-    fresh.load_state_dict(state["model"])
-    for (name, p), q in zip(fresh.named_parameters(), trained.parameters()):
-        check_equal(p.full_tensor(), q.full_tensor(), f"FSDP state saved and loaded: {name}")
-    dist.barrier()
-    if r == 0:
-        shutil.rmtree(box[0])
+    try:
+        dcp.save({"model": trained.state_dict()}, checkpoint_id=box[0])
+        torch.manual_seed(1)
+        fresh = sharded(mlp())
+        state = {"model": fresh.state_dict()}
+        dcp.load(state, checkpoint_id=box[0])
+        fresh.load_state_dict(state["model"])
+        for (name, p), q in zip(fresh.named_parameters(), trained.parameters()):
+            check_equal(p.full_tensor(), q.full_tensor(), f"FSDP state saved and loaded: {name}")
+        dist.barrier()
+    finally:
+        if r == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
 
 
 def case_torchmetrics():
