@@ -25,15 +25,16 @@ over the queue the moment such a callback queues work, and the old one ends afte
 callbacks. An unnamed collective started by a callback of collective X's future is named
 'X.then.k' (`children_of`): such callbacks run on whichever thread finished X, while other
 threads go on submitting, so a count in call order would differ between ranks; this does not.
+A callback that raises on some ranks only ends X's children there (`children_end`): the
+members waiting in one of them fail it when the order is settled, instead of stalling.
 """
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 import time
 import warnings
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 from .errors import RingReduceError
 
@@ -48,12 +49,14 @@ _LONGEST_PICKUP = 0.0032   # (which costs more than a small allreduce); but each
                            # burst, a submission wakes it (~30 us).
 _CALLBACKS = threading.Lock()     # a handle's callbacks are added and taken under it
 _FIRST_PAUSE, _LONGEST_PAUSE = 0.0002, 0.01   # between settling rounds that found no agreement
+_ENDED_KEPT = 16     # an engine's most recent children_end marks, the ones its settlings tell
 
-# One settling of the order: takes this rank's pending names, oldest first; returns those to
-# run now, in the order every member runs them (empty: none is pending everywhere yet; None:
-# leave the settling with nothing run, on every member alike). It may raise, on every member
-# whose first name then fails with that error.
-Agreement = Callable[[list[str]], Optional[list[str]]]
+# One settling of the order: takes this rank's pending names, oldest first, and its
+# `children_end` marks (collective name -> (the first child that will not come, the error));
+# returns the names to run now, in the order every member runs them (empty: none is pending
+# everywhere yet; None: leave the settling with nothing run, on every member alike). It may
+# raise, on every member whose first name then fails with that error.
+Agreement = Callable[[list[str], dict[str, tuple[int, str]]], Optional[list[str]]]
 
 
 class OutOfOrder(Exception):
@@ -80,7 +83,7 @@ class Handle:
         self._result: Any = None
         self._error: Optional[BaseException] = None
         self._callbacks: list[Callable[["Handle"], Any]] = []
-        self._children: Optional[Iterator[int]] = None     # see child_name
+        self._children = 0      # how many collectives its callbacks started (child_name)
 
     def done(self) -> bool:
         return self._finished
@@ -134,9 +137,10 @@ class Finished(Handle):
 
     __slots__ = ()
 
-    def __init__(self, name: str, result: Any, error: Optional[BaseException]) -> None:
-        self.name, self._work, self._engine = name, None, None
-        self._finished, self._callbacks, self._children = True, [], None
+    def __init__(self, name: str, result: Any, error: Optional[BaseException],
+                 engine: Optional["Engine"] = None) -> None:
+        self.name, self._work, self._engine = name, None, engine
+        self._finished, self._callbacks, self._children = True, [], 0
         self._result = result
         self._error = None if error is None else _ours(name, error)
 
@@ -180,10 +184,27 @@ def child_name() -> str:
     """Inside `children_of(X)`: the automatic name of the next collective started there."""
     handle = PARENT.handle
     with _CALLBACKS:    # (callbacks added to a done future run on the adding threads: one count)
-        if handle._children is None:
-            handle._children = itertools.count()
-        k = next(handle._children)
+        k = handle._children
+        handle._children = k + 1
     return f"{handle.name}.then.{k}"
+
+
+def children_end(handle: Handle, error: BaseException) -> None:
+    """A callback of collective `handle`'s future raised here: the collectives it had yet to
+    start ('X.then.k' from the count started so far) will not come from this rank. The set's
+    engine keeps that mark for its settlings, so that members waiting in such a collective
+    fail it with this error instead of stalling (negotiation.py), while this rank goes on."""
+    engine = handle._engine
+    if engine is None:      # (a synchronous collective's shared handle: no set to tell)
+        return
+    with _CALLBACKS:
+        k = handle._children
+    with engine._cv:
+        ended = engine._ended
+        ended[handle.name] = (k, f"{type(error).__name__}: {error}")
+        ended.move_to_end(handle.name)
+        while len(ended) > _ENDED_KEPT:
+            ended.popitem(last=False)
 
 
 def _settle_first() -> None:
@@ -241,6 +262,7 @@ class Engine:
         self._last_submission = self._last_poke = 0.0
         self._due: collections.deque[tuple[Handle, list]] = collections.deque()
         self._driver_in_callbacks = False
+        self._ended: collections.OrderedDict[str, tuple[int, str]] = collections.OrderedDict()
         with self._cv:
             self._start_driver(thread_name)
 
@@ -362,9 +384,9 @@ class Engine:
         try:
             done, value, whole = begin(*args)
         except Exception as exc:    # (an interrupt of the caller's thread goes to the caller)
-            return Finished(name, None, exc)
+            return Finished(name, None, exc, self)
         if done:
-            return Finished(name, value, None)
+            return Finished(name, value, None, self)
         remaining = [_settle_first if value is None else value]
 
         def work() -> Any:          # `rest` the first time, `whole` if it must run again
@@ -481,8 +503,8 @@ class Engine:
         pause = _FIRST_PAUSE
         while True:
             with self._cv:
-                pending = [first, *self._queue]
-            agreed = agree([h.name for h in pending])
+                pending, ended = [first, *self._queue], dict(self._ended)
+            agreed = agree([h.name for h in pending], ended)
             if agreed is None:
                 return
             if agreed:

@@ -146,6 +146,21 @@ def _name_hash(name: str) -> int:
 
 
 _RESET_HASH = _name_hash(RESET)
+_ENDED_FLAG = 4     # in a settling round's header beside the stall flags: this member has marks
+
+
+def _ended_by(member: int, first: Optional[str], everyone: list
+              ) -> Optional[tuple[int, str, str]]:
+    """Whether `first`, `member`'s first pending name, is a child 'X.then.j' that another
+    member's `children_end` mark on X says will not come: (that member, X, its error)."""
+    origin, _, k = (first or "").rpartition(".then.")
+    if not origin or not k.isdigit():
+        return None
+    for other, (_, ended) in enumerate(everyone):
+        mark = ended.get(origin) if other != member else None
+        if mark is not None and mark[0] <= int(k):
+            return other, origin, mark[1]
+    return None
 
 
 class _Settling:
@@ -167,14 +182,16 @@ class _Settling:
         self.shutdown_at = (self.started + self.watch.shutdown_time
                             if self.watch.shutdown_time > 0 else never)
 
-    def round(self, names: list[str]) -> Optional[list[str]]:
+    def round(self, names: list[str], ended: dict[str, tuple[int, str]]
+              ) -> Optional[list[str]]:
         n, watch = self.negotiator, self.watch
         now = time.monotonic()
         due = 2 if now >= self.shutdown_at else 1 if now >= self.next_report else 0
         hashes = np.array([_name_hash(name) for name in names], dtype=np.int64)
-        n._header[:] = (len(names), due)
+        n._header[:] = (len(names), due | (_ENDED_FLAG if ended else 0))
         watch.wait(n.comm.Iallgather(n._header, n._headers).Test)
-        counts, dues = n._headers[:, 0].tolist(), n._headers[:, 1]
+        counts, flags = n._headers[:, 0].tolist(), n._headers[:, 1]
+        dues = flags & ~_ENDED_FLAG
         everyone = np.empty(sum(counts), dtype=np.int64)
         watch.wait(n.comm.Iallgatherv(hashes, [everyone, counts]).Test)
         lists = np.split(everyone, np.cumsum(counts)[:-1])
@@ -191,6 +208,8 @@ class _Settling:
         if common:
             mine = dict(zip(hashes.tolist(), names))
             return [mine[h] for h in lists[0].tolist() if h in common]
+        if (flags & _ENDED_FLAG).any() and self._children_ended(names, ended):
+            return None
         if dues.max() > 0:
             message = self._describe(n.gather(names), now - self.started)
             if watch.check_time > 0:        # every interval from the start
@@ -202,6 +221,29 @@ class _Settling:
             else:
                 log.warning(message)
         return []
+
+    def _children_ended(self, names: list[str], ended: dict[str, tuple[int, str]]) -> bool:
+        """(Collective: some member has `children_end` marks, engine.py.) Every member's first
+        name and marks gathered: where a member's first is 'X.then.j' and another member's
+        callback of X raised before starting its j-th child, that member fails it with the
+        other's error (raises here) and the others leave the settling (True), so that the
+        members meet again at their next collectives. False: no member's first is such a
+        child (the settling goes on)."""
+        everyone = self.negotiator.gather((names[0] if names else None, ended))
+        ranks, me = self.watch.ranks, self.negotiator.comm.rank
+        verdicts = [_ended_by(member, first, everyone) for member, (first, _) in
+                    enumerate(everyone)]
+        if not any(verdicts):
+            return False
+        if verdicts[me] is not None:
+            other, origin, error = verdicts[me]
+            raise MismatchError(
+                f"ringreduce: rank {ranks[me]}: collective '{names[0]}' cannot run: on rank "
+                f"{ranks[other]} a callback of collective '{origin}' (its future's then() or "
+                f"add_done_callback(), a DDP communication hook, say) raised {error} before "
+                f"starting it, so rank {ranks[other]} will not submit it; it went on to its "
+                "next collective")
+        return True
 
     def _describe(self, pending: list[list[str]], waited: float) -> str:
         """Which names are pending on which members (collective: every member's `pending`)."""

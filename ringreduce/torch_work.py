@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from .engine import Finished, Handle, children_of
+from .engine import Finished, Handle, children_end, children_of
 
 _FUTURES = threading.Lock()     # a work's future is made once
 _WORK_INIT = dist.Work.__init__
@@ -31,7 +31,9 @@ class CollectiveFuture(Future):
     `add_done_callback()`, and to the futures `then()` returns, run as the collective's
     (engine.children_of), at once or later, on whichever thread completes it: the collectives
     they start get names that agree across ranks (DDP's PowerSGD hook starts two a bucket).
-    A callback's error completes the future `then()` returned, as torch's message has it."""
+    A callback's error completes the future `then()` returned, as torch's message has it, and
+    ends the collective's children on this rank (engine.children_end): the other ranks fail
+    the ones they wait for, rather than stall."""
 
     def __init__(self, origin: Handle) -> None:
         super().__init__()
@@ -44,6 +46,7 @@ class CollectiveFuture(Future):
             try:
                 value = callback(future)
             except Exception as exc:
+                children_end(self._origin, exc)
                 error = RuntimeError("Got the following error when running the callback: "
                                      f"{type(exc).__name__}: {exc}")
                 error.__cause__ = exc
@@ -59,7 +62,11 @@ class CollectiveFuture(Future):
 
         def run(future: Future) -> None:
             with children_of(origin):
-                callback(future)
+                try:
+                    callback(future)
+                except Exception as exc:
+                    children_end(origin, exc)
+                    raise
 
         super().add_done_callback(run)
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import ringreduce as hvd
-from ringreduce import _native, config, crossnode, engine, kernels, ring, signature, stall
+from ringreduce import (_native, config, crossnode, engine, kernels, negotiation, ring,
+                        signature, stall)
 from ringreduce.buffers import as_array
 from ringreduce.mpi import mpi
 
@@ -608,13 +609,45 @@ def test_a_name_is_refused_while_a_claim_holds_it():
         e.shutdown()
 
 
+def test_a_raising_callback_ends_its_collectives_children_for_the_others():
+    """children_end marks, on the engine of the collective, the first child its callbacks
+    did not start (the newest marks only); a member whose first pending name is such a
+    child of another member's mark fails it, whatever the nesting, and nobody else does."""
+    e = engine.Engine("test-engine", 0, lambda: None, _no_settling)
+    try:
+        handle = e.submit("dist.noname.7", lambda: 1)
+        handle.wait()
+        with engine.children_of(handle):
+            assert engine.child_name() == "dist.noname.7.then.0"
+        engine.children_end(handle, ValueError("bad"))
+        assert e._ended == {"dist.noname.7": (1, "ValueError: bad")}
+        for k in range(engine._ENDED_KEPT + 1):
+            engine.children_end(engine.Finished(f"x.{k}", None, None, e), KeyError(k))
+        assert len(e._ended) == engine._ENDED_KEPT and "dist.noname.7" not in e._ended
+        engine.children_end(engine.Finished("no engine", None, None), ValueError())  # nothing
+    finally:
+        e.shutdown()
+    marks = [("a", {}), ("b", {"dist.noname.7": (1, "ValueError: bad")}), ("c", {})]
+    ended_by = negotiation._ended_by
+    assert ended_by(0, "dist.noname.7.then.1", marks) == (1, "dist.noname.7", "ValueError: bad")
+    assert ended_by(0, "dist.noname.7.then.5", marks) is not None
+    assert ended_by(0, "dist.noname.7.then.0", marks) is None       # started before it raised
+    assert ended_by(1, "dist.noname.7.then.1", marks) is None       # its own mark
+    assert ended_by(2, "dist.noname.70.then.1", marks) is None
+    assert ended_by(2, "dist.noname.7", marks) is None
+    assert ended_by(2, None, marks) is None
+    nested = [("a", {}), ("b", {"dist.noname.7.then.0": (0, "E: x")})]
+    assert ended_by(0, "dist.noname.7.then.0.then.0", nested) == (1, "dist.noname.7.then.0",
+                                                                  "E: x")
+
+
 def test_settling_runs_the_agreed_names_first_and_requeues_the_rest():
     """A collective that meets OutOfOrder is run again only after the names the agreement
     returns (other threads' queued ones too), in its order; the rest keep submission order."""
     order, rounds = [], []
 
     def agreement():
-        def agree(names):
+        def agree(names, ended):
             rounds.append(list(names))
             return [] if len(rounds) == 1 else ["c", "b"]     # nothing common at first
         return agree

@@ -773,6 +773,51 @@ def case_ddp_hooks_that_start_collectives():
         everywhere(p.detach(), f"PowerSGD, small buckets: {name}")
 
 
+def case_ddp_hook_raises_on_one_rank():
+    """The last rank's hook callback raises at step 1, before starting the collective its
+    callbacks start on every other rank (a mistake made on one rank only). There: the
+    callback's error; on the others, at once, a MismatchError quoting it for the collective
+    that will not come (not a stall, nor a wrong pairing with that rank's next call, which
+    gloo matches by order). The training then goes on: step 1 is lost on every rank alike, so
+    the model equals one process trained on the other batches."""
+    steps, wrong, bad = 4, 1, n - 1
+    calls = {"step": 0}
+
+    def hook(state, bucket):
+        def divide(fut):
+            if r == bad and calls["step"] == wrong:
+                raise ValueError(f"hook mistake on rank {r}")
+            count = torch.ones(1)
+            dist.all_reduce(count, async_op=True).get_future().wait()
+            return fut.value()[0].div_(count)
+
+        return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(divide)
+
+    torch.manual_seed(0)
+    model = Net()
+    ddp = with_hook(hook)(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+
+    def step(k):
+        calls["step"] = k
+        x, y = data(k)
+        opt.zero_grad()
+        F.cross_entropy(ddp(shard(x)), shard(y)).backward()
+        opt.step()
+
+    for k in range(steps):
+        if k != wrong:
+            step(k)
+        elif r == bad:
+            expect(RuntimeError, f"hook mistake on rank {bad}", step, k)
+        else:
+            expect(RuntimeError, ["MismatchError", f"on rank {bad} a callback of collective",
+                                  f"raised ValueError: hook mistake on rank {bad}"], step, k)
+    kept = [k for k in range(steps) if k != wrong]
+    same_model(model, train(Net, steps=len(kept), batches=lambda i: data(kept[i])),
+               "DDP after one rank's hook raised at one step")
+
+
 def mlp():
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16),
                          nn.ReLU(), nn.Linear(16, 10))
@@ -958,7 +1003,8 @@ cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadc
          case_one_rank_errs, case_one_rank_refuses_its_inputs,
          case_one_rank_calls_another_kind, case_sparse_all_reduce,
          case_dtypes_moved_and_bool_reduced, case_ddp,
-         case_ddp_hooks_that_start_collectives, case_ddp_join_and_zero, case_fsdp,
+         case_ddp_hooks_that_start_collectives, case_ddp_hook_raises_on_one_rank,
+         case_ddp_join_and_zero, case_fsdp,
          case_torchmetrics,
          case_a_group_does_not_outlive_a_restart]
 run_cases([announced(case) for case in cases + ([case_stall] if LIGHTNING else [])], r)
