@@ -200,11 +200,43 @@ class StagedGpu(Way):
 
 
 class Alone(Way):
-    """A set of one rank: copy and scale."""
+    """A set of one rank: copy and scale. With no member to meet, its exchange is the whole
+    collective and is ready at once, so small calls take the small way's fast path (an
+    asynchronous one too, on the caller's thread, rather than a hand-off to the engine thread
+    that costs ten times the copy)."""
+
+    carries_signature = True
+
+    def __init__(self, parts: SetParts) -> None:
+        super().__init__(parts)
+        self.limit = parts.settings.small_message_bytes
 
     def run(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
         self.parts.prescaled(src, dst, spec, always_copy=True)
         scale(dst, spec, 1.0, spec.postscale)
+
+    def exchange(self, src: int, dst: int, nbytes: int, count: int, code: int, op: ReduceOp,
+                 divisor: float, factor: float, digest: int,
+                 output: Optional[Callable[[], int]] = None) -> bool:
+        """`src` into `dst` (or into what `output()` makes), divided and scaled."""
+        if output is not None:
+            dst = output()
+        if dst != src:
+            _native.copy_stream(dst, src, nbytes)
+        return self.complete(True, dst, count, code, op, divisor, factor)
+
+    def publish(self, src: int, nbytes: int, digest: int) -> bool:
+        return True     # every member's part is here: this one's
+
+    def complete(self, ready: bool, dst: int, count: int, code: int, op: ReduceOp,
+                 divisor: float, factor: float) -> bool:
+        if divisor != 1.0 or factor != 1.0:
+            _native.finish(code, dst, count, divisor, factor)
+        return True
+
+    def explain(self, describe: Callable[[], Signature]) -> None:
+        raise RingReduceError(f"ringreduce: {label(describe())}: a set of one rank disagreed "
+                              "with itself")
 
 
 class BetweenNodesSmall(Way):
