@@ -201,8 +201,9 @@ def children_end(handle: Handle, error: BaseException) -> None:
         k = handle._children
     with engine._cv:
         ended = engine._ended
+        if handle.name in ended:    # the first error (chained callbacks then fail with it)
+            return
         ended[handle.name] = (k, f"{type(error).__name__}: {error}")
-        ended.move_to_end(handle.name)
         while len(ended) > _ENDED_KEPT:
             ended.popitem(last=False)
 

@@ -620,6 +620,7 @@ def test_a_raising_callback_ends_its_collectives_children_for_the_others():
         with engine.children_of(handle):
             assert engine.child_name() == "dist.noname.7.then.0"
         engine.children_end(handle, ValueError("bad"))
+        engine.children_end(handle, RuntimeError("then() of the chain after it"))
         assert e._ended == {"dist.noname.7": (1, "ValueError: bad")}
         for k in range(engine._ENDED_KEPT + 1):
             engine.children_end(engine.Finished(f"x.{k}", None, None, e), KeyError(k))
