@@ -171,7 +171,9 @@ class _Settling:
     reports which are pending where, and at the shutdown time the job ends with that report,
     as a wait inside a collective would. Where some members have the RESET pending, the round
     ends the settling everywhere: a member whose first name is the RESET keeps it pending, the
-    others fail their first."""
+    others fail their first. Where some members carry `children_end` marks (engine.py) and a
+    member's first is a child collective that another's mark says will not come, the round
+    ends it too: that member fails its first, the others keep theirs (`_children_ended`)."""
 
     def __init__(self, negotiator: Negotiator) -> None:
         self.negotiator, self.watch = negotiator, negotiator.watch
