@@ -5,7 +5,11 @@
 Each line adds one layer of ringreduce on top of the previous one, from MPI's own Allreduce and
 our bare shared-memory signature exchange, through the node's small allreduce in C, the
 transport (which picks the way) and the engine's ordering, to `hvd.allreduce` (whose fast path
-skips the general path's checks for this case), so the differences show what each layer costs.
+skips the general path's checks for this case), then the asynchronous call (`allreduce_async_` +
+`synchronize`, a DistributedOptimizer bucket's way) and torch.distributed's on the "ringreduce"
+backend: the group's own `allreduce([t]).wait()`, then with torch's `AllreduceOptions` made and
+read as `dist.all_reduce` makes them, then `dist.all_reduce(t, async_op=True).wait()` itself
+(what DDP does with a bucket), so the differences show what each layer costs.
 Python's garbage collector is paused, so its occasional full collections (tens of milliseconds
 with torch loaded) do not blur the per-call costs. Needs ranks on one node.
 """
@@ -15,8 +19,10 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 import ringreduce as hvd
+import ringreduce.distributed
 from mpi4py import MPI  # noqa: E402  (after ringreduce: the thread level)
 
 from ringreduce.buffers import CODES, as_array
@@ -43,6 +49,14 @@ def main() -> None:
     signature = {"collective": "allreduce", "name": "profile", "op": "Sum", "prescale": 1.0,
                  "postscale": 1.0, "dtype": "float32", "shape": tuple(x.shape)}
     spec = ReduceSpec(torch.float32, hvd.Sum, digest=digest(signature), signature=signature)
+    ringreduce.distributed.init_process_group()
+    group, SUM = dist.group.WORLD, dist.ReduceOp.SUM
+
+    def with_torch_options():
+        options = dist.AllreduceOptions()
+        options.reduceOp, options.asyncOp = SUM, True
+        return group.allreduce([x], options).wait()
+
     layers = [
         ("MPI Allreduce (mpi4py)", lambda: comm.Allreduce(src, dst)),
         ("shared-memory signature exchange", lambda: node.exchange_headers(0, 0)),
@@ -53,6 +67,12 @@ def main() -> None:
             "profile", lambda: transport.allreduce(x, out, spec))),
         ("hvd.allreduce (fast path)", lambda: hvd.allreduce(x, op=hvd.Sum)),
         ("hvd.allreduce_ (in place)", lambda: hvd.allreduce_(x, op=hvd.Sum)),
+        ("allreduce_async_ + synchronize", lambda: hvd.synchronize(
+            hvd.allreduce_async_(x, op=hvd.Sum))),
+        ("backend: group.allreduce([t]).wait()", lambda: group.allreduce([x]).wait()),
+        ("+ torch's AllreduceOptions", with_torch_options),
+        ("dist.all_reduce(t, async_op=True).wait()", lambda: dist.all_reduce(
+            x, SUM, async_op=True).wait()),
     ]
     gc.disable()
     for label, call in layers:
@@ -68,6 +88,7 @@ def main() -> None:
             print(f"{label:42s} {slowest:7.1f} us per call", flush=True)
     gc.enable()
     np.testing.assert_array_equal(src, 0)   # zeros stay zeros: nothing overflowed
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
