@@ -779,7 +779,8 @@ def case_ddp_hook_raises_on_one_rank():
     callback's error; on the others, at once, a MismatchError quoting it for the collective
     that will not come (not a stall, nor a wrong pairing with that rank's next call, which
     gloo matches by order). The training then goes on: step 1 is lost on every rank alike, so
-    the model equals one process trained on the other batches."""
+    the model equals one process trained on the other batches. Then the same with a callback
+    given to add_done_callback."""
     steps, wrong, bad = 4, 1, n - 1
     calls = {"step": 0}
 
@@ -816,6 +817,28 @@ def case_ddp_hook_raises_on_one_rank():
     kept = [k for k in range(steps) if k != wrong]
     same_model(model, train(Net, steps=len(kept), batches=lambda i: data(kept[i])),
                "DDP after one rank's hook raised at one step")
+    # The same mistake in a callback given to add_done_callback (torch logs its error, with a
+    # traceback, on that rank): the others' collective started there fails the same way.
+    finished, seen = threading.Event(), []
+
+    def note(fut):
+        try:
+            if r == bad:
+                raise ValueError(f"callback mistake on rank {r}")
+            dist.all_reduce(torch.ones(2), async_op=True).wait()
+        except hvd.MismatchError as exc:
+            seen.append(str(exc))
+        finally:
+            finished.set()
+
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    work.get_future().add_done_callback(note)
+    work.wait()
+    assert finished.wait(60), "add_done_callback's callback did not finish"
+    if r != bad:
+        assert seen and f"on rank {bad} a callback of collective" in seen[0] \
+            and f"raised ValueError: callback mistake on rank {bad}" in seen[0], seen
+    check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
 
 
 def mlp():
