@@ -779,14 +779,17 @@ def case_ddp_hook_raises_on_one_rank():
     callback's error; on the others, at once, a MismatchError quoting it for the collective
     that will not come (not a stall, nor a wrong pairing with that rank's next call, which
     gloo matches by order). The training then goes on: step 1 is lost on every rank alike, so
-    the model equals one process trained on the other batches. Then the same with a callback
-    given to add_done_callback."""
+    the model equals one process trained on the other batches. (With one bucket: once one
+    bucket failed, DDP waits for no other, on any backend, and their reductions land in the
+    buckets of the next step.) Then the same with a callback given to add_done_callback."""
     steps, wrong, bad = 4, 1, n - 1
     calls = {"step": 0}
 
     def hook(state, bucket):
+        step = calls["step"]    # (a callback may run late: after an error DDP waits for no more)
+
         def divide(fut):
-            if r == bad and calls["step"] == wrong:
+            if r == bad and step == wrong:
                 raise ValueError(f"hook mistake on rank {r}")
             count = torch.ones(1)
             dist.all_reduce(count, async_op=True).get_future().wait()
@@ -796,7 +799,7 @@ def case_ddp_hook_raises_on_one_rank():
 
     torch.manual_seed(0)
     model = Net()
-    ddp = with_hook(hook)(model)
+    ddp = with_hook(hook)(model)    # one bucket: see the docstring
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
 
     def step(k):
