@@ -7,11 +7,16 @@ not wait in the set's engine, which would hold back every collective behind it. 
 the tensor's bytes; a receive checks how many arrived, so a sender's tensor of another size is
 an error on the receiving rank (a larger one is MPI's truncation error), never a partly written
 tensor. `wait()` polls the request, sleeping a little longer each time (the peer may need the
-core); `get_future()` is completed by a polling thread shared by every channel, running only
-while some future is pending.
+core), and never waits silently: past the set's stall check time it logs a report naming the
+peer and the tag, every interval, and at the stall shutdown time it ends the job, as a
+collective's wait does; a peer that shuts down without the message raises ShutDownError; and
+torch's `wait(timeout)` raises past its timeout. `get_future()` is completed by a polling thread
+shared by every channel, running only while some future is pending.
 """
 from __future__ import annotations
 
+import datetime
+import logging
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -21,10 +26,14 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from .buffers import as_array
-from .errors import RingReduceError
+from .errors import RingReduceError, ShutDownError
 from .mpi import mpi
+from .stall import StallWatch
 
 _LONGEST_NAP = 0.001        # between polls of a request that is still pending
+_LOOK_EVERY = 0.05          # seconds between looks for a peer's goodbye while waiting
+_DEPARTED_GRACE = 1.0       # what a peer sent before its goodbye may still be on its way
+log = logging.getLogger("ringreduce")
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -33,12 +42,15 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class MessageWork(dist.Work):
-    """One send or receive: torch's Work on an MPI request. `wait()` returns True once the
-    message has gone (or arrived, checked and copied in) or raises why not."""
+    """One send or receive with group rank `peer` (None: any), on the channel `channel`:
+    torch's Work on an MPI request. `wait()` returns True once the message has gone (or
+    arrived, checked and copied in) or raises why not."""
 
-    def __init__(self, request: Any, what: str, arrived: Optional[Callable[[Any], None]] = None,
+    def __init__(self, channel: "Channel", request: Any, what: str, peer: Optional[int],
+                 arrived: Optional[Callable[[Any], None]] = None,
                  tensor: Optional[torch.Tensor] = None) -> None:
         super().__init__()
+        self._channel, self._peer = channel, peer
         self._request, self._what, self._arrived, self._tensor = request, what, arrived, tensor
         self._status = mpi().Status()
         self._lock = threading.Lock()      # MPI forbids two threads testing one request
@@ -72,14 +84,54 @@ class MessageWork(dist.Work):
         else:
             future.set_result([self._tensor] if self._tensor is not None else [])
 
-    def wait(self, timeout: Any = None) -> bool:
-        nap = 0.0
-        while not self._test():
-            time.sleep(nap)
-            nap = min(_LONGEST_NAP, 2 * nap + 1e-5)
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        if not self._test():
+            self._wait_long(timeout)
         if self._error is not None:
             raise self._error
         return True
+
+    def _wait_long(self, timeout: Optional[datetime.timedelta]) -> None:
+        """Until the message is complete, with the module docstring's reports and errors."""
+        watch, channel = self._channel.watch, self._channel
+        me = channel.comm.rank
+        start = time.monotonic()
+        never = float("inf")
+        limit = (start + timeout.total_seconds()
+                 if timeout is not None and timeout.total_seconds() > 0 else never)
+        report_at = start + watch.check_time if watch.check_time > 0 else never
+        shutdown_at = start + watch.shutdown_time if watch.shutdown_time > 0 else never
+        look_at, gone_at, nap = start + _LOOK_EVERY, never, 0.0
+        while not self._test():
+            time.sleep(nap)
+            nap = min(_LONGEST_NAP, 2 * nap + 1e-5)
+            now = time.monotonic()
+            if now >= look_at and self._peer is not None:
+                look_at = now + _LOOK_EVERY
+                watch.departures.look()
+                if self._peer in watch.departures.gone:
+                    gone_at = min(gone_at, now + _DEPARTED_GRACE)
+            if now >= gone_at and not self._test():
+                raise ShutDownError(
+                    f"ringreduce: {self._what}, rank {me}: rank {self._peer} shut down "
+                    "(ringreduce.shutdown(), or the end of its script) without its side of "
+                    "this message: every send needs its recv, on the peer, before it leaves")
+            if now >= limit:
+                raise RingReduceError(f"ringreduce: {self._what}, rank {me}: not complete "
+                                      f"after wait()'s timeout of {timeout}")
+            if now >= report_at:
+                log.warning(self._stalled(now - start))
+                report_at += watch.check_time
+            if now >= shutdown_at:
+                watch.on_shutdown(f"{self._stalled(now - start)} Shutting the job down after "
+                                  f"{watch.shutdown_time:g} s (RINGREDUCE_STALL_SHUTDOWN_TIME).")
+                shutdown_at = never
+
+    def _stalled(self, waited: float) -> str:
+        peer = "any rank" if self._peer is None else f"rank {self._peer}"
+        return (f"ringreduce: stall: rank {self._channel.comm.rank} has waited {waited:.0f} s "
+                f"in {self._what}: {peer} has not made the matching "
+                f"{'send' if self._arrived is not None else 'recv'} (same tag, same group)")
 
     def is_completed(self) -> bool:
         return self._test()
@@ -150,10 +202,11 @@ _POLLER = _Poller()
 
 class Channel:
     """Point-to-point messages between the members of one group, on `comm` (ours to free: a
-    duplicate of the group's set's communicator, so its ranks are the group's ranks)."""
+    duplicate of the group's set's communicator, so its ranks are the group's ranks); `watch`
+    is the set's (its stall settings, and the members that have shut down)."""
 
-    def __init__(self, comm: Any, label: str) -> None:
-        self.comm, self.label = comm, label
+    def __init__(self, comm: Any, label: str, watch: StallWatch) -> None:
+        self.comm, self.label, self.watch = comm, label, watch
         self.tag_limit = comm.Get_attr(mpi().TAG_UB)
 
     def _check(self, what: str, tensor: torch.Tensor, peer: Optional[int], tag: int) -> None:
@@ -175,7 +228,7 @@ class Channel:
         self._check(what, tensor, peer, tag)
         data = _bytes(tensor.detach().contiguous())
         request = self.comm.Isend([as_array(data), mpi().BYTE], dest=peer, tag=tag)
-        return MessageWork(request, f"{what} on {self.label}", tensor=tensor)
+        return MessageWork(self, request, f"{what} on {self.label}", peer, tensor=tensor)
 
     def recv(self, tensor: torch.Tensor, peer: Optional[int], tag: int) -> MessageWork:
         """Start receiving into `tensor` from group rank `peer` (None: any)."""
@@ -201,7 +254,7 @@ class Channel:
                     tensor.copy_(landing)
 
         request = self.comm.Irecv([as_array(data), mpi().BYTE], source=source, tag=tag)
-        return MessageWork(request, f"{what} on {self.label}", arrived, tensor)
+        return MessageWork(self, request, f"{what} on {self.label}", peer, arrived, tensor)
 
     def free(self) -> None:
         MPI = mpi()

