@@ -9,7 +9,9 @@ thread), so sets progress independently of each other. `global_process_set` hold
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -17,10 +19,14 @@ import numpy as np
 
 from .config import Settings
 from .engine import PARENT, Engine, child_name
-from .errors import NotInitializedError
+from .errors import NotInitializedError, ShutDownError
 from .mpi import mpi
-from .stall import StallWatch
+from .ring import ABANDONED
+from .stall import StallWatch, wait_reporting
 from .transport import Transport
+
+_MEETING_TAG = 41   # open_group's meeting of the members, on groups_comm (no other messages)
+log = logging.getLogger("ringreduce")
 
 
 def _is_comm(value: Any) -> bool:
@@ -422,6 +428,7 @@ def open_group(ranks: Sequence[int], label: str) -> ProcessSet:
     if job.rank not in ranks or label in job.sets:
         raise ValueError(f"ringreduce: {label}: rank {job.rank} cannot open it for ranks "
                          f"{list(ranks)} (not one of them, or the label is taken)")
+    _meet_members(job, ranks, label)
     everyone = job.groups_comm.Get_group()
     members = everyone.Incl(list(ranks))
     try:
@@ -434,6 +441,55 @@ def open_group(ranks: Sequence[int], label: str) -> ProcessSet:
     job.sets[label] = process_set
     job.active[label] = ActiveSet(label, ranks, comm, job.settings, job.abort, job.node_of)
     return process_set
+
+
+def _meet_members(job: _Job, ranks: Sequence[int], label: str) -> None:
+    """Before MPI makes a group's communicator, which blocks inside MPI until every member
+    calls it (no report, no end): each member tells the others which group it opens and waits
+    for theirs. Meanwhile the members still missing are named every stall check interval (at
+    the stall shutdown time the job ends), a member that has shut down is a ShutDownError, and
+    a member opening another group here (members open theirs in the same order) a ValueError
+    on both."""
+    others = [m for m in ranks if m != job.rank]
+    if not others:
+        return
+    MPI, comm, watch = mpi(), job.groups_comm, job.active[0].transport.watch
+    mine = np.array([int.from_bytes(hashlib.blake2b(label.encode(), digest_size=8).digest(),
+                                    "little", signed=True)], dtype=np.int64)
+    theirs = np.zeros(len(others), dtype=np.int64)
+    sends = [comm.Isend(mine, dest=m, tag=_MEETING_TAG) for m in others]
+    receives = {m: comm.Irecv(theirs[i:i + 1], source=m, tag=_MEETING_TAG)
+                for i, m in enumerate(others)}
+
+    def missing() -> list[int]:
+        return [m for m, request in receives.items() if not request.Test()]
+
+    def everyone_here() -> bool:
+        late = missing()
+        if late:
+            watch.departures.look()
+            gone = [m for m in late if m in watch.departures.gone]
+            if gone:
+                ABANDONED.extend([*sends, *receives.values(), mine, theirs])
+                raise ShutDownError(f"ringreduce: rank {job.rank}: opening {label} for ranks "
+                                    f"{list(ranks)}: ranks {gone} shut down without opening it")
+        return not late
+
+    def stalled(seconds: float) -> str:
+        return (f"ringreduce: stall: rank {job.rank} has waited {seconds:.0f} s to open "
+                f"{label} for ranks {list(ranks)}: ranks {missing()} have not come to open it "
+                "(every member must make the group, in the same order)")
+
+    wait_reporting(everyone_here, watch.check_time, lambda s: log.warning(stalled(s)),
+                   watch.shutdown_time, lambda s: watch.on_shutdown(
+                       f"{stalled(s)}. Shutting the job down after {watch.shutdown_time:g} s "
+                       "(RINGREDUCE_STALL_SHUTDOWN_TIME)."))
+    MPI.Request.Waitall(sends)
+    other = [m for m, value in zip(others, theirs.tolist()) if value != mine[0]]
+    if other:
+        raise ValueError(f"ringreduce: rank {job.rank}: opening {label}, ranks {other} open "
+                         "another group at this point: every member must make its groups in "
+                         "the same order")
 
 
 def close_group(process_set: ProcessSet) -> None:

