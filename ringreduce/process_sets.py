@@ -420,9 +420,11 @@ def registered_sets() -> list[ProcessSet]:
 def open_group(ranks: Sequence[int], label: str) -> ProcessSet:
     """A process set of global `ranks` made by those ranks alone (collective over them only,
     in the same order on each), for front ends whose groups are made that way
-    (torch.distributed's new_group calls its backend on the members only). Its id is `label`
-    (unique, the same on every member), which also names it in messages; collectives take it
-    as `process_set=` like any set. Held until `close_group()`, or closed at shutdown."""
+    (torch.distributed's new_group calls its backend on the members only); they meet first
+    (`_meet_members`), so that one that does not come is reported rather than waited for
+    inside MPI. Its id is `label` (unique, the same on every member), which also names it in
+    messages; collectives take it as `process_set=` like any set. Held until `close_group()`,
+    or closed at shutdown."""
     job = _state(label)
     ranks = _checked_ranks(sorted(ranks), job, label)
     if job.rank not in ranks or label in job.sets:
