@@ -1,8 +1,9 @@
 """Waits on the torch.distributed backend that a peer does not end by itself, at 2 ranks (the
 last rank is the peer): a peer late to send (the receiver logs stall reports naming it, every
 check interval, then gets the message), a peer late to make a group (the same, then the group
-works), then a peer that shuts down without sending, or without making a group (each an error
-naming it on rank 0, instead of a wait for ever)."""
+works), members opening different groups at one point (a ValueError on each), then a peer
+that shuts down without sending, or without making a group (each an error naming it on rank 0,
+instead of a wait for ever)."""
 import sys
 import time
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 
 import ringreduce as hvd
 import ringreduce.distributed as rrd
+from ringreduce import process_sets
 
 hvd.init(stall_check_time=1.0)
 rrd.init_process_group()
@@ -30,6 +32,13 @@ total = torch.ones(2)
 dist.all_reduce(total, group=late)
 assert total.tolist() == [float(n)] * 2, total
 dist.destroy_process_group(late)
+try:        # (under torch's new_group the names agree: another front end's mistake)
+    process_sets.open_group(list(range(n)), "group A" if r == 0 else "group B")
+except ValueError as exc:
+    assert "open another group at this point" in str(exc), exc
+    print(f"OTHER GROUP rank {r}: {exc}", flush=True)
+else:
+    raise AssertionError("members opening different groups met")
 dist.barrier()
 if r == peer:
     hvd.shutdown()
