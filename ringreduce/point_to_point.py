@@ -10,8 +10,9 @@ tensor. `wait()` polls the request, sleeping a little longer each time (the peer
 core), and never waits silently: past the set's stall check time it logs a report naming the
 peer and the tag, every interval, and at the stall shutdown time it ends the job, as a
 collective's wait does; a peer that shuts down without the message raises ShutDownError; and
-torch's `wait(timeout)` raises past its timeout. `get_future()` is completed by a polling thread
-shared by every channel, running only while some future is pending.
+torch's `wait(timeout)` raises past its timeout (`_Overdue`). `get_future()` is completed by a
+polling thread shared by every channel, running only while some future is pending, which
+reports and fails the messages it waits for in the same way.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from torch.futures import Future
 from .buffers import as_array
 from .errors import RingReduceError, ShutDownError
 from .mpi import mpi
+from .ring import ABANDONED
 from .stall import StallWatch
 
 _LONGEST_NAP = 0.001        # between polls of a request that is still pending
@@ -84,54 +86,31 @@ class MessageWork(dist.Work):
         else:
             future.set_result([self._tensor] if self._tensor is not None else [])
 
+    def _fail(self, error: BaseException) -> None:
+        """End the work with `error` though its request is still pending (a peer that left):
+        the request, and with it the buffer MPI may still write, is kept (ring.ABANDONED)."""
+        with self._lock:
+            if self._done:
+                return
+            self._error, self._done = error, True
+            ABANDONED.append(self._request)
+            future = self._future
+        if future is not None:
+            self._settle(future)
+
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         if not self._test():
-            self._wait_long(timeout)
+            overdue, nap = _Overdue(self, timeout), 0.0
+            while not self._test():
+                time.sleep(nap)
+                nap = min(_LONGEST_NAP, 2 * nap + 1e-5)
+                try:
+                    overdue.check(time.monotonic())
+                except ShutDownError as exc:
+                    self._fail(exc)
         if self._error is not None:
             raise self._error
         return True
-
-    def _wait_long(self, timeout: Optional[datetime.timedelta]) -> None:
-        """Until the message is complete, with the module docstring's reports and errors."""
-        watch, channel = self._channel.watch, self._channel
-        me = channel.comm.rank
-        start = time.monotonic()
-        never = float("inf")
-        limit = (start + timeout.total_seconds()
-                 if timeout is not None and timeout.total_seconds() > 0 else never)
-        report_at = start + watch.check_time if watch.check_time > 0 else never
-        shutdown_at = start + watch.shutdown_time if watch.shutdown_time > 0 else never
-        look_at, gone_at, nap = start + _LOOK_EVERY, never, 0.0
-        while not self._test():
-            time.sleep(nap)
-            nap = min(_LONGEST_NAP, 2 * nap + 1e-5)
-            now = time.monotonic()
-            if now >= look_at and self._peer is not None:
-                look_at = now + _LOOK_EVERY
-                watch.departures.look()
-                if self._peer in watch.departures.gone:
-                    gone_at = min(gone_at, now + _DEPARTED_GRACE)
-            if now >= gone_at and not self._test():
-                raise ShutDownError(
-                    f"ringreduce: {self._what}, rank {me}: rank {self._peer} shut down "
-                    "(ringreduce.shutdown(), or the end of its script) without its side of "
-                    "this message: every send needs its recv, on the peer, before it leaves")
-            if now >= limit:
-                raise RingReduceError(f"ringreduce: {self._what}, rank {me}: not complete "
-                                      f"after wait()'s timeout of {timeout}")
-            if now >= report_at:
-                log.warning(self._stalled(now - start))
-                report_at += watch.check_time
-            if now >= shutdown_at:
-                watch.on_shutdown(f"{self._stalled(now - start)} Shutting the job down after "
-                                  f"{watch.shutdown_time:g} s (RINGREDUCE_STALL_SHUTDOWN_TIME).")
-                shutdown_at = never
-
-    def _stalled(self, waited: float) -> str:
-        peer = "any rank" if self._peer is None else f"rank {self._peer}"
-        return (f"ringreduce: stall: rank {self._channel.comm.rank} has waited {waited:.0f} s "
-                f"in {self._what}: {peer} has not made the matching "
-                f"{'send' if self._arrived is not None else 'recv'} (same tag, same group)")
 
     def is_completed(self) -> bool:
         return self._test()
@@ -165,18 +144,67 @@ class MessageWork(dist.Work):
     _source_rank = source_rank
 
 
+class _Overdue:
+    """A message's wait, past what it should take (the module docstring): `check(now)` logs
+    the stall reports when due, ends the job at the stall shutdown time, and raises
+    ShutDownError for a peer that has left without its side, RingReduceError past torch's
+    `timeout`."""
+
+    def __init__(self, work: MessageWork, timeout: Optional[datetime.timedelta]) -> None:
+        self.work, self.timeout, watch = work, timeout, work._channel.watch
+        start = self.start = time.monotonic()
+        never = float("inf")
+        self.limit = (start + timeout.total_seconds()
+                      if timeout is not None and timeout.total_seconds() > 0 else never)
+        self.report_at = start + watch.check_time if watch.check_time > 0 else never
+        self.shutdown_at = start + watch.shutdown_time if watch.shutdown_time > 0 else never
+        self.look_at, self.gone_at = start + _LOOK_EVERY, never
+
+    def check(self, now: float) -> None:
+        work, watch = self.work, self.work._channel.watch
+        me = work._channel.comm.rank
+        if now >= self.look_at and work._peer is not None:
+            self.look_at = now + _LOOK_EVERY
+            watch.departures.look()
+            if work._peer in watch.departures.gone:
+                self.gone_at = min(self.gone_at, now + _DEPARTED_GRACE)
+        if now >= self.gone_at and not work._test():
+            raise ShutDownError(
+                f"ringreduce: {work._what}, rank {me}: rank {work._peer} shut down "
+                "(ringreduce.shutdown(), or the end of its script) without its side of this "
+                "message: every send needs its recv, on the peer, before it leaves")
+        if now >= self.limit:
+            raise RingReduceError(f"ringreduce: {work._what}, rank {me}: not complete after "
+                                  f"wait()'s timeout of {self.timeout}")
+        if now >= self.report_at:
+            log.warning(self._stalled(now - self.start))
+            self.report_at += watch.check_time
+        if now >= self.shutdown_at:
+            watch.on_shutdown(f"{self._stalled(now - self.start)} Shutting the job down after "
+                              f"{watch.shutdown_time:g} s (RINGREDUCE_STALL_SHUTDOWN_TIME).")
+            self.shutdown_at = float("inf")
+
+    def _stalled(self, waited: float) -> str:
+        work = self.work
+        peer = "any rank" if work._peer is None else f"rank {work._peer}"
+        return (f"ringreduce: stall: rank {work._channel.comm.rank} has waited {waited:.0f} s "
+                f"in {work._what}: {peer} has not made the matching "
+                f"{'send' if work._arrived is not None else 'recv'} (same tag, same group)")
+
+
 class _Poller:
     """Completes the futures of pending messages: one thread for every channel, polling while
-    any is pending and ending when none is."""
+    any is pending and ending when none is; it reports their stalls and fails those whose
+    peer left, as `wait()` does."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: list[MessageWork] = []
+        self._pending: dict[MessageWork, _Overdue] = {}
         self._running = False
 
     def watch(self, work: MessageWork) -> None:
         with self._lock:
-            self._pending.append(work)
+            self._pending[work] = _Overdue(work, None)
             if not self._running:
                 self._running = True
                 threading.Thread(target=self._loop, name="ringreduce-p2p", daemon=True).start()
@@ -185,11 +213,19 @@ class _Poller:
         nap = 0.0
         while True:
             with self._lock:
-                pending = list(self._pending)
-            finished = [work for work in pending if work._test()]
+                pending = list(self._pending.items())
+            finished = []
+            for work, overdue in pending:
+                if not work._test():
+                    try:
+                        overdue.check(time.monotonic())
+                        continue
+                    except ShutDownError as exc:
+                        work._fail(exc)
+                finished.append(work)
             with self._lock:
                 for work in finished:
-                    self._pending.remove(work)
+                    del self._pending[work]
                 if not self._pending:
                     self._running = False
                     return

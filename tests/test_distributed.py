@@ -97,6 +97,7 @@ def test_receives_and_new_groups_report_a_late_peer_and_fail_on_a_departed_one()
             "[0, 1]: ranks [1] have not come to open it") in output, output[-3000:]
     assert "SHUTDOWN rank 0" in output and "recv from rank 1 (tag 6)" in output \
         and "rank 1 shut down (ringreduce.shutdown()" in output, output[-3000:]
+    assert "FUTURE rank 0: ringreduce: recv from rank 1 (tag 7)" in output, output[-3000:]
     assert "NO GROUP rank 0: ringreduce: rank 0: opening torch group '2' for ranks [0, 1]: " \
         "ranks [1] shut down without opening it" in output, output[-3000:]
     for rank in (0, 1):

@@ -2,8 +2,8 @@
 last rank is the peer): a peer late to send (the receiver logs stall reports naming it, every
 check interval, then gets the message), a peer late to make a group (the same, then the group
 works), members opening different groups at one point (a ValueError on each), then a peer
-that shuts down without sending, or without making a group (each an error naming it on rank 0,
-instead of a wait for ever)."""
+that shuts down without sending (to a receive waited on, or to one whose future is), or without
+making a group (each an error naming it on rank 0, instead of a wait for ever)."""
 import sys
 import time
 
@@ -52,6 +52,13 @@ if r == 0:
         print(f"SHUTDOWN rank {r} after {time.monotonic() - start:.1f} s: {exc}", flush=True)
     else:
         raise AssertionError("a recv from a rank that shut down returned")
+    future = dist.irecv(got, peer, tag=7).get_future()
+    try:
+        future.wait()
+    except hvd.ShutDownError as exc:
+        print(f"FUTURE rank {r}: {exc}", flush=True)
+    else:
+        raise AssertionError("a receive's future from a rank that shut down completed")
     try:
         dist.new_group([0, peer])
     except hvd.ShutDownError as exc:
