@@ -30,11 +30,10 @@ from .buffers import as_array
 from .errors import RingReduceError, ShutDownError
 from .mpi import mpi
 from .ring import ABANDONED
-from .stall import StallWatch
+from .stall import DEPARTED_GRACE, StallWatch
 
 _LONGEST_NAP = 0.001        # between polls of a request that is still pending
 _LOOK_EVERY = 0.05          # seconds between looks for a peer's goodbye while waiting
-_DEPARTED_GRACE = 1.0       # what a peer sent before its goodbye may still be on its way
 log = logging.getLogger("ringreduce")
 
 
@@ -167,7 +166,7 @@ class _Overdue:
             self.look_at = now + _LOOK_EVERY
             watch.departures.look()
             if work._peer in watch.departures.gone:
-                self.gone_at = min(self.gone_at, now + _DEPARTED_GRACE)
+                self.gone_at = min(self.gone_at, now + DEPARTED_GRACE)
         if now >= self.gone_at and not work._test():
             raise ShutDownError(
                 f"ringreduce: {work._what}, rank {me}: rank {work._peer} shut down "

@@ -9,7 +9,6 @@ thread), so sets progress independently of each other. `global_process_set` hold
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from .engine import PARENT, Engine, child_name
 from .errors import NotInitializedError, ShutDownError
 from .mpi import mpi
 from .ring import ABANDONED
+from .signature import digest
 from .stall import StallWatch, wait_reporting
 from .transport import Transport
 
@@ -456,8 +456,7 @@ def _meet_members(job: _Job, ranks: Sequence[int], label: str) -> None:
     if not others:
         return
     MPI, comm, watch = mpi(), job.groups_comm, job.active[0].transport.watch
-    mine = np.array([int.from_bytes(hashlib.blake2b(label.encode(), digest_size=8).digest(),
-                                    "little", signed=True)], dtype=np.int64)
+    mine = np.array([digest({"collective": "open_group", "name": label})], dtype=np.int64)
     theirs = np.zeros(len(others), dtype=np.int64)
     sends = [comm.Isend(mine, dest=m, tag=_MEETING_TAG) for m in others]
     receives = {m: comm.Irecv(theirs[i:i + 1], source=m, tag=_MEETING_TAG)

@@ -36,7 +36,7 @@ log = logging.getLogger("ringreduce")
 _BUSY_SECONDS = 0.00005  # poll flat out this long (as MPI does): a peer is usually close
 _YIELD_SECONDS = 0.001   # then yield the core between polls (oversubscribed ranks), then sleep
 _GOODBYE_EVERY = 0.005   # seconds between looks for a departed member while waiting
-_DEPARTED_GRACE = 1.0    # how long a collective that a member began before it left may still
+DEPARTED_GRACE = 1.0     # how long a collective that a member began before it left may still
                          # take to complete here (what it sent is on its way)
 _REMEMBERED = 4096       # the labels of this many recent collectives, for stall reports
 _JOINED_COUNT = 1 << 62  # what a joined rank publishes on the progress board
@@ -297,7 +297,7 @@ class StallWatch:
                     # Those that left had begun this one, by their counts, so they did their
                     # part: it completes in a moment. (Counts can differ where a collective
                     # ran again after the members settled their order by name.)
-                    grace_ends = min(grace_ends, now + _DEPARTED_GRACE)
+                    grace_ends = min(grace_ends, now + DEPARTED_GRACE)
                     if now >= grace_ends:
                         raise self._ended(every=True)
             if now >= shutdown_at:

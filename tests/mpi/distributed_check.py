@@ -338,6 +338,16 @@ def case_subgroup():
     if r in ends:
         check_equal(reduced(torch.ones(2), SUM, again), torch.full((2,), 2.0), "group again")
         dist.destroy_process_group(again)
+    # a group of rank 0 alone, used by rank 0 alone while the others reduce on the default
+    # group (a set of one takes the small way, asynchronous calls too, on the caller's thread)
+    alone = dist.new_group([0])
+    if r == 0:
+        x = rand(5, seed=51)
+        check_equal(reduced(x, AVG, alone, async_op=True), x, "AVG on a group of one")
+        check_equal(reduced(x, dist.ReduceOp.MAX, alone, async_op=True), x,
+                    "MAX on a group of one")
+        dist.destroy_process_group(alone)
+    check_equal(reduced(torch.ones(3)), torch.full((3,), float(n)), "beside a group of one")
 
 
 def case_threads_each_on_a_group_of_its_own():
