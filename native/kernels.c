@@ -4,10 +4,13 @@
  * GIL); the compression casts; and the failure text every rr_* function reports (rr_fail).
  *
  * The 16-bit floats compute in float32 and round once to nearest even, as torch does; out may
- * alias a or b. Sums of float32, bfloat16 and float16 have fused kernels that also divide and
- * scale in the same pass (AVX2 / F16C where the CPU has them, checked at run time, so the build
- * needs no special flags); everything else is one plain loop, then rr_finish. Integer sums and
- * products wrap around, as NumPy's do; Min and Max propagate NaN, as torch.minimum does.
+ * alias a or b. Sums of float32, bfloat16 and float16 have fused kernels that also scale in the
+ * same pass (AVX2 / F16C where the CPU has them, checked at run time, so the build needs no
+ * special flags); everything else is one plain loop, then rr_finish. Scaling is Horovod's
+ * (ScaleBufferCPUImpl): one multiply by the factor scale / divisor, computed in float64 and cast
+ * to float32 for float32 and the 16-bit floats, after the sum is rounded to the element type.
+ * Integer sums and products wrap around, as NumPy's do; Min and Max propagate NaN, as
+ * torch.minimum does.
  */
 #include <stdarg.h>
 #include <stddef.h>
@@ -110,45 +113,53 @@ static int cpu_has(int features) {
 
 /* ------------------------------------------------------------------ fused sums */
 
-/* (a + b) / divisor * scale, each step skipped when its factor is 1, so float32 results equal
- * those of separate add, divide and multiply passes bit for bit. */
-static inline float finish_f32(float sum, float divisor, float scale) {
-    if (divisor != 1.0f) sum = sum / divisor;
-    if (scale != 1.0f) sum = sum * scale;
-    return sum;
+/* A 16-bit float times a float32 factor, rounded once (Horovod's ScaleBufferCPUImpl). */
+static inline uint16_t scale_f16(uint16_t h, float factor) {
+    return f32_to_f16(f16_to_f32(h) * factor);
 }
 
-static void sum_f32(const float *a, const float *b, float *out, size_t n, float divisor,
-                    float scale) {
-    if (divisor == 1.0f && scale == 1.0f) {
+static inline uint16_t scale_bf16(uint16_t h, float factor) {
+    return f32_to_bf16(bf16_to_f32(h) * factor);
+}
+
+/* out = a + b, then, where `scaled`, out *= factor: the sum rounded to the element type first,
+ * so that the result equals Horovod's sum followed by its scaling pass bit for bit. */
+static void sum_f32(const float *a, const float *b, float *out, size_t n, int scaled,
+                    float factor) {
+    if (!scaled) {
         for (size_t i = 0; i < n; i++) out[i] = a[i] + b[i];
     } else {
-        for (size_t i = 0; i < n; i++) out[i] = finish_f32(a[i] + b[i], divisor, scale);
+        for (size_t i = 0; i < n; i++) out[i] = factor * (a[i] + b[i]);
     }
 }
 
 #ifdef RR_X86
-/* 8 values at a time: widen to float32 (a shift), add, round to nearest even, narrow. */
+/* float32 lanes rounded to bfloat16 (nearest even; NaN as torch's), one per 32-bit lane. */
 __attribute__((target("avx2")))
-static size_t sum_bf16_avx2(const uint16_t *a, const uint16_t *b, uint16_t *out, size_t n,
-                            float divisor, float scale) {
-    const __m256 vd = _mm256_set1_ps(divisor), vs = _mm256_set1_ps(scale);
+static inline __m256i bf16_lanes(__m256 s) {
     const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
     const __m256i qnan = _mm256_set1_epi32(0x7fc0);
-    const int div = divisor != 1.0f, mul = scale != 1.0f;
+    __m256i u = _mm256_castps_si256(s);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, half), lsb), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(s, s, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(r, qnan, nan);
+}
+
+/* 8 values at a time: widen to float32 (a shift), add, round to nearest even (where `scaled`,
+ * widen again, multiply, round again), narrow. */
+__attribute__((target("avx2")))
+static size_t sum_bf16_avx2(const uint16_t *a, const uint16_t *b, uint16_t *out, size_t n,
+                            int scaled, float factor) {
+    const __m256 vf = _mm256_set1_ps(factor);
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256i xa = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(a + i)));
         __m256i xb = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + i)));
-        __m256 s = _mm256_add_ps(_mm256_castsi256_ps(_mm256_slli_epi32(xa, 16)),
-                                 _mm256_castsi256_ps(_mm256_slli_epi32(xb, 16)));
-        if (div) s = _mm256_div_ps(s, vd);
-        if (mul) s = _mm256_mul_ps(s, vs);
-        __m256i u = _mm256_castps_si256(s);
-        __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
-        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, half), lsb), 16);
-        __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(s, s, _CMP_UNORD_Q));
-        r = _mm256_blendv_epi8(r, qnan, nan);
+        __m256i r = bf16_lanes(_mm256_add_ps(_mm256_castsi256_ps(_mm256_slli_epi32(xa, 16)),
+                                             _mm256_castsi256_ps(_mm256_slli_epi32(xb, 16))));
+        if (scaled)
+            r = bf16_lanes(_mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(r, 16)), vf));
         __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r),
                                           _mm256_extracti128_si256(r, 1));
         _mm_storeu_si128((__m128i *)(out + i), packed);
@@ -158,41 +169,44 @@ static size_t sum_bf16_avx2(const uint16_t *a, const uint16_t *b, uint16_t *out,
 
 __attribute__((target("avx,f16c")))
 static size_t sum_f16_f16c(const uint16_t *a, const uint16_t *b, uint16_t *out, size_t n,
-                           float divisor, float scale) {
-    const __m256 vd = _mm256_set1_ps(divisor), vs = _mm256_set1_ps(scale);
-    const int div = divisor != 1.0f, mul = scale != 1.0f;
+                           int scaled, float factor) {
+    const __m256 vf = _mm256_set1_ps(factor);
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i)));
         __m256 y = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + i)));
-        __m256 s = _mm256_add_ps(x, y);
-        if (div) s = _mm256_div_ps(s, vd);
-        if (mul) s = _mm256_mul_ps(s, vs);
-        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT));
+        __m128i h = _mm256_cvtps_ph(_mm256_add_ps(x, y), _MM_FROUND_TO_NEAREST_INT);
+        if (scaled)
+            h = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_cvtph_ps(h), vf), _MM_FROUND_TO_NEAREST_INT);
+        _mm_storeu_si128((__m128i *)(out + i), h);
     }
     return i;
 }
 #endif
 
 static void sum_bf16(const uint16_t *a, const uint16_t *b, uint16_t *out, size_t n,
-                     float divisor, float scale) {
+                     int scaled, float factor) {
     size_t i = 0;
 #ifdef RR_X86
-    if (cpu_has(CPU_AVX2)) i = sum_bf16_avx2(a, b, out, n, divisor, scale);
+    if (cpu_has(CPU_AVX2)) i = sum_bf16_avx2(a, b, out, n, scaled, factor);
 #endif
-    for (; i < n; i++)
-        out[i] = f32_to_bf16(finish_f32(bf16_to_f32(a[i]) + bf16_to_f32(b[i]), divisor, scale));
+    for (; i < n; i++) {
+        uint16_t s = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+        out[i] = scaled ? scale_bf16(s, factor) : s;
+    }
 }
 
 /* The F16C path rounds as f32_to_f16 does, except for the payload bits of NaNs. */
 static void sum_f16(const uint16_t *a, const uint16_t *b, uint16_t *out, size_t n,
-                    float divisor, float scale) {
+                    int scaled, float factor) {
     size_t i = 0;
 #ifdef RR_X86
-    if (cpu_has(CPU_F16C | CPU_AVX)) i = sum_f16_f16c(a, b, out, n, divisor, scale);
+    if (cpu_has(CPU_F16C | CPU_AVX)) i = sum_f16_f16c(a, b, out, n, scaled, factor);
 #endif
-    for (; i < n; i++)
-        out[i] = f32_to_f16(finish_f32(f16_to_f32(a[i]) + f16_to_f32(b[i]), divisor, scale));
+    for (; i < n; i++) {
+        uint16_t s = f32_to_f16(f16_to_f32(a[i]) + f16_to_f32(b[i]));
+        out[i] = scaled ? scale_f16(s, factor) : s;
+    }
 }
 
 /* ------------------------------------------------------------------ every op, every dtype */
@@ -271,17 +285,18 @@ static rr_status combine_plain(int dtype, int op, const void *a, const void *b, 
 rr_status rr_combine(int dtype, int op, const void *a, const void *b, void *out, size_t n,
                      int last, double divisor, double scale) {
     const int sum = op == RR_OP_SUM || op == RR_OP_AVERAGE;
-    const float d = last ? (float)divisor : 1.0f, s = last ? (float)scale : 1.0f;
+    const double factor = last ? scale / divisor : 1.0;     /* Horovod's: in float64 */
+    const int scaled = factor != 1.0;
     if (sum && dtype == RR_F32) {
-        sum_f32(a, b, out, n, d, s);
+        sum_f32(a, b, out, n, scaled, (float)factor);
         return RR_OK;
     }
     if (sum && dtype == RR_BF16) {
-        sum_bf16(a, b, out, n, d, s);
+        sum_bf16(a, b, out, n, scaled, (float)factor);
         return RR_OK;
     }
     if (sum && dtype == RR_F16) {
-        sum_f16(a, b, out, n, d, s);
+        sum_f16(a, b, out, n, scaled, (float)factor);
         return RR_OK;
     }
     rr_status status = combine_plain(dtype, op, a, b, out, n);
@@ -291,32 +306,31 @@ rr_status rr_combine(int dtype, int op, const void *a, const void *b, void *out,
 
 /* ------------------------------------------------------------------ finishing */
 
-/* Integers as Horovod scales them: times (scale / divisor) in float64, truncated toward zero
- * (through int64, so that no float outside the narrower types' range is converted to them). */
+/* x *= factor, as Horovod's ScaleBufferCPUImpl: integers in float64, truncated toward zero
+ * (through int64, so that no float outside the narrower types' range is converted to them);
+ * float64 in float64; float32 and the 16-bit floats times the factor cast to float32. */
 #define FINISH_INTEGER(T)                                                              \
     do {                                                                               \
         T *v = x;                                                                      \
-        const double factor = scale / divisor;                                         \
         for (size_t i = 0; i < n; i++) v[i] = (T)(int64_t)(factor * (double)v[i]);     \
     } while (0)
 
 #define FINISH_FLOAT(T)                                                                \
     do {                                                                               \
         T *v = x;                                                                      \
-        const T d = (T)divisor, s = (T)scale;                                          \
-        if (divisor != 1.0) for (size_t i = 0; i < n; i++) v[i] = v[i] / d;            \
-        if (scale != 1.0) for (size_t i = 0; i < n; i++) v[i] = v[i] * s;              \
+        const T f = (T)factor;                                                         \
+        for (size_t i = 0; i < n; i++) v[i] = f * v[i];                                \
     } while (0)
 
-#define FINISH_HALF(TO, FROM)                                                          \
+#define FINISH_HALF(SCALE)                                                             \
     do {                                                                               \
         uint16_t *v = x;                                                               \
-        for (size_t i = 0; i < n; i++)                                                 \
-            v[i] = FROM(finish_f32(TO(v[i]), (float)divisor, (float)scale));           \
+        for (size_t i = 0; i < n; i++) v[i] = SCALE(v[i], (float)factor);              \
     } while (0)
 
 rr_status rr_finish(int dtype, void *x, size_t n, double divisor, double scale) {
-    if (divisor == 1.0 && scale == 1.0)
+    const double factor = scale / divisor;      /* Horovod's postscale_factor /= size */
+    if (factor == 1.0)
         return rr_dtype_size(dtype) ? RR_OK : rr_check(dtype, RR_OP_SUM);
     switch (dtype) {
     case RR_U8: FINISH_INTEGER(uint8_t); break;
@@ -326,8 +340,8 @@ rr_status rr_finish(int dtype, void *x, size_t n, double divisor, double scale) 
     case RR_I64: FINISH_INTEGER(int64_t); break;
     case RR_F32: FINISH_FLOAT(float); break;
     case RR_F64: FINISH_FLOAT(double); break;
-    case RR_F16: FINISH_HALF(f16_to_f32, f32_to_f16); break;
-    case RR_BF16: FINISH_HALF(bf16_to_f32, f32_to_bf16); break;
+    case RR_F16: FINISH_HALF(scale_f16); break;
+    case RR_BF16: FINISH_HALF(scale_bf16); break;
     default: return rr_check(dtype, RR_OP_SUM);
     }
     return RR_OK;

@@ -14,15 +14,17 @@
 rr_status rr_check(int dtype, int op);
 
 /* out = a op b over n elements (out may alias a or b). With `last`, the result is finished as
- * rr_finish does, in the same pass where a fused kernel exists. RR_OK, or rr_check's failure
- * (out untouched). */
+ * rr_finish does, in the same pass where a fused kernel exists (a sum rounded to the element
+ * type before it is scaled, as rr_finish would find it). RR_OK, or rr_check's failure (out
+ * untouched). */
 rr_status rr_combine(int dtype, int op, const void *a, const void *b, void *out, size_t n,
                      int last, double divisor, double scale);
 
-/* In place: x = x / divisor * scale, each step skipped when its factor is 1. Floats compute in
- * their own precision (float32 for the 16-bit types, rounded once); integers are multiplied by
- * scale / divisor in float64 and truncated toward zero, as Horovod scales them (so Average of
- * integers is the sum times 1/size, truncated). RR_OK, or RR_BAD_DTYPE (x untouched). */
+/* In place: x = x * (scale / divisor), Horovod's scaling (Average's postscale_factor / size,
+ * then ScaleBufferCPUImpl): the factor computed in float64, nothing done when it is 1, then one
+ * multiply per element: float64 by the factor, float32 and the 16-bit floats by the factor cast
+ * to float32 (the 16-bit ones widened to float32 and rounded back once), integers in float64
+ * and truncated toward zero. RR_OK, or RR_BAD_DTYPE (x untouched). */
 rr_status rr_finish(int dtype, void *x, size_t n, double divisor, double scale);
 
 /* Bytes per element; 0 for an unknown dtype code. */

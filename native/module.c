@@ -360,7 +360,7 @@ static PyObject *address(PyObject *self, PyObject *buffer) {
     return result;
 }
 
-/* finish(dtype, x, count, divisor, scale): x = x / divisor * scale, in place. */
+/* finish(dtype, x, count, divisor, scale): x = x * (scale / divisor), in place (rr_finish). */
 static PyObject *finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (check_args(nargs, 5, "finish")) return NULL;
     int dtype = PyLong_AsLong(args[0]);
@@ -446,7 +446,7 @@ static PyMethodDef methods[] = {
     {"mpi_test", mpi_test, METH_O, "Poll a pending exchange once."},
     {"address", address, METH_O, "Where a contiguous buffer begins."},
     FAST(combine, "out = a op b over count elements."),
-    FAST(finish, "x = x / divisor * scale, in place."),
+    FAST(finish, "x = x * (scale / divisor), in place, as Horovod scales."),
     FAST(cast, "Convert between float32 and a 16-bit float type."),
     FAST(allreduce_digest, "64-bit digest of an allreduce's signature fields."),
     {NULL, NULL, 0, NULL}};

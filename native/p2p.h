@@ -35,8 +35,8 @@ typedef struct rr_round {
 } rr_round;
 
 /* What rr_doubling reduces: `nbytes` of `data` (count elements of dtype, op), in place,
- * copied in from `src` first and, once complete and agreed, divided by `divisor`, multiplied
- * by `scale` and copied out to `dst` (addresses; 0: no such copy). */
+ * copied in from `src` first and, once complete and agreed, scaled by scale / divisor
+ * (rr_finish) and copied out to `dst` (addresses; 0: no such copy). */
 typedef struct rr_reduction {
     int64_t nbytes, count, dtype, op, src, dst;
     double divisor, scale;

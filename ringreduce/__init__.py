@@ -14,8 +14,9 @@ from .compression import Compression
 from .engine import Handle
 from . import checkpoint, elastic
 from .errors import (ArgumentTypeError, CheckpointError, ConsistencyError,
-                     HorovodInternalError, JoinedError, MismatchError, NotInitializedError,
-                     RingReduceError, ShutDownError, UnsupportedError, UsageError)
+                     HorovodInternalError, JoinedError, MismatchError, NotContiguousError,
+                     NotInitializedError, RingReduceError, ShutDownError, UnsupportedError,
+                     UsageError)
 from .kernels import ReduceOp
 from .objects import (allgather_object, broadcast_object, broadcast_optimizer_state,
                       broadcast_parameters, check_consistency)
@@ -58,5 +59,5 @@ __all__ = [
     # errors
     "RingReduceError", "HorovodInternalError", "MismatchError", "NotInitializedError",
     "JoinedError", "ShutDownError", "UnsupportedError", "UsageError", "ConsistencyError",
-    "CheckpointError", "ArgumentTypeError",
+    "CheckpointError", "ArgumentTypeError", "NotContiguousError",
 ]

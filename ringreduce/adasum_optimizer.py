@@ -23,7 +23,6 @@ class AdasumOptimizer(GradientReduction):
     """See the module's docstring."""
 
     _direct_buckets = False     # every delta goes into a bucket's buffer
-    _marks_presence = False     # each parameter is stepped alone: no gradient is forgotten
 
     def _plan(self) -> None:
         super()._plan()

@@ -18,12 +18,12 @@ import torch
 
 from . import adasum, cuda, ring, timeline
 from .buffers import CODES, NAMES, SUPPORTED, as_array, fresh
-from .compression import Compression, Compressor
+from .compression import Compression, Compressor, custom
 from .engine import Handle
-from .errors import ArgumentTypeError, RingReduceError, UnsupportedError
+from .errors import ArgumentTypeError, NotContiguousError, RingReduceError, UnsupportedError
 from .kernels import ReduceOp
 from .negotiation import AGREED
-from .process_sets import ActiveSet, ProcessSet, active
+from .process_sets import ActiveSet, ProcessSet, active, global_process_set
 from .reduce_spec import ReduceSpec
 from .signature import digest
 
@@ -39,34 +39,46 @@ _MOVED_AS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def _tensor(tensor: Any, what: str, name: str, ps: ActiveSet,
             moves_only: bool = False) -> torch.Tensor:
-    """The dense, contiguous CPU tensor to work on, or a clear error naming tensor and rank;
-    `moves_only`: for a collective that only moves data (`_MOVED_AS`)."""
+    """The caller's tensor to work on (detached, never copied: a dense, contiguous CPU one),
+    or a clear error naming tensor and rank, of Horovod's type: a layout or dtype it does not
+    take is ArgumentTypeError (Horovod's ValueError "Tensor type ... is not supported.", a
+    TypeError as ours was), a non-contiguous tensor NotContiguousError (a ValueError, as
+    Horovod's), checked in that order. `moves_only`: for a collective that only moves data
+    (`_MOVED_AS`)."""
     if (tensor.__class__ is torch.Tensor and tensor.layout is torch.strided
-            and tensor.dtype in CODES and tensor.device.type == "cpu"):
-        return tensor.detach().contiguous()     # the common case, checked cheaply
+            and tensor.dtype in CODES and tensor.device.type == "cpu"
+            and tensor.is_contiguous()):
+        return tensor.detach()      # the common case, checked cheaply
     where = f"ringreduce: {what} of tensor '{name}' on rank {ps.ranks[ps.rank]}"
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{where}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
-        raise TypeError(f"{where}: sparse tensors ({tensor.layout}) are not supported here; "
-                        "call .to_dense() first (sparse COO tensors are reduced by "
-                        "sparse_allreduce_async and the torch.distributed backend's all_reduce, "
-                        "and DistributedOptimizer takes sparse gradients)")
+        raise ArgumentTypeError(
+            f"{where}: sparse tensors ({tensor.layout}) are not supported here; call "
+            ".to_dense() first (sparse COO tensors are reduced by sparse_allreduce_async and "
+            "the torch.distributed backend's all_reduce, and DistributedOptimizer takes sparse "
+            "gradients)")
     if tensor.dtype not in CODES:
         storage = _MOVED_AS.get(tensor.element_size()) if moves_only else None
         if storage is None:
             names = ", ".join(NAMES[d] for d in SUPPORTED)
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{where}: dtype {tensor.dtype} is not supported (supported: {names}"
                 + ("; and any dtype of 1, 2, 4 or 8 bytes an element" if moves_only else "")
                 + ")" + ("; cast booleans to uint8" if tensor.dtype == torch.bool else ""))
         tensor = tensor.detach().view(storage)
+    if not tensor.is_contiguous():
+        raise NotContiguousError(
+            f"{where}: the tensor is not contiguous (shape {tuple(tensor.shape)}, strides "
+            f"{tensor.stride()}), and Horovod refuses one too ('Tensor is required to be "
+            "contiguous.'); pass tensor.contiguous() (for an in-place call, copy the result "
+            "back)")
     if tensor.device.type == "cuda":
         return cuda.device_tensor(tensor, what, where)
     if tensor.device.type != "cpu":
         raise ValueError(f"{where}: tensor is on {tensor.device}; ringreduce reduces CPU and "
                          "CUDA tensors")
-    return tensor.detach().contiguous()
+    return tensor.detach()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -100,6 +112,16 @@ def reduce_op(op: Any, average: Optional[bool], what: str,
         raise UnsupportedError(f"ringreduce: {what}: Adasum only reduces allreduces; use Sum "
                                "or Average")
     return op
+
+
+def _adasum_set(op: ReduceOp, process_set: ProcessSet, kind: str, name: str,
+                ps: ActiveSet) -> None:
+    """Horovod's allreduces refuse Adasum on any set but the global one, before they look at
+    the tensor (NotImplementedError; every member of the set alike)."""
+    if op == ReduceOp.Adasum and process_set is not global_process_set:
+        raise UnsupportedError(f"ringreduce: {kind} of tensor '{name}' on rank "
+                               f"{ps.ranks[ps.rank]}: Adasum does not support non-global "
+                               "process sets yet (as in Horovod); reduce on the global set")
 
 
 def _describe(t: torch.Tensor) -> tuple:
@@ -197,6 +219,7 @@ def allreduce_work(tensor: torch.Tensor, average: Optional[bool], name: Optional
     name = ps.auto_name(kind) if name is None else name
     with refusing(ps, name, kind):
         op = reduce_op(op, average, kind, adasum_ok=True)
+        _adasum_set(op, process_set, kind, name, ps)
         t = _tensor(tensor, kind, name, ps)
     if op == ReduceOp.Adasum:
         adasum.check_supported(ps.size, t.dtype)
@@ -231,9 +254,11 @@ def grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str],
     name = ps.auto_name(kind) if name is None else name
     with refusing(ps, name, kind):
         op = reduce_op(op, average, kind, adasum_ok=True)
+        _adasum_set(op, process_set, kind, name, ps)
         checked = [_tensor(t, kind, f"{name}[{i}]" if len(tensors) > 1 else name, ps)
                    for i, t in enumerate(tensors)]
     wires, contexts = zip(*(compression.compress(t) for t in checked)) if checked else ((), ())
+    mine = custom(compression)      # the user's decompress is called whatever its context
     if op == ReduceOp.Adasum:
         for wire in wires:
             adasum.check_supported(ps.size, wire.dtype)
@@ -259,7 +284,7 @@ def grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str],
         except BaseException as error:
             meet_failure(ps, name, kind, begun, error)
             raise
-        if len(wires) != 1 or contexts[0] is not None:
+        if len(wires) != 1 or contexts[0] is not None or mine:
             results = [compression.decompress(r, ctx).view_as(t)
                        for r, ctx, t in zip(results, contexts, checked)]
         if not in_place:
@@ -360,21 +385,22 @@ def broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
 
 
 def alltoall_work(tensor: torch.Tensor, splits: Any, name: Optional[str],
-                  process_set: ProcessSet, with_splits: bool) -> Work:
-    """The result is the output, with the received splits too when `with_splits`."""
+                  process_set: ProcessSet) -> Work:
+    """The result is (output, received splits), as Horovod's handle gives. Rows past the sum
+    of the splits are not sent."""
     ps = active(process_set, "alltoall()")
     name = ps.auto_name("alltoall") if name is None else name
     with refusing(ps, name, "alltoall"):
         t = _tensor(tensor, "alltoall", name, ps, moves_only=True)
         send_splits = _send_splits(t, splits, ps, name)
+    t = t.narrow(0, 0, int(send_splits.sum()))
     dtype = tensor.dtype
     signature = {"collective": "alltoall", "name": name, "dtype": _dtype_name(dtype),
                  "trailing shape": tuple(t.shape[1:])}
 
-    def work() -> Any:
+    def work() -> tuple[torch.Tensor, torch.Tensor]:
         out, received = ps.transport.alltoall(t, send_splits, signature)
-        out = _as(out, dtype)
-        return (out, torch.from_numpy(received).to(torch.int32)) if with_splits else out
+        return _as(out, dtype), torch.from_numpy(received).to(torch.int32)
 
     return ps, name, work
 
@@ -394,9 +420,9 @@ def _send_splits(t: torch.Tensor, splits: Any, ps: ActiveSet, name: str) -> np.n
         raise ArgumentTypeError(f"{where}: splits must be integers, got {given.tolist()!r}")
     send_splits = given.astype(np.int64).reshape(-1)
     if send_splits.size != ps.size or (send_splits < 0).any() or \
-            send_splits.sum() != t.shape[0]:
+            send_splits.sum() > t.shape[0]:     # (fewer rows: the rest are not sent, as Horovod)
         raise ValueError(f"{where}: splits {send_splits.tolist()} must be {ps.size} "
-                         f"non-negative counts summing to dimension 0 ({t.shape[0]})")
+                         f"non-negative counts summing to at most dimension 0 ({t.shape[0]})")
     return send_splits
 
 
@@ -462,7 +488,8 @@ def sparse_allreduce_work(tensor: torch.Tensor, name: Optional[str], op: Any,
             raise TypeError(f"{where}: expected a sparse COO tensor")
     dense_shape = tuple(tensor.shape)
     gathers = []
-    for part, piece in (("indices", tensor._indices().t()), ("values", tensor._values())):
+    for part, piece in (("indices", tensor._indices().t().contiguous()),
+                        ("values", tensor._values())):
         with refusal:
             t = _tensor(piece, "sparse_allreduce_async", f"{name}.{part}", ps)
         signature = {"collective": "sparse_allreduce", "name": name, "part": part,

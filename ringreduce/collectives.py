@@ -211,15 +211,18 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
                    process_set: ProcessSet = global_process_set) -> Handle:
-    """Start an all-to-all: rows splits[i] go to member i; rows from every member come back in
-    member order. Without splits, dimension 0 is divided equally."""
-    return submit(alltoall_work(tensor, splits, name, process_set, splits is not None))
+    """Start an all-to-all: rows splits[i] go to member i (rows past their sum are not sent);
+    rows from every member come back in member order. Without splits, dimension 0 is divided
+    equally. `synchronize(handle)` returns (output, received_splits), with or without splits,
+    as Horovod's does."""
+    return submit(alltoall_work(tensor, splits, name, process_set))
 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
              process_set: ProcessSet = global_process_set) -> Any:
-    """All-to-all; returns the output, and the received splits too when `splits` is given
-    (differentiable: the gradient goes back by the all-to-all of the received splits)."""
+    """All-to-all; returns the output, and the received splits too when `splits` is given, as
+    Horovod's (differentiable: the gradient goes back by the all-to-all of the received
+    splits; rows that were not sent get zeros)."""
     out, received = differentiable.alltoall(tensor, splits, name, process_set)
     return out if splits is None else (out, received)
 

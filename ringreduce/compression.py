@@ -1,7 +1,12 @@
 """Gradient compression applied around a reduction: `Compression.none`, `Compression.fp16`.
 
-A compressor turns a tensor into the tensor that is sent plus a context, and back; only
-floating tensors wider than the wire type are cast, everything else passes through.
+A compressor turns a tensor into the tensor that is sent plus a context, and back, as
+Horovod's do: fp16 casts every floating tensor (bfloat16 too) to float16; bf16 (ours) casts
+the floating tensors wider than bfloat16; everything else passes through. The built-in ones
+say so with `wire_dtype`, which lets the optimizer plan its buckets in the wire dtype. A
+compressor of the user's own (Horovod's interface: `compress(tensor) -> (tensor, ctx)` and
+`decompress(tensor, ctx) -> tensor`, static or class methods) is `custom`: its methods are
+called on each tensor, as Horovod calls them.
 """
 from __future__ import annotations
 
@@ -33,9 +38,14 @@ class Compressor:
 
 
 class FP16Compressor(Compressor):
-    """Sends float32/float64 as float16 (half the bytes), restored after the reduction."""
+    """Sends every floating tensor as float16 (float32: half the bytes), restored to its dtype
+    after the reduction, as Horovod's FP16Compressor (which casts bfloat16 too)."""
 
     wire_dtype = torch.float16
+
+    @classmethod
+    def applies_to(cls, dtype: torch.dtype) -> bool:
+        return dtype.is_floating_point and dtype != torch.float16
 
 
 class BF16Compressor(Compressor):
@@ -44,9 +54,23 @@ class BF16Compressor(Compressor):
     wire_dtype = torch.bfloat16
 
 
+NoneCompressor = Compressor     # (Horovod's name for it)
+
+
 class Compression:
     """The compressors, by Horovod's names."""
 
     none = Compressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+
+
+def custom(compression: Any) -> bool:
+    """Whether `compression` is not one of ours (or overrides compress or decompress): its
+    methods must then be called on each tensor."""
+    return not (isinstance(compression, type) and issubclass(compression, Compressor)
+                and getattr(compression.compress, "__func__", None) is _COMPRESS
+                and getattr(compression.decompress, "__func__", None) is _DECOMPRESS)
+
+
+_COMPRESS, _DECOMPRESS = Compressor.compress.__func__, Compressor.decompress.__func__

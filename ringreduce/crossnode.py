@@ -119,8 +119,8 @@ class BetweenNodes:
               divisor: float, scale: float, digest: int,
               output: Optional[Callable[[], int]] = None) -> bool:
         """Reduce `nbytes` at address `src` (`count` elements of dtype code `dtype`) across the
-        set: on the node through its slots, then between nodes; the result divided by
-        `divisor`, multiplied by `scale`, into `dst` (may be `src`). With `output`, `dst` is
+        set: on the node through its slots, then between nodes; the result times
+        scale / divisor (kernels.finish), into `dst` (may be `src`). With `output`, `dst` is
         made by `output()` (its address) once the first message is on its way: an
         out-of-place allreduce allocates its result while the message travels, not before
         every member can start. False, with `dst` untouched, when the members' digests differ

@@ -83,7 +83,7 @@ def device_tensor(tensor: torch.Tensor, what: str, where: str) -> torch.Tensor:
             f"cuda:{current}; call torch.cuda.set_device(ringreduce.local_rank()) right after "
             "init(), before creating the model, and keep its tensors on that device")
     if what in REDUCTIONS:
-        return tensor.detach().contiguous()
+        return tensor.detach()      # (contiguous: collective_work checked it)
     if what == "broadcast_":
         return tensor.detach().cpu()
     raise ValueError(f"{where}: CUDA tensors are supported by allreduce, grouped_allreduce and "
@@ -210,22 +210,24 @@ def _launch(kernel: Any, elements: int, args: tuple, rows: int = 1) -> None:
 
 
 def _scale(array: Any, dtype: torch.dtype, factor: float) -> None:
-    """array *= factor in place, rounded once; integers in float64, truncated toward zero, as
-    Horovod scales them (factor 1 is free)."""
+    """array *= factor in place, as Horovod scales and our CPU kernels do (kernels.finish):
+    float32 and float64 times the factor cast to their dtype, the 16-bit floats in float32
+    times float32(factor), rounded once; integers in float64, truncated toward zero (factor 1
+    is free)."""
     if factor == 1.0 or array.size == 0:
         return
     if dtype in _HALF:
         _launch(_kernel("half", f"{_HALF[dtype]}_scale"), array.size,
                 (array, np.int64(array.size), np.float32(factor)))
     elif dtype.is_floating_point:
-        cupy_module().multiply(array, factor, out=array)
+        cupy_module().multiply(array, array.dtype.type(factor), out=array)
     else:
         array[...] = (array.astype(np.float64) * factor).astype(np.int64)
 
 
 def _finish(part: Any, dtype: torch.dtype, op: ReduceOp, ranks: int, postscale: float) -> None:
     """The owner's last touch on a reduced chunk: Average and postscale fused into one
-    multiply by postscale/ranks."""
+    multiply by postscale/ranks (in float64, as Horovod computes the factor)."""
     _scale(part, dtype, postscale / ranks if op == ReduceOp.Average else postscale)
 
 

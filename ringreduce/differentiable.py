@@ -5,7 +5,12 @@ backward calls them again, so a backward run with `create_graph=True` is differe
 
 Each backward computes what Horovod's does (its allgather and broadcast average the incoming
 gradients over the set); a forward runs the plain collective's work, autograd being off inside
-it.
+it. Incoming gradients are made contiguous first: autograd hands over expanded or transposed
+ones (`y.sum().backward()`), which the collectives refuse as Horovod's do.
+
+Compression, as in Horovod, wraps the differentiated collective: ours (a cast) is applied
+inside, and the backward casts alike; a compressor of the user's own (compression.custom) is
+applied outside (`_around`), so autograd differentiates the user's compress and decompress.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import torch
 
 from .collective_work import (allgather_work, allreduce_work, alltoall_work, broadcast_work,
                               grouped_allreduce_work, reduce_op, reducescatter_work, run)
-from .compression import Compression, Compressor
+from .compression import Compression, Compressor, custom
 from .kernels import ReduceOp
 from .process_sets import ProcessSet, active
 from .small_way import allreduce_now
@@ -32,6 +37,10 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool], name: Optional[str]
     """(The public allreduce: a small one goes the small way, inside autograd's forward and
     backward too.)"""
     if requires_grad(tensor):
+        if custom(compression):
+            return _around(compression, [tensor], lambda wires: [allreduce(
+                wires[0], average, name, Compression.none, op, prescale, postscale,
+                process_set)])[0]
         return _AllreduceFunction.apply(tensor, average, name, compression, op, prescale,
                                         postscale, process_set)
     if average is None and compression is Compression.none and prescale == 1.0:
@@ -48,6 +57,9 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool],
                       prescale: float, postscale: float,
                       process_set: ProcessSet) -> list[torch.Tensor]:
     if any(requires_grad(t) for t in tensors):
+        if custom(compression):
+            return _around(compression, tensors, lambda wires: grouped_allreduce(
+                wires, average, name, Compression.none, op, prescale, postscale, process_set))
         return list(_GroupedAllreduceFunction.apply(
             (average, name, compression, op, prescale, postscale, process_set), *tensors))
     return run(grouped_allreduce_work(list(tensors), name, op, average, prescale, postscale,
@@ -75,7 +87,7 @@ def alltoall(tensor: torch.Tensor, splits: Any, name: Optional[str],
     """The output and the received splits."""
     if requires_grad(tensor):
         return _AlltoallFunction.apply(tensor, splits, name, process_set)
-    return run(alltoall_work(tensor, splits, name, process_set, True))
+    return run(alltoall_work(tensor, splits, name, process_set))
 
 
 def reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str],
@@ -83,10 +95,22 @@ def reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str],
                   prescale: float, postscale: float, kind: str) -> list[torch.Tensor]:
     """Reduce-scatters of several tensors as one collective; `kind` names it."""
     if any(requires_grad(t) for t in tensors):
+        if custom(compression):
+            return _around(compression, tensors, lambda wires: reducescatter(
+                wires, name, Compression.none, op, process_set, prescale, postscale, kind))
         return list(_ReducescatterFunction.apply(
             (name, compression, op, process_set, prescale, postscale, kind), *tensors))
     return run(reducescatter_work(list(tensors), name, op, prescale, postscale, compression,
                                   process_set, kind))
+
+
+def _around(compression: Any, tensors: Sequence[torch.Tensor], collective: Any
+            ) -> list[torch.Tensor]:
+    """Horovod's order for a compressor of the user's own: compress each tensor, run the
+    collective on what it gives, decompress each result; autograd sees all three."""
+    pairs = [compression.compress(t) for t in tensors]
+    results = collective([wire for wire, _ in pairs])
+    return [compression.decompress(r, context) for r, (_, context) in zip(results, pairs)]
 
 
 class _AllreduceFunction(torch.autograd.Function):
@@ -100,7 +124,8 @@ class _AllreduceFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         average, compression, op, pre, post, process_set = ctx.args
-        return (allreduce(grad, average, None, compression, op, pre, post, process_set),
+        return (allreduce(grad.contiguous(), average, None, compression, op, pre, post,
+                          process_set),
                 None, None, None, None, None, None, None)
 
 
@@ -117,8 +142,8 @@ class _GroupedAllreduceFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         average, compression, op, pre, post, process_set = ctx.args
-        return (None, *grouped_allreduce(grads, average, None, compression, op, pre, post,
-                                         process_set))
+        return (None, *grouped_allreduce([g.contiguous() for g in grads], average, None,
+                                         compression, op, pre, post, process_set))
 
 
 class _AllgatherFunction(torch.autograd.Function):
@@ -148,7 +173,8 @@ class _AllgatherFunction(torch.autograd.Function):
 
 class _BroadcastFunction(torch.autograd.Function):
     """Only the root's input reaches the outputs: it gets the incoming gradients averaged over
-    the set, the others zeros."""
+    the set, the others that average times 0, as Horovod's (`grad_reduced *= 0`: zeros, and
+    NaN where the average is infinite or NaN)."""
 
     @staticmethod
     def forward(ctx, tensor, root_rank, name, process_set):
@@ -157,28 +183,31 @@ class _BroadcastFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        averaged = allreduce(grad, None, None, Compression.none, ReduceOp.Average, 1.0, 1.0,
-                             ctx.process_set)
+        averaged = allreduce(grad.contiguous(), None, None, Compression.none, ReduceOp.Average,
+                             1.0, 1.0, ctx.process_set)
         ps = active(ctx.process_set, "broadcast backward")
         if ps.ranks[ps.rank] != ctx.root:
-            averaged.zero_()
+            averaged.mul_(0)
         return averaged, None, None, None
 
 
 class _AlltoallFunction(torch.autograd.Function):
     """The incoming gradients go back where their rows came from: an all-to-all by the
-    received splits."""
+    received splits; rows that were not sent (past the sum of the splits) get zeros."""
 
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
         out, received = alltoall(tensor, splits, name, process_set)
-        ctx.received, ctx.process_set = received, process_set
+        ctx.received, ctx.process_set, ctx.rows = received, process_set, tensor.shape[0]
         ctx.mark_non_differentiable(received)
         return out, received
 
     @staticmethod
     def backward(ctx, grad, _received):
         back, _ = alltoall(grad.contiguous(), ctx.received, None, ctx.process_set)
+        unsent = ctx.rows - back.shape[0]
+        if unsent:
+            back = torch.cat([back, back.new_zeros((unsent, *back.shape[1:]))])
         return back, None, None, None
 
 
@@ -214,4 +243,4 @@ class _ReducescatterFunction(torch.autograd.Function):
                 g = g * ctx.post
             scaled.append(g.contiguous())
         gathered = allgather(scaled, None, ctx.process_set, "grouped_allgather")
-        return (None, *[g.to(dtype) for g, dtype in zip(gathered, dtypes)])
+        return (None, *gathered)

@@ -3,7 +3,8 @@
 `RingReduceError` subclasses `RuntimeError` so code written for Horovod's
 `HorovodInternalError` (also a `RuntimeError`) keeps working; the alias is exported. Where
 Horovod raises another built-in type, ours derives from it too, so `except` clauses written for
-Horovod still catch it. Argument errors stay plain `ValueError` / `TypeError`.
+Horovod still catch it. Argument errors are `ValueError` / `TypeError`, or a subclass of these
+where a message of its own helps (`ArgumentTypeError`, `NotContiguousError`).
 """
 
 
@@ -47,10 +48,19 @@ class UnsupportedError(RingReduceError, NotImplementedError):
 
 class ArgumentTypeError(TypeError, ValueError):
     """An argument of the wrong type where Horovod raises ValueError (for instance `alltoall`
-    splits that are not integers: Horovod's users catch `(torch.FatalError, ValueError)`).
-    Also a `TypeError`, as it was before, so either `except` clause catches it. Like every
-    argument error it is raised on the rank that made the mistake, before any of its data
-    moves (the other ranks' call of that name fails with MismatchError quoting it)."""
+    splits that are not integers: Horovod's users catch `(torch.FatalError, ValueError)`, or
+    a tensor whose dtype or layout a collective does not take: Horovod's "Tensor type ... is
+    not supported."). Also a `TypeError`, as it was before, so either `except` clause catches
+    it. Like every argument error it is raised on the rank that made the mistake, before any
+    of its data moves (the other ranks' call of that name fails with MismatchError quoting
+    it)."""
+
+
+class NotContiguousError(ValueError):
+    """A collective was given a tensor that is not contiguous (a transposed or sliced view):
+    Horovod raises ValueError('Tensor is required to be contiguous.') for every collective, in
+    place or not. Raised on the rank that passed it, before any data moves, like every
+    argument error; pass `tensor.contiguous()` (and copy an in-place result back)."""
 
 
 class MismatchError(RingReduceError):

@@ -2,16 +2,24 @@
 reduced (averaged, by default) across the set's ranks while backward runs.
 
   backward: the step's first gradient checks the plan (which parameters train, which have
-      sparse gradients); a change re-plans the buckets, the same way on every rank. Each
+      sparse gradients); a change re-plans the buckets, the same way on every rank. As in
+      Horovod, a parameter trainable when wrapped stays in the plan when frozen (its gradient
+      is reduced as zeros); one made trainable since joins it (Horovod would leave it
+      unreduced, and the ranks' parameters would drift apart). Each
       parameter's post-accumulate hook counts its passes; on the last pass its gradient is
       packed into its bucket; a full bucket is handed to the set's engine (in bucket order, the
       same on every rank), which reduces it on its thread while backward goes on.
   synchronize(): buckets that never filled are packed with zeros where this rank has no
-      gradient and submitted, so every rank reduces the same buckets; sparse gradients are
-      allgathered (Horovod's sparse allreduce); the step's agreement (step_agreement.py) tells
-      which parameters had a gradient on some rank and whether the step is broken (on some
-      rank, or a second step() on some ranks only); then wait.
+      gradient and submitted, so every rank reduces the same buckets (and, as in Horovod, a
+      gradient no rank had is zeros); sparse gradients are allgathered (Horovod's sparse
+      allreduce); the step's agreement (step_agreement.py) tells whether the step is broken
+      (on some rank, or a second step() on some ranks only); then wait. Called again before
+      the step, it reduces every gradient again, as Horovod's does.
   step(): synchronize() unless inside skip_synchronize(), then the wrapped optimizer's step.
+
+A compressor of the user's own (compression.custom) is called on each gradient, as Horovod
+calls it: every parameter is a bucket of its own, its gradient compressed when ready, the
+compressed tensor reduced, and decompressed into `.grad` at synchronize().
 """
 from __future__ import annotations
 
@@ -24,10 +32,11 @@ import torch
 from torch.autograd import Variable
 
 from . import cuda, fusion, sparse_gradients, timeline
+from .buffers import CODES
 from .collectives import submit
-from .compression import Compression
+from .compression import custom
 from .engine import Handle
-from .errors import UsageError
+from .errors import UnsupportedError, UsageError
 from .kernels import ReduceOp
 from .objects import check_consistency
 from .process_sets import active
@@ -43,17 +52,11 @@ class GradientReduction(WrappedOptimizer):
 
     # A parameter alone in its bucket is reduced in place in its `.grad`, without a buffer.
     _direct_buckets = True
-    # The step's agreement marks which parameters had a gradient on some rank (see
-    # _forget_gradients_nobody_had).
-    _marks_presence = True
 
     def _setup(self, options: Options) -> None:
         ps = self._set = active(options.process_set, "DistributedOptimizer()")
         settings = ps.transport.settings
         op = self._check_arguments(options, ps.ranks[ps.rank])
-        if options.gradient_as_bucket_view and options.compression is not Compression.none:
-            raise ValueError("ringreduce: gradient_as_bucket_view needs compression="
-                             "Compression.none (compressed buckets hold another dtype)")
         # Average with a predivide factor f: sum(g / f) * f / size.
         factor = options.gradient_predivide_factor
         predivided = factor != 1.0
@@ -64,6 +67,7 @@ class GradientReduction(WrappedOptimizer):
         self._consistency_every = settings.consistency_check_steps
         self._steps_taken = 0
         self._compression = options.compression
+        self._custom = custom(options.compression)
         self._groups = options.groups
         self._threshold = settings.fusion_threshold if options.fusion_threshold is None \
             else options.fusion_threshold
@@ -76,6 +80,7 @@ class GradientReduction(WrappedOptimizer):
         self._stepped_on: Optional[tuple] = None    # see _steps_again
         self._sparse: set[int] = set()         # parameters whose gradients come sparse
         self._hooked: set[int] = set()
+        self._ever_planned: set[int] = set()   # see _trainable
         weakref.finalize(self, remove_hooks, self._hooks)
         self._plan()
         self._reset_step()
@@ -83,19 +88,23 @@ class GradientReduction(WrappedOptimizer):
     # ------------------------------------------------------------ the plan
 
     def _trainable(self) -> list[tuple[str, torch.Tensor]]:
-        return [(n, p) for n, p in self._named if p.requires_grad]
+        """The parameters reduced: those trainable now or in an earlier plan (Horovod keeps
+        reducing a parameter frozen after wrapping)."""
+        return [(n, p) for n, p in self._named if p.requires_grad or id(p) in self._ever_planned]
 
     def _plan(self) -> None:
         """Buckets over the trainable parameters with dense gradients, their reductions, the
         step's agreement, and a gradient hook on every trainable parameter."""
         trainable = self._trainable()
+        self._ever_planned.update(id(p) for _, p in trainable)
         dense = [(n, p) for n, p in trainable if id(p) not in self._sparse]
-        wire = self._compression.wire_dtype
+        wire = None if self._custom else self._compression.wire_dtype
 
         def wire_dtype(dtype: torch.dtype) -> torch.dtype:
             return wire if wire is not None and self._compression.applies_to(dtype) else dtype
 
-        self._buckets = fusion.plan(dense, self._threshold, self._first_bucket, wire_dtype,
+        self._buckets = fusion.plan(dense, 0 if self._custom else self._threshold,
+                                    self._first_bucket, wire_dtype,
                                     explicit_groups(self._groups, dense), self._prefix,
                                     direct=self._direct_buckets)
         op, prescale, postscale = self._reduction
@@ -107,10 +116,8 @@ class GradientReduction(WrappedOptimizer):
         self._sparse_params = [(n, p) for n, p in trainable if id(p) in self._sparse]
         self._planned = frozenset(id(p) for _, p in trainable)
         self._planned_sparse = frozenset(self._sparse)
-        self._position = {id(p): i for i, (_, p) in enumerate(dense)}
         self._agreement = StepAgreement(self._set, self._process_set, self._prefix,
                                         [n for n, _ in dense])
-        self._counts_presence = self._marks_presence and not self._views and len(dense) > 0
         self._agrees = self._set.size > 1
         for bucket in self._buckets:
             describe(bucket)
@@ -172,6 +179,7 @@ class GradientReduction(WrappedOptimizer):
         self._waiting = [len(b.params) for b in self._buckets]  # params not ready, per bucket
         self._next_bucket = 0                # buckets are submitted strictly in order
         self._handles: list[Handle] = []
+        self._compressed: list[tuple] = []     # (params, handle, contexts): see _submit_custom
         self._found_sparse: set[int] = set()   # parameters with sparse gradients this step
         self._densified: set[int] = set()      # sparse gradients this step, sparse_as_dense
         self._agreement.clear()
@@ -201,6 +209,12 @@ class GradientReduction(WrappedOptimizer):
                 f"rank {self._rank} before step(); backward_passes_per_step is {self._passes}. "
                 "Increase backward_passes_per_step to accumulate gradients locally, or call "
                 "step()/synchronize() between backward passes.")
+            raise UsageError(self._broken)
+        if p.grad is not None and p.grad.requires_grad:
+            p.grad = p.grad.detach()     # (the broken step's collectives still pack it)
+            self._broken = (f"ringreduce: gradient of '{self._names[key]}' on rank {self._rank} "
+                            "requires grad (backward(create_graph=True)): DistributedOptimizer "
+                            "reduces plain gradients, as Horovod's, which asserts the same")
             raise UsageError(self._broken)
         if count < self._passes:
             return
@@ -259,8 +273,10 @@ class GradientReduction(WrappedOptimizer):
                 force or self._waiting[self._next_bucket] == 0):
             bucket = self._buckets[self._next_bucket]
             self._trace_waiting(bucket)
-            if self._counts_presence:
-                self._mark_present(bucket)
+            if self._custom:
+                self._submit_custom(bucket)
+                self._next_bucket += 1
+                continue
             ready = None   # GPU: an event on torch's stream, after which the bucket is packed
             gradient = None
             with timeline.span(bucket.name, "pack"):
@@ -271,6 +287,51 @@ class GradientReduction(WrappedOptimizer):
             self._handles.append(submit(
                 (self._set, bucket.name, self._reduce_work(bucket, ready, gradient))))
             self._next_bucket += 1
+
+    def _submit_custom(self, bucket: fusion.Bucket) -> None:
+        """A bucket under a compressor of the user's own, as Horovod runs one: each gradient
+        (made zeros where this rank has none; zeros stand in for a sparse one, which travels
+        on its own) compressed here, each compressed tensor reduced in place, and
+        decompressed at synchronize()."""
+        wires, contexts = [], []
+        for p in bucket.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            gradient = p.grad if p.grad.layout == torch.strided else torch.zeros_like(p)
+            wire, context = self._compression.compress(gradient)
+            if wire.dtype not in CODES:
+                raise UnsupportedError(f"ringreduce: the compressor {self._compression!r} "
+                                       f"made {wire.dtype} from parameter "
+                                       f"'{self._names[id(p)]}' on rank {self._rank}, which "
+                                       "cannot be reduced")
+            wires.append(wire.contiguous())
+            contexts.append(context)
+        op, prescale, postscale = self._reduction
+        specs = [ReduceSpec(w.dtype, op, prescale, postscale, digest(signature), signature)
+                 for w, name in zip(wires, bucket.names)
+                 for signature in [{"collective": "allreduce", "name": bucket.name,
+                                    "parameter": name, "compressed": True,
+                                    "dtype": str(w.dtype).removeprefix("torch."),
+                                    "shape": tuple(w.shape)}]]
+        transport = self._set.transport
+
+        def work() -> list[torch.Tensor]:
+            for wire, spec in zip(wires, specs):
+                transport.allreduce(wire, wire, spec)
+            return wires
+
+        handle = submit((self._set, bucket.name, work))
+        self._handles.append(handle)
+        self._compressed.append((bucket.params, handle, contexts))
+
+    def _decompress(self) -> None:
+        """synchronize()'s end under a compressor of the user's own: each reduced tensor
+        decompressed into its dense gradient (`set_`, as Horovod's)."""
+        for params, handle, contexts in self._compressed:
+            for p, wire, context in zip(params, handle.wait(), contexts):
+                if p.grad.layout == torch.strided:
+                    p.grad.set_(self._compression.decompress(wire, context))
+        self._compressed = []
 
     def _pack(self, bucket: fusion.Bucket) -> Any:
         """Gradients into the bucket's buffer; on a GPU, returns the event the reduction waits
@@ -363,9 +424,10 @@ class GradientReduction(WrappedOptimizer):
             self._handles = []
             self._synchronized = True       # nothing of this step is pending any more
         if failures:
+            self._compressed = []
             raise failures[0]
-        if self._counts_presence:
-            self._forget_gradients_nobody_had()
+        if self._compressed:
+            self._decompress()
         if self._densified:     # sparse_as_dense
             sparse_gradients.hand_back_sparse(self._named, self._densified)
             self._densified = set()
@@ -387,33 +449,16 @@ class GradientReduction(WrappedOptimizer):
         p, stepped_on, version = self._stepped_on
         return p.grad is not None and p.grad is stepped_on() and p.grad._version == version
 
-    def _mark_present(self, bucket: fusion.Bucket) -> None:
-        """As a bucket is packed (before its unpack fills in missing gradients): this rank has
-        a gradient for each parameter whose `.grad` is set, from this step's backward passes (all
-        of them, or fewer when a step comes early, as at the end of an epoch with gradient
-        accumulation), or zeros kept by zero_grad(set_to_none=False)."""
-        for p in bucket.params:
-            if p.grad is not None:
-                self._agreement.mark_present(self._position[id(p)])
-
-    def _forget_gradients_nobody_had(self) -> None:
-        """A parameter no rank had a gradient for keeps `.grad` None, as in one process (zeros
-        stand in only for ranks that lack a gradient another rank has)."""
-        present = self._agreement.present()
-        for bucket in self._buckets:
-            for p in bucket.params:
-                if not present[self._position[id(p)]]:
-                    p.grad = None
-
     # ------------------------------------------------------------ public methods
 
     def synchronize(self) -> None:
         """Finish reducing every gradient of this step (zeros for gradients a rank lacks).
-        UsageError on every rank when some rank's step is broken."""
+        UsageError on every rank when some rank's step is broken. Called again before the
+        step, it reduces the gradients again (Horovod's does: with op=Sum they grow)."""
         self._check_usable()
         if self._synchronized:
             self._check_unbroken()
-            return
+            self._reset_step()
         try:
             self._complete_collectives()
         finally:
@@ -421,7 +466,8 @@ class GradientReduction(WrappedOptimizer):
 
     def step(self, closure=None):
         """`closure` (re-evaluates the loss, with backward) runs first, so that its gradients
-        are the ones reduced; the wrapped optimizer then steps without it."""
+        are the ones reduced; the wrapped optimizer then steps without it. Returns what the
+        wrapped step returns, or else the closure's loss (what torch's steps return)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -430,15 +476,16 @@ class GradientReduction(WrappedOptimizer):
             if self._synchronized and closure is None and self._broken is None:
                 warnings.warn(STEP_AFTER_SYNCHRONIZE)
             self.synchronize()
-        elif not self._synchronized:
+        elif not self._synchronized and not self._fresh:
             raise UsageError(
                 f"ringreduce: step() inside skip_synchronize() on rank {self._rank} before "
-                "synchronize(); call optimizer.synchronize() first")
+                "synchronize(), while this step's gradients are reduced; call "
+                "optimizer.synchronize() first")
         else:
             self._check_unbroken()
-        self._step_wrapped()
+        result = self._step_wrapped()
         self._finish_step()
-        return loss
+        return loss if result is None else result
 
     def _check_unbroken(self) -> None:
         if self._broken is not None:
@@ -458,13 +505,13 @@ class GradientReduction(WrappedOptimizer):
         self._break_if_backward_failed()
         if self._set.closed:    # shutdown() and init() since: the step's collectives are gone
             self._synchronized, self._handles = True, []
-        if not self._synchronized and (self._handles or (self._broken is not None
-                                                         and not self._fresh)):
+        if not self._synchronized and not self._fresh:      # a gradient came this step
             if self._broken is None:
                 raise UsageError(
                     f"ringreduce: optimizer.zero_grad() on rank {self._rank} was called after "
                     "loss.backward() but before optimizer.step() or optimizer.synchronize(); "
-                    "the gradients are still being reduced. Call zero_grad() before backward.")
+                    "the gradients are being reduced (or counted towards "
+                    "backward_passes_per_step). Call zero_grad() before backward.")
             try:        # a broken step still meets the other ranks' collectives, and tells
                 self._complete_collectives()        # them to skip the step
             except UsageError:
@@ -496,7 +543,17 @@ class GradientReduction(WrappedOptimizer):
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         super().set_backward_passes_per_step(passes)
-        self._reset_step()
+        self._count_again()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._count_again()
+        super().load_state_dict(state_dict)     # type: ignore[misc]  (the wrapped class's)
+
+    def _count_again(self) -> None:
+        """As Horovod's: the backward passes counted for this step start again, where none of
+        its collectives is submitted yet (submitted ones are still waited for at the step)."""
+        if not self._handles:
+            self._reset_step()
 
 
 def describe(bucket: fusion.Bucket) -> None:

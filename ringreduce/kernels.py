@@ -2,7 +2,7 @@
 (native/kernels.c, called without the GIL), the same kernels the node's shared-memory path runs.
 
 Kernels work on flat NumPy arrays from `buffers.as_array`: `target = target op source` (or
-`target = mine op source`), and the finishing step `x = x / divisor * scale`. Elementwise
+`target = mine op source`), and the finishing step `x = x * (scale / divisor)`. Elementwise
 kernels are deterministic, which the ring's bitwise-identical guarantee relies on. Beside them,
 the compression casts and a streaming copy.
 """
@@ -22,8 +22,8 @@ Kernel = Callable[..., None]    # (target, source[, mine]), see reducer()
 
 
 class ReduceOp(enum.IntEnum):
-    """Reduction operations, numbered as Horovod's; `Average` is a sum divided by the set's
-    size."""
+    """Reduction operations, numbered as Horovod's; `Average` is a sum times postscale / size,
+    one multiply, as Horovod's (`finish`)."""
 
     Average = _native.OP_AVERAGE
     Sum = _native.OP_SUM
@@ -53,8 +53,10 @@ def reducer(dtype: torch.dtype, op: ReduceOp) -> Kernel:
 
 
 def finish(array: np.ndarray, dtype: torch.dtype, divisor: float, scale: float) -> None:
-    """array = array / divisor * scale in place (integers: times scale / divisor in float64,
-    truncated toward zero, as Horovod scales them); factors of 1 are free."""
+    """array *= scale / divisor in place, as Horovod scales (Average's postscale / size): the
+    factor in float64, then one multiply by it cast to float32 for float32 and the 16-bit
+    floats, in float64 for float64 and integers (truncated toward zero); a factor of 1 is
+    free."""
     if (divisor != 1.0 or scale != 1.0) and array.size:
         _native.finish(CODES[dtype], address(array), array.size, float(divisor), float(scale))
 

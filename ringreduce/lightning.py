@@ -266,9 +266,11 @@ def strategy_classes(package: str) -> SimpleNamespace:
                    reduce_op: Optional[Union[TorchReduceOp, str]] = "mean") -> Any:
             """`tensor` reduced over the ranks (a new tensor; a non-tensor comes back as is).
             `group`: None or a ringreduce ProcessSet. An integer tensor's average comes in torch's
-            default float dtype (DDP truncates it to an integer)."""
+            default float dtype (DDP truncates it to an integer). Lightning's DDP takes tensors
+            that are not contiguous: they are copied (the collectives refuse them)."""
             if not isinstance(tensor, torch.Tensor):
                 return tensor
+            tensor = tensor.contiguous()
             op = _reduce_op(reduce_op, TorchReduceOp)
             if op is Average and not (tensor.is_floating_point() or tensor.is_complex()):
                 average = allreduce(tensor.double(), op=op, process_set=_process_set(group))
@@ -282,8 +284,8 @@ def strategy_classes(package: str) -> SimpleNamespace:
             torch.distributed.nn's all_gather (which Lightning uses under DDP) gives."""
             ps = _process_set(group)
             if not sync_grads or not tensor.requires_grad:
-                return allgather(tensor.detach().unsqueeze(0), process_set=ps)
-            source = tensor.unsqueeze(0)
+                return allgather(tensor.detach().unsqueeze(0).contiguous(), process_set=ps)
+            source = tensor.unsqueeze(0).contiguous()
             ranks = ps.size()
             source.register_hook(lambda grad: grad * ranks)   # ours averages; torch's sums
             return allgather(source, process_set=ps)

@@ -73,7 +73,7 @@ class NodeWindow:
               divisor: float, scale: float, digest: int,
               output: Optional[Callable[[], int]] = None) -> bool:
         """Allreduce `count` elements at address `src` into `dst` (may be `src`) through one
-        slot per rank; the result divided by `divisor`, then multiplied by `scale`. With
+        slot per rank; the result times scale / divisor (kernels.finish). With
         `output`, `output()` makes `dst` (its address) once ours is published (off the path
         the peers wait on). False, with `dst` untouched, when the digests differ (on every
         local rank)."""

@@ -1,14 +1,11 @@
 """The step's agreement: the last collective of a `DistributedOptimizer` step, after its buckets.
 
-One small allreduce (Max) of a byte per parameter with a dense gradient, 1 where this rank had
-a gradient for it, and three last bytes: 1 where this rank's step is broken (an extra backward
+One small allreduce (Max) of three bytes: 1 where this rank's step is broken (an extra backward
 pass), 1 where it steps again on its last step's gradients, 1 where it does not. From it every
-rank learns the same two things: which parameters no rank had a gradient for (they keep
-`.grad` None, as in one process, where zeros stood in for the ranks lacking one), and whether
-the step is broken, so that every rank skips it, not only the one that broke it. A step is
-broken where some rank's is, and where some ranks step again while others do not: a second
-`step()` on one rank pairs its collectives with the others' next step, and every later step
-with another step's (all ranks stepping twice is a step like any other).
+rank learns whether the step is broken, so that every rank skips it, not only the one that
+broke it. A step is broken where some rank's is, and where some ranks step again while others
+do not: a second `step()` on one rank pairs its collectives with the others' next step, and
+every later step with another step's (all ranks stepping twice is a step like any other).
 """
 from __future__ import annotations
 
@@ -26,14 +23,14 @@ from .signature import digest
 
 
 class StepAgreement:
-    """The agreement of one bucket plan: `parameter_names` are the parameters that may be
-    marked present, in the same order on every rank (`mark_present` takes a position there)."""
+    """The agreement of one bucket plan over `parameter_names` (which its signature names, so
+    that ranks with different plans are told which parameters differ)."""
 
     def __init__(self, members: ActiveSet, process_set: ProcessSet, prefix: str,
                  parameter_names: Sequence[str]) -> None:
         self._set, self._process_set, self._prefix = members, process_set, prefix
-        self.name = f"{prefix}presence"
-        self._marks = torch.zeros(len(parameter_names) + 3, dtype=torch.uint8)
+        self.name = f"{prefix}agreement"
+        self._marks = torch.zeros(3, dtype=torch.uint8)
         self._mark_array = self._marks.numpy()      # element writes: NumPy's are cheap
         signature = {"collective": "allreduce", "name": self.name,
                      "parameters": tuple(parameter_names),
@@ -42,11 +39,8 @@ class StepAgreement:
                                 signature=signature)
 
     def clear(self) -> None:
-        """A new step: nothing present, nothing broken."""
+        """A new step: nothing broken."""
         self._marks.zero_()
-
-    def mark_present(self, position: int) -> None:
-        self._mark_array[position] = 1
 
     def submit(self, broken: bool, again: bool) -> Handle:
         """Queue the allreduce: this rank's step broken or not, and stepping again on its last
@@ -55,10 +49,6 @@ class StepAgreement:
         marks[-3], marks[-2], marks[-1] = broken, again, not again
         transport, marks, spec = self._set.transport, self._marks, self._spec
         return submit((self._set, self.name, lambda: transport.allreduce(marks, marks, spec)))
-
-    def present(self) -> list[int]:
-        """Once the allreduce is done: per position, whether some rank had a gradient."""
-        return self._marks.tolist()
 
     def broken(self) -> bool:
         """Once the allreduce is done: whether some rank's step is broken, or the ranks'

@@ -1,9 +1,10 @@
 """torch.distributed's arguments as ringreduce's: its ReduceOp as our op (and prescale), its
-lists of one tensor per call, and the size checks and copies of the backend's outputs, each
-error naming the call (torch_group.py uses these)."""
+lists of one tensor per call, contiguous copies of the tensors gloo takes and ringreduce's
+collectives refuse, and the size checks and copies of the backend's outputs, each error naming
+the call (torch_group.py uses these)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,24 @@ def same_size(got: torch.Tensor, want: torch.Tensor, what: str, which: str) -> N
         raise ValueError(f"ringreduce backend: {what}: {which} is {got.dtype} "
                          f"{tuple(got.shape)}, but the input is {want.dtype} "
                          f"{tuple(want.shape)}; they must have the same dtype and size")
+
+
+def worked_on(tensors: Sequence[torch.Tensor]
+              ) -> tuple[list[torch.Tensor], Optional[Callable[[Any], None]]]:
+    """The tensors an in-place call works on, and what writes them back when it is done (None:
+    nothing to): gloo reduces and broadcasts tensors that are not contiguous, which
+    ringreduce's collectives refuse (as Horovod's), so each such tensor gets a contiguous copy,
+    copied back into it."""
+    targets = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    copied = [(t, c) for t, c in zip(tensors, targets) if c is not t]
+    if not copied:
+        return targets, None
+
+    def write_back(_result: Any) -> None:
+        for tensor, copy in copied:
+            tensor.copy_(copy)
+
+    return targets, write_back
 
 
 def copy_flat(target: torch.Tensor, source: torch.Tensor) -> None:

@@ -34,7 +34,7 @@ from .errors import RingReduceError, UnsupportedError
 from .point_to_point import Channel
 from .process_sets import ActiveSet, ProcessSet, active, close_group, global_process_set
 from .small_way import started
-from .torch_arguments import SUM, copy_flat, logical, one, reduction, same_size
+from .torch_arguments import SUM, copy_flat, logical, one, reduction, same_size, worked_on
 from .torch_work import FINISHED, CollectiveWork
 
 BACKEND = "ringreduce"
@@ -140,7 +140,7 @@ class RingReduceGroup(dist.ProcessGroup):
             raise ValueError(f"ringreduce backend: {kind} on rank {self.rank()}: an input "
                              f"must hold a multiple of {self.size()} elements (a row per "
                              f"rank), got {input.numel()}")
-        return input.detach().reshape(self.size(), -1)
+        return input.detach().reshape(self.size(), -1).contiguous()
 
     def _check_output(self, output: torch.Tensor, arrived: torch.Tensor, kind: str) -> None:
         """Checks of torch's output tensors run when the collective is done, before they are
@@ -178,6 +178,9 @@ class RingReduceGroup(dist.ProcessGroup):
                 op, pre = (Sum, 1.0) if opts is None else self._op(opts, "allreduce")
         if tensor.layout is _SPARSE:
             return self._sparse_allreduce(ps, name, tensor, op, pre)
+        write_back = None
+        if not tensor.is_contiguous():      # (the common case pays for this test alone)
+            (tensor,), write_back = worked_on([tensor])
         if tensor.dtype is _BOOL:
             with refusing(ps, name, "allreduce"):
                 tensor, op = logical(tensor, op, pre, f"allreduce on rank {self.rank()}")
@@ -186,12 +189,14 @@ class RingReduceGroup(dist.ProcessGroup):
             # the set's engine is idle (the handle's queue costs as much as a small allreduce)
             allreduce_(tensor, name=name, op=op, prescale_factor=pre,
                        process_set=self._process_set)
+            if write_back is not None:
+                write_back(None)
             return CollectiveWork(FINISHED, tensors)
         handle = started(ps, tensor, name, op, 1.0) if pre == 1.0 else None    # small
         if handle is None:
             handle = submit(allreduce_work(tensor, None, name, op, pre, 1.0, Compression.none,
                                            True, self._process_set))
-        return CollectiveWork(handle, tensors)
+        return CollectiveWork(handle, tensors, write_back)
 
     def _sparse_allreduce(self, ps: ActiveSet, name: str, tensor: torch.Tensor, op: Any,
                           pre: float) -> CollectiveWork:
@@ -217,9 +222,10 @@ class RingReduceGroup(dist.ProcessGroup):
         with checks:
             op, pre = (self._op(opts, "allreduce_coalesced") if opts is not None
                        else (Sum, 1.0))
-        return CollectiveWork(grouped_allreduce_async_(list(tensors), name=name, op=op,
+        targets, write_back = worked_on(tensors)
+        return CollectiveWork(grouped_allreduce_async_(targets, name=name, op=op,
                                                        prescale_factor=pre, process_set=ps),
-                              tensors)
+                              tensors, write_back)
 
     def reduce(self, tensors: list, opts: Any) -> CollectiveWork:
         """An allreduce whose result only the root keeps."""
@@ -231,7 +237,8 @@ class RingReduceGroup(dist.ProcessGroup):
             self._global(root, "reduce")
             if tensor.dtype is _BOOL:
                 tensor, op = logical(tensor, op, pre, f"reduce on rank {self.rank()}")
-        handle = allreduce_async(tensor, name=name, op=op, prescale_factor=pre, process_set=ps)
+        handle = allreduce_async(tensor.contiguous(), name=name, op=op, prescale_factor=pre,
+                                 process_set=ps)
 
         def finish(result: torch.Tensor) -> None:
             if self.rank() == root:
@@ -292,8 +299,9 @@ class RingReduceGroup(dist.ProcessGroup):
         with checks:
             tensor = one(tensors, "broadcast")
             root = self._global(opts.rootRank, "broadcast")
-        return CollectiveWork(broadcast_async_(tensor, root, name=name, process_set=ps),
-                              tensors)
+        (target,), write_back = worked_on([tensor])
+        return CollectiveWork(broadcast_async_(target, root, name=name, process_set=ps),
+                              tensors, write_back)
 
     def allgather(self, output_tensors: list, input_tensors: list,
                   opts: Any = None) -> CollectiveWork:
@@ -316,7 +324,8 @@ class RingReduceGroup(dist.ProcessGroup):
         """Each rank's `tensor` as one row (the signature then holds its whole shape, so a
         rank with another shape is a MismatchError everywhere); row r goes to outputs[r]
         (None: kept nowhere)."""
-        handle = allgather_async(tensor.detach().unsqueeze(0), name=name, process_set=ps)
+        handle = allgather_async(tensor.detach().unsqueeze(0).contiguous(), name=name,
+                                 process_set=ps)
 
         def finish(rows: torch.Tensor) -> None:
             if outputs is None:
@@ -336,7 +345,8 @@ class RingReduceGroup(dist.ProcessGroup):
                           opts: Any = None) -> CollectiveWork:
         what = "all_gather_into_tensor"
         ps, name, _ = self._call(what)
-        handle = allgather_async(input.detach().unsqueeze(0), name=name, process_set=ps)
+        handle = allgather_async(input.detach().unsqueeze(0).contiguous(), name=name,
+                                 process_set=ps)
 
         def finish(rows: torch.Tensor) -> None:
             self._check_output(output, rows, what)
@@ -350,8 +360,9 @@ class RingReduceGroup(dist.ProcessGroup):
                                     opts: Any = None) -> CollectiveWork:
         what = "all_gather_into_tensor_coalesced"
         ps, name, _ = self._call(what)
-        return self._written(grouped_allgather_async([i.detach().unsqueeze(0) for i in inputs],
-                                                     name=name, process_set=ps), outputs, what)
+        rows = [i.detach().unsqueeze(0).contiguous() for i in inputs]
+        return self._written(grouped_allgather_async(rows, name=name, process_set=ps), outputs,
+                             what)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -365,8 +376,8 @@ class RingReduceGroup(dist.ProcessGroup):
                 raise ValueError(f"ringreduce backend: allgather_coalesced on rank "
                                  f"{self.rank()} takes {self.size()} output lists of "
                                  f"{len(inputs)} tensors")
-        handle = grouped_allgather_async([i.detach().unsqueeze(0) for i in inputs], name=name,
-                                         process_set=ps)
+        handle = grouped_allgather_async([i.detach().unsqueeze(0).contiguous() for i in inputs],
+                                         name=name, process_set=ps)
 
         def finish(gathered: list) -> None:
             for i, rows in enumerate(gathered):
@@ -403,13 +414,18 @@ class RingReduceGroup(dist.ProcessGroup):
         with checks:
             if input_split_sizes:
                 splits = list(input_split_sizes)
+                if input.dim() == 0 or sum(splits) != input.shape[0]:   # (as gloo checks)
+                    raise ValueError(f"ringreduce backend: {what} on rank {self.rank()}: "
+                                     f"input_split_sizes {splits} do not sum to dimension 0 "
+                                     f"of the input ({tuple(input.shape)})")
             elif input.dim() > 0 and input.shape[0] % n == 0:
                 splits = [input.shape[0] // n] * n
             else:
                 raise ValueError(f"ringreduce backend: {what} on rank {self.rank()}: dimension "
                                  f"0 of the input ({tuple(input.shape)}) does not divide by the "
                                  f"{n} ranks; pass input_split_sizes")
-            handle = alltoall_async(input.detach(), splits, name=name, process_set=ps)
+            handle = alltoall_async(input.detach().contiguous(), splits, name=name,
+                                    process_set=ps)
         wanted = list(output_split_sizes) if output_split_sizes else None
 
         def finish(result: tuple) -> None:

@@ -52,7 +52,7 @@ Pieces = Callable[[ReduceSpec], Callable[[np.ndarray], None]]
 
 
 def scale(tensor: torch.Tensor, spec: ReduceSpec, divisor: float, factor: float) -> None:
-    """A contiguous CPU tensor divided by `divisor`, then multiplied by `factor`, in place."""
+    """A contiguous CPU tensor times factor / divisor, in place (kernels.finish)."""
     if divisor != 1.0 or factor != 1.0:
         _native.finish(spec.code, tensor.data_ptr(), tensor.numel(), divisor, factor)
 
@@ -95,7 +95,8 @@ class SetParts:
         return dst
 
     def finisher(self, spec: ReduceSpec) -> Optional[Callable[[np.ndarray], None]]:
-        """What happens to each finished chunk: Average's division, then the postscale."""
+        """What happens to each finished chunk: times postscale / size for Average, times
+        the postscale otherwise (Horovod's one factor)."""
         divisor = self.divisor(spec.op)
         if divisor == 1.0 and spec.postscale == 1.0:
             return None
@@ -218,7 +219,7 @@ class Alone(Way):
     def exchange(self, src: int, dst: int, nbytes: int, count: int, code: int, op: ReduceOp,
                  divisor: float, factor: float, digest: int,
                  output: Optional[Callable[[], int]] = None) -> bool:
-        """`src` into `dst` (or into what `output()` makes), divided and scaled."""
+        """`src` into `dst` (or into what `output()` makes), times factor / divisor."""
         if output is not None:
             dst = output()
         if dst != src:

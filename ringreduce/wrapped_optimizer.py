@@ -1,7 +1,7 @@
 """What every `DistributedOptimizer` shares, whichever life cycle it has: Horovod's argument
 checks and parameter names, stepping the wrapped optimizer, `skip_synchronize()`, `release()`,
-and state shared with the plain optimizer it was made from; and the simplest life cycle, a rank
-outside the optimizer's process set (`LocalOptimizer`).
+and state shared with the plain optimizer an LR scheduler steps; and the simplest life cycle, a
+rank outside the optimizer's process set or a job of one process (`LocalOptimizer`).
 
 `DistributedOptimizer()` (optimizer.py) makes a subclass of the user's optimizer class with a
 life cycle first in its bases, so the MRO is (life cycle, ..., `WrappedOptimizer`, the user's
@@ -67,10 +67,13 @@ class WrappedOptimizer:
         self._named, self._parameter_names = named_parameters(self.param_groups,
                                                               options.named_parameters)
         self._names = {id(p): n for n, p in self._named}
-        check_passes(options.backward_passes_per_step)
-        self._passes = options.backward_passes_per_step
+        if options.gradient_as_bucket_view and options.compression is not Compressor:
+            raise ValueError("ringreduce: gradient_as_bucket_view needs compression="
+                             "Compression.none (compressed buckets hold another dtype)")
+        self._passes = check_passes(options.backward_passes_per_step)
         op = reduce_op(options.op, None, "DistributedOptimizer", adasum_ok=True)
-        if options.gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
+        if options.gradient_predivide_factor != 1.0 and (options.op is None
+                                                         or op != ReduceOp.Average):
             raise ValueError("ringreduce: gradient_predivide_factor only applies to op=Average "
                              f"(got op={op.name}); drop the factor or use Average")
         self._skip_sync = False
@@ -108,8 +111,7 @@ class WrappedOptimizer:
         super().step()      # type: ignore[misc]  (the wrapped class's)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
-        check_passes(passes)
-        self._passes = passes
+        self._passes = check_passes(passes)
 
     def release(self) -> None:
         """Remove the gradient hooks: backward passes after this start no collectives (a
@@ -141,9 +143,9 @@ class WrappedOptimizer:
 
 
 class LocalOptimizer(WrappedOptimizer):
-    """On a rank outside the optimizer's process set, as Horovod's: no gradient hooks, nothing
-    to reduce; synchronize() returns at once and step() steps with this rank's own gradients
-    (the wrapped optimizer's step, given the closure)."""
+    """On a rank outside the optimizer's process set, and in a job of one process, as
+    Horovod's: no gradient hooks, nothing to reduce; synchronize() returns at once and step()
+    steps with this rank's own gradients (the wrapped optimizer's step, given the closure)."""
 
     def _setup(self, options: Options) -> None:
         everyone = active(global_process_set, "DistributedOptimizer()")
@@ -170,10 +172,14 @@ def abandon_step(optimizer: torch.optim.Optimizer) -> None:
         optimizer._reset_step()
 
 
-def check_passes(passes: Any) -> None:
+def check_passes(passes: Any) -> int:
+    """backward_passes_per_step as an int (Horovod counts down a float like 2.0 alike)."""
+    if isinstance(passes, float) and passes.is_integer():
+        passes = int(passes)
     if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
         raise ValueError("ringreduce: backward_passes_per_step must be an integer >= 1, got "
                          f"{passes!r}")
+    return int(passes)
 
 
 def remove_hooks(hooks: list) -> None:
@@ -225,4 +231,12 @@ def explicit_groups(groups: Any, named: Sequence[tuple[str, torch.Tensor]]
         return [params[i:i + per] for i in range(0, len(params), per)]
     if not all(isinstance(g, (list, tuple)) for g in groups):
         raise ValueError("ringreduce: groups must be an int or a list of lists of parameters")
+    seen: set[int] = set()
+    for p in (p for g in groups for p in g):      # as Horovod checks them
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(f"ringreduce: groups must consist of parameters (torch.Tensor), "
+                             f"got {type(p).__name__}")
+        if id(p) in seen:
+            raise ValueError("ringreduce: a parameter can only appear once in groups")
+        seen.add(id(p))
     return groups

@@ -102,6 +102,7 @@ def test_errors_are_caught_by_horovods_except_clauses():
     assert issubclass(hvd.UsageError, AssertionError)
     assert issubclass(hvd.ArgumentTypeError, TypeError)         # ours before
     assert issubclass(hvd.ArgumentTypeError, ValueError)        # Horovod's alltoall splits
+    assert issubclass(hvd.NotContiguousError, ValueError)       # Horovod: ValueError
     with pytest.raises(ValueError, match="before ringreduce.init"):
         hvd.rank()
 

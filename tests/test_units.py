@@ -15,7 +15,7 @@ import torch
 import ringreduce as hvd
 from ringreduce import (_native, config, crossnode, engine, kernels, negotiation, ring,
                         signature, stall)
-from ringreduce.buffers import as_array
+from ringreduce.buffers import CODES, as_array
 from ringreduce.mpi import mpi
 
 
@@ -165,28 +165,46 @@ def assert_same(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> No
          and torch.equal(got[~got.isnan()], want[~want.isnan()]))
 
 
+def horovod_scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """x times `factor` as Horovod's ScaleBufferCPUImpl computes it: float64 and integers in
+    float64 (integers truncated toward zero), float32 and the 16-bit floats times the factor
+    cast to float32, rounded once."""
+    if not x.dtype.is_floating_point:
+        return (x.double() * factor).to(torch.int64).to(x.dtype)
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (x.to(compute) * torch.tensor(factor, dtype=torch.float64).to(compute)).to(x.dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_finish_divides_then_scales(dtype):
+def test_finish_scales_by_one_factor_as_horovod(dtype):
+    """Average's postscale / size in float64, one multiply (not a division, then a multiply):
+    5 / 3 and 5 * float32(1 / 3) differ in the last bit."""
     x = torch.arange(-50, 50).to(dtype)
+    post = 0.7 if dtype.is_floating_point else 1.0
     got = x.clone()
-    kernels.finish(as_array(got), dtype, 3.0, 0.5 if dtype.is_floating_point else 1.0)
-    if dtype.is_floating_point:
-        want = (x.float() / 3 * 0.5).to(dtype) if dtype.itemsize == 2 else x / 3 * 0.5
-    else:
-        want = (x.double() * (1 / 3)).to(dtype)     # Horovod's: float64, truncated
-    assert torch.equal(got, want)
+    kernels.finish(as_array(got), dtype, 3.0, post)
+    assert torch.equal(got, horovod_scaled(x, post / 3))
+    if dtype in (torch.float32, torch.float64):
+        assert not torch.equal(got, x / 3 * post)      # (the division, then the multiply)
     ints = torch.tensor([-7, -1, 0, 5, 7], dtype=torch.int32)
     kernels.finish(as_array(ints), torch.int32, 1.0, 0.5)   # scaled in float64, truncated
     assert ints.tolist() == [-3, 0, 0, 2, 3]
+    big = torch.tensor([2 ** 62 + 1], dtype=torch.int64)
+    kernels.finish(as_array(big), torch.int64, 3.0, 3.0)    # factor 1: untouched, as Horovod
+    assert big.item() == 2 ** 62 + 1
 
 
-def test_fused_last_step_equals_separate_passes_in_float32():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_last_step_equals_sum_then_horovods_scaling(dtype):
+    """The fused kernels round the sum to the dtype, then scale it as finish does (the 16-bit
+    floats round twice, as Horovod's sum and then its scaling pass)."""
     g = torch.Generator().manual_seed(1)
-    a, b = torch.randn(10_007, generator=g), torch.randn(10_007, generator=g)
+    a = (torch.randn(10_007, generator=g) * 100).to(dtype)
+    b = (torch.randn(10_007, generator=g) * 100).to(dtype)
     out = torch.empty_like(a)
-    _native.combine(_native.F32, hvd.Average, a.data_ptr(), b.data_ptr(), out.data_ptr(),
+    _native.combine(CODES[dtype], hvd.Average, a.data_ptr(), b.data_ptr(), out.data_ptr(),
                     a.numel(), True, 3.0, 0.5)
-    assert torch.equal(out, (a + b) / 3 * 0.5)
+    assert_same(out, horovod_scaled(a + b, 0.5 / 3), dtype)
 
 
 @pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16])

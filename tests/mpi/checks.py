@@ -17,6 +17,19 @@ def check_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert torch.equal(got, want), f"{what}: got {got.reshape(-1)[:8]} want {want.reshape(-1)[:8]}"
 
 
+def horovod_scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """x times `factor` as Horovod scales a reduced tensor (Average's factor is postscale /
+    size, in float64; ScaleBufferCPUImpl): float64 and integers (truncated toward zero) in
+    float64, float32 and the 16-bit floats by the factor cast to float32, rounded once; a
+    factor of 1 leaves x as it is."""
+    if factor == 1.0:
+        return x
+    if not x.dtype.is_floating_point:
+        return (x.double() * factor).to(torch.int64).to(x.dtype)
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (x.to(compute) * torch.tensor(factor, dtype=torch.float64).to(compute)).to(x.dtype)
+
+
 def expect(error: type, fragments: Union[str, Sequence[str]], fn: Callable, *args,
            **kwargs) -> str:
     """`fn(*args, **kwargs)` raises `error` whose message holds every fragment; returns the

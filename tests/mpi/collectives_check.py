@@ -15,7 +15,7 @@ import torch
 from mpi4py import MPI
 
 import ringreduce as hvd
-from checks import check_equal, per_setting
+from checks import check_equal, horovod_scaled, per_setting
 
 world = MPI.COMM_WORLD
 r, n = world.rank, world.size
@@ -55,10 +55,7 @@ def _reference(length, dtype, op, pre, post, salt):
     else:
         out = xs.prod(0)
     out = out.to(dtype)  # exact: every partial result is a small integer
-    if op == hvd.Average:
-        # integers as Horovod averages them: times 1/n in float64, truncated toward zero
-        out = out / n if dtype.is_floating_point else (out.double() * (1.0 / n)).to(dtype)
-    return out * post if post != 1.0 else out
+    return horovod_scaled(out, post / n if op == hvd.Average else post)
 
 
 def same_on_every_rank(t, what):
@@ -111,13 +108,53 @@ def check_allreduce():
         warnings.simplefilter("ignore", DeprecationWarning)
         got = hvd.allreduce(inputs(r, 10, torch.float32, hvd.Sum), average=False)
     check_equal(got, reference(10, torch.float32, hvd.Sum), "average=False")
-    # shapes are kept; non-contiguous inputs are copied; 0-d tensors work
+    # shapes are kept (inputs that are not contiguous are refused, as Horovod's: see
+    # errors_check.py); 0-d tensors work
     m = torch.arange(12, dtype=torch.float32).reshape(3, 4) * (r + 1)
-    got = hvd.allreduce(m.t(), op=hvd.Sum)
-    check_equal(got, torch.arange(12, dtype=torch.float32).reshape(3, 4).t() * (n * (n + 1) // 2),
-                "non-contiguous")
+    got = hvd.allreduce(m, op=hvd.Sum)
+    check_equal(got, torch.arange(12, dtype=torch.float32).reshape(3, 4) * (n * (n + 1) // 2),
+                "shape kept")
     got = hvd.allreduce(torch.tensor(float(r)), op=hvd.Sum)
     check_equal(got, torch.tensor(float(n * (n - 1) // 2)), "0-d")
+
+
+def same_bits(got, want, what):
+    assert got.dtype == want.dtype and got.shape == want.shape, \
+        f"{what}: got {got.dtype}{tuple(got.shape)}, want {want.dtype}{tuple(want.shape)}"
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), \
+        f"{what}: got {got.reshape(-1)[:8].tolist()} want {want.reshape(-1)[:8].tolist()}"
+
+
+def check_average_scales_as_horovod():
+    """Average is Horovod's: the sum times postscale / size, that factor computed in float64
+    and cast to float32 for float32 and the 16-bit floats, one multiply (not a division and
+    then a multiply: with sums 5, 7 and 10 over 3 ranks the last bits differ). A 16-bit sum
+    is rounded to its dtype before it is scaled (2048 + 1 is 2048 in float16, 256 + 1 is 256
+    in bfloat16), as Horovod's sum is. On every path: allreduce (small, in place, async,
+    grouped), reducescatter. The inputs repeat over 403 elements, so vector loops run too."""
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        big = {torch.float16: 2048.0, torch.bfloat16: 256.0}.get(dtype, 5.0)
+        mine = {0: [5.0, 7.0, 10.0, big], 1: [0.0, 0.0, 0.0, 1.0]}.get(r, [0.0] * 4)
+        x = torch.tensor(mine * 100 + mine[:3], dtype=dtype)
+        total = [5.0, 7.0, 10.0, big + (n > 1)]
+        exact = torch.tensor(total * 100 + total[:3], dtype=torch.float64)
+        summed = exact.to(dtype)
+        for post in (1.0, 0.7):
+            what = f"Average {dtype} postscale={post}"
+            want = horovod_scaled(summed, post / n)
+            if n == 3 and dtype in (torch.float32, torch.float64):
+                assert not torch.equal(want, summed / n * post), "the sums must tell"
+            same_bits(hvd.allreduce(x, postscale_factor=post, name=what), want, what)
+            y = x.clone()
+            hvd.synchronize(hvd.allreduce_async_(y, postscale_factor=post, name=what + " _"))
+            same_bits(y, want, what + " async in place")
+            got = hvd.grouped_allreduce([x, x.double()], postscale_factor=post,
+                                        name=what + " grouped")
+            same_bits(got[0], want, what + " grouped")
+            same_bits(got[1], horovod_scaled(exact, post / n), what + " grouped float64")
+            rows = x.repeat(n, 1)       # every row alike: rank r keeps row r
+            same_bits(hvd.reducescatter(rows, postscale_factor=post, name=what + " rs"),
+                      want.unsqueeze(0), what + " reducescatter")
 
 
 def check_inline_and_queued_small_allreduce_agree():
@@ -191,6 +228,13 @@ def check_broadcast():
             assert got.data_ptr() != x.data_ptr(), "broadcast returned the input's memory"
             assert hvd.broadcast_(x, root) is x
             check_equal(x, inputs(root, 1003, dtype, hvd.Sum), f"broadcast_ root={root}")
+    # The gradient on the other ranks is the averaged one times 0, as Horovod's
+    # (`grad_reduced *= 0`): NaN where it is infinite or NaN, zero elsewhere
+    x = torch.ones(3, requires_grad=True)
+    hvd.broadcast(x, root_rank=0).backward(torch.tensor([float("inf"), float("nan"), 2.0]))
+    want = torch.tensor([float("inf"), float("nan"), 2.0]) * (1.0 if r == 0 else 0.0)
+    assert torch.equal(x.grad.isnan(), want.isnan()) and \
+        torch.equal(x.grad[~want.isnan()], want[~want.isnan()]), f"broadcast gradient {x.grad}"
 
 
 def check_alltoall():
@@ -213,6 +257,25 @@ def check_alltoall():
         pieces.append(rows_of(k)[start:start + splits_of(k)[r]])
     check_equal(out, torch.cat(pieces), "alltoall splits")
     assert received.tolist() == [splits_of(k)[r] for k in range(n)], received
+    # As Horovod's: the handle of alltoall_async gives (output, received splits), with or
+    # without splits (alltoall itself gives the output alone without them)
+    result = hvd.synchronize(hvd.alltoall_async(x))
+    assert isinstance(result, tuple) and len(result) == 2, type(result)
+    check_equal(result[0], want, "alltoall_async without splits")
+    check_equal(result[1], torch.full((n,), 2, dtype=torch.int32), "its received splits")
+    out, received = hvd.synchronize(hvd.alltoall_async(rows_of(r), splits=splits_of(r)))
+    check_equal(out, torch.cat(pieces), "alltoall_async with splits")
+    # Splits summing to less than dimension 0, as Horovod allows: the rows past them are not
+    # sent, and their gradient is zero
+    x = (torch.arange((n + 2) * 2, dtype=torch.float32).reshape(n + 2, 2) + 100 * r)
+    x.requires_grad_()
+    out, received = hvd.alltoall(x, splits=[1] * n)
+    check_equal(out.detach(), torch.stack([torch.tensor([2.0 * r, 2.0 * r + 1]) + 100 * k
+                                           for k in range(n)]), "alltoall leaving rows")
+    check_equal(received, torch.ones(n, dtype=torch.int32), "alltoall leaving rows: splits")
+    out.sum().backward()
+    check_equal(x.grad, torch.cat([torch.ones(n, 2), torch.zeros(2, 2)]),
+                "alltoall leaving rows: gradient")
 
 
 def check_reducescatter():
@@ -230,7 +293,8 @@ def check_reducescatter():
 
 
 def check_all():
-    for check in (check_allreduce, check_inline_and_queued_small_allreduce_agree, check_grouped,
+    for check in (check_allreduce, check_average_scales_as_horovod,
+                  check_inline_and_queued_small_allreduce_agree, check_grouped,
                   check_allgather, check_broadcast, check_alltoall, check_reducescatter):
         check()
         hvd.barrier()

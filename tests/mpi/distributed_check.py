@@ -240,6 +240,49 @@ def case_all_to_all():
         check_equal(outputs[k], torch.full((counts[k][r],), float(k)), f"all_to_all from {k}")
 
 
+def case_strided_inputs():
+    """Tensors that are not contiguous, which gloo takes (all_to_all_single aside) and the
+    Horovod-style collectives refuse as Horovod's do: the backend copies them, and writes an
+    in-place result back."""
+    def strided(seed):
+        return rand(3, 2 * n, seed=seed).t()     # (2n, 3), not contiguous
+
+    def coalesced(group):
+        tensors = [strided(50), strided(51)]
+        dist.all_reduce_coalesced(tensors, group=group)
+        return torch.cat([t.reshape(-1) for t in tensors])
+
+    def broadcast(group):
+        x = strided(52)
+        dist.broadcast(x, src=n - 1, group=group)
+        return x
+
+    def gathered(group):
+        outs = [torch.empty(2 * n, 3) for _ in range(n)]
+        dist.all_gather(outs, strided(53), group=group)
+        into = torch.empty(2 * n * n, 3)
+        dist.all_gather_into_tensor(into, strided(54), group=group)
+        return torch.cat([*outs, into])
+
+    def reduced(group):         # (on the root; then each rank's rows)
+        x, out = strided(55), torch.empty(2, 3)
+        dist.reduce(x, dst=0, group=group)
+        dist.reduce_scatter_tensor(out, strided(56), group=group)
+        return torch.cat([x, out]) if r == 0 else out
+
+    for run in (coalesced, broadcast, gathered):
+        against_gloo(run, f"{run.__name__}, not contiguous")
+    close(reduced(None), reduced(GLOO), "reduce and reduce_scatter_tensor, not contiguous")
+    got = torch.empty(2 * n, 3)
+    dist.all_to_all_single(got, strided(57))
+    want = torch.cat([rand(3, 2 * n, seed=57, rank=k).t()[2 * r:2 * r + 2] for k in range(n)])
+    check_equal(got, want, "all_to_all_single, not contiguous")
+    # input_split_sizes must cover the input's rows, as gloo checks (alltoall itself sends the
+    # rows they cover, as Horovod's)
+    expect(ValueError, "input_split_sizes", dist.all_to_all_single, torch.empty(n, 3),
+           torch.ones(n + 1, 3), [1] * n, [1] * n)
+
+
 def case_reduce_gather_scatter():
     root = n - 1
     x = rand(6, seed=30)
@@ -1048,7 +1091,7 @@ assert dist.get_backend() == "ringreduce" and dist.get_world_size() == n
 GLOO = dist.new_group(backend="gloo")
 cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadcast,
          case_all_gather, case_calls_keep_nothing_alive, case_reduce_scatter, case_all_to_all,
-         case_reduce_gather_scatter, case_send_recv, case_subgroup,
+         case_strided_inputs, case_reduce_gather_scatter, case_send_recv, case_subgroup,
          case_threads_each_on_a_group_of_its_own, case_errors,
          case_one_rank_errs, case_one_rank_refuses_its_inputs,
          case_one_rank_calls_another_kind, case_sparse_all_reduce,

@@ -28,19 +28,51 @@ r, n = hvd.rank(), hvd.size()
 
 
 here = f"rank {r}"
-# Local argument errors: raised on the rank that made them, before any MPI traffic.
-expect(TypeError, ["'flags'", here, "bool"], hvd.allreduce, torch.ones(3, dtype=torch.bool),
-       name="flags")
-expect(TypeError, ["'cplx'", here, "complex64"], hvd.allreduce,
+# Local argument errors: raised on the rank that made them, before any MPI traffic. A dtype or
+# layout a collective does not take is Horovod's ValueError ("Tensor type ... is not
+# supported."), and a TypeError as ours was: ArgumentTypeError.
+expect(hvd.ArgumentTypeError, ["'flags'", here, "bool"], hvd.allreduce,
+       torch.ones(3, dtype=torch.bool), name="flags")
+expect(hvd.ArgumentTypeError, ["'cplx'", here, "complex64"], hvd.allreduce,
        torch.ones(3, dtype=torch.complex64), name="cplx")
-expect(TypeError, ["'sp'", here, "sparse"], hvd.allreduce, torch.eye(3).to_sparse(), name="sp")
+expect(hvd.ArgumentTypeError, ["'sp'", here, "sparse"], hvd.allreduce, torch.eye(3).to_sparse(),
+       name="sp")
+# A tensor that is not contiguous: Horovod's ValueError ('Tensor is required to be
+# contiguous.') for every collective, in place or not (NotContiguousError), the input
+# untouched; also with the dtype refused first, as Horovod checks the type first.
+strided = torch.arange(12.0).reshape(3, 4).t()
+not_contiguous = {
+    "allreduce": lambda t, name: hvd.allreduce(t, name=name),
+    "allreduce_": lambda t, name: hvd.allreduce_(t, name=name),
+    "allreduce_async": lambda t, name: hvd.allreduce_async(t, name=name),
+    "allreduce_async_": lambda t, name: hvd.allreduce_async_(t, name=name),
+    "grad_allreduce": lambda t, name: hvd.allreduce(t.detach().requires_grad_(), name=name),
+    "grouped_allreduce": lambda t, name: hvd.grouped_allreduce([torch.ones(2), t], name=name),
+    "grouped_allreduce_": lambda t, name: hvd.grouped_allreduce_([torch.ones(2), t], name=name),
+    "allgather": lambda t, name: hvd.allgather(t, name=name),
+    "grouped_allgather": lambda t, name: hvd.grouped_allgather([torch.ones(2), t], name=name),
+    "broadcast": lambda t, name: hvd.broadcast(t, 0, name=name),
+    "broadcast_": lambda t, name: hvd.broadcast_(t, 0, name=name),
+    "broadcast_async_": lambda t, name: hvd.broadcast_async_(t, 0, name=name),
+    "alltoall": lambda t, name: hvd.alltoall(t, name=name),
+    "reducescatter": lambda t, name: hvd.reducescatter(t, name=name),
+    "grouped_reducescatter": lambda t, name: hvd.grouped_reducescatter([torch.ones(n), t],
+                                                                      name=name),
+}
+for kind, call in not_contiguous.items():
+    before = strided.clone()
+    expect(hvd.NotContiguousError, [f"'{kind}.strided", here, "not contiguous"], call, strided,
+           f"{kind}.strided")
+    assert torch.equal(strided, before) and not strided.is_contiguous(), kind
+assert issubclass(hvd.NotContiguousError, ValueError)
+expect(hvd.ArgumentTypeError, ["bool"], hvd.allreduce, torch.ones(3, 4, dtype=torch.bool).t())
 expect(TypeError, ["'lst'", "torch.Tensor"], hvd.allreduce, [1, 2], name="lst")
 expect(ValueError, ["'b'", "root_rank", str(n)], hvd.broadcast, torch.ones(2), n, name="b")
 expect(ValueError, ["'b2'", "root_rank"], hvd.broadcast, torch.ones(2), -1, name="b2")
 expect(ValueError, ["'a2a'", "non-negative"], hvd.alltoall, torch.ones(n, 2),
        splits=[-1] + [1] * (n - 1) if n > 1 else [-1], name="a2a")
-expect(ValueError, ["'a2b'", "summing"], hvd.alltoall, torch.ones(n, 2), splits=[2] * n,
-       name="a2b")
+expect(ValueError, ["'a2b'", "summing to at most"], hvd.alltoall, torch.ones(n, 2),
+       splits=[2] * n, name="a2b")     # (fewer than the rows are fine, as in Horovod)
 expect(ValueError, ["'dev'", here, "meta"], hvd.allreduce, torch.ones(2, device="meta"),
        name="dev")
 expect(ValueError, ["'dev2'", here, "meta"], hvd.broadcast_, torch.ones(2, device="meta"), 0,
@@ -50,6 +82,33 @@ expect(hvd.UnsupportedError, ["Adasum only reduces allreduces"], hvd.reducescatt
 if n & (n - 1):     # Horovod's Adasum needs a power-of-two number of ranks
     expect(NotImplementedError, ["power-of-two", str(n)], hvd.allreduce, torch.ones(2),
            op=hvd.Adasum)
+# Adasum on a set other than the global one: Horovod's NotImplementedError, before the tensor
+# is looked at, from every allreduce; the set goes on.
+if n > 1:     # (a set of rank 0 alone is the global set at 1 rank)
+    alone = hvd.add_process_set([0])
+    if r == 0:
+        adasum_calls = {
+            "allreduce": lambda name: hvd.allreduce(torch.ones(2), name=name, op=hvd.Adasum,
+                                                    process_set=alone),
+            "allreduce_": lambda name: hvd.allreduce_(torch.ones(2), name=name, op=hvd.Adasum,
+                                                      process_set=alone),
+            "allreduce_async": lambda name: hvd.allreduce_async(
+                torch.ones(2), name=name, op=hvd.Adasum, process_set=alone),
+            "grouped_allreduce": lambda name: hvd.grouped_allreduce(
+                [torch.ones(2)], name=name, op=hvd.Adasum, process_set=alone),
+            "compressed": lambda name: hvd.allreduce(
+                torch.ones(2), name=name, op=hvd.Adasum, process_set=alone,
+                compression=hvd.Compression.fp16),
+            "bool": lambda name: hvd.allreduce(torch.ones(2, dtype=torch.bool), name=name,
+                                               op=hvd.Adasum, process_set=alone),
+        }
+        for kind, call in adasum_calls.items():
+            expect(NotImplementedError, [f"'adasum.{kind}'", here,
+                                         "Adasum does not support non-global process sets"],
+                   call, f"adasum.{kind}")
+        assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=alone),
+                           torch.ones(2))
+    assert hvd.remove_process_set(alone)
 expect(ValueError, ["not both"], hvd.allreduce, torch.ones(2), average=True, op=hvd.Sum)
 expect(ValueError, ["'rs0'", "at least one dimension"], hvd.reducescatter, torch.tensor(1.0),
        name="rs0")
@@ -121,7 +180,8 @@ if n > 1:
     flags = torch.ones(3, dtype=torch.bool if last else torch.float32)
     wide = torch.ones(3, dtype=torch.complex128 if last else torch.float32)   # moved: 16 bytes
     if last:
-        expect(TypeError, ["'one_bad'", "bool"], hvd.allreduce, flags, name="one_bad")
+        expect(hvd.ArgumentTypeError, ["'one_bad'", "bool"], hvd.allreduce, flags,
+               name="one_bad")
         expect(ValueError, ["does not divide"], hvd.alltoall, torch.ones(n + 1, 2))
         expect(ValueError, ["root_rank"], hvd.broadcast_, torch.ones(2), n)
         expect(TypeError, ["'one_bad_group[1]'", "bool"], hvd.grouped_allreduce,
@@ -152,6 +212,32 @@ if n > 1:
                                                   hvd.Sum)())
     assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
     assert torch.equal(hvd.alltoall(torch.ones(n, 2)), torch.ones(n, 2))
+    # The last rank's tensor alone is not contiguous (the others' are): NotContiguousError
+    # there, at once a MismatchError quoting it on the others, nothing written anywhere, and
+    # the collectives after it (unnamed ones too) run as usual.
+    odd = torch.ones(3, 4).t() if last else torch.ones(4, 3)
+    big = torch.ones(2, 300_000).t() if last else torch.ones(300_000, 2)
+    one_odd = {
+        "nc.allreduce_": lambda t, name: hvd.allreduce_(t, name=name, op=hvd.Sum),
+        "nc.broadcast_": lambda t, name: hvd.broadcast_(t, 0, name=name),
+        "nc.allgather": lambda t, name: hvd.allgather(t, name=name),
+        "nc.alltoall": lambda t, name: hvd.alltoall(t, splits=[1] * n, name=name),
+        "nc.reducescatter": lambda t, name: hvd.reducescatter(t, name=name),
+        "nc.grouped_allreduce": lambda t, name: hvd.grouped_allreduce([torch.ones(2), t],
+                                                                      name=name),
+        "nc.big": lambda t, name: hvd.allreduce_(big, name=name),
+        None: lambda t, name: hvd.allreduce_(t, op=hvd.Sum),
+    }
+    for name, call in one_odd.items():
+        named = [f"'{name}", "not contiguous"] if name else ["not contiguous"]
+        if last:
+            expect(hvd.NotContiguousError, named + [here], call, odd, name)
+        else:
+            expect(hvd.MismatchError, refused + named, call, odd, name)
+        assert torch.equal(odd, torch.ones_like(odd)) and torch.equal(big, torch.ones_like(big))
+    assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
+    assert torch.equal(hvd.allreduce_(odd.contiguous(), op=hvd.Sum),
+                       torch.full((4, 3), float(n)))
     # A different number of parameters per rank: the bucket's signature names them.
     layers = [torch.nn.Linear(2, 2) for _ in range(1 + (r == 0))]
     model = torch.nn.Sequential(*layers)
@@ -205,24 +291,25 @@ for error in (KeyboardInterrupt, MemoryError, SystemExit):
 
 # A failure inside the engine thread's reduction on every rank (MPI's, say) reaches
 # DistributedOptimizer.step() as a RingReduceError naming the bucket, its cause chained; then
-# the job goes on.
+# the job goes on. (A job of one process reduces no gradient, as Horovod's.)
 def broken_reduce(*args, **kwargs):
     raise OSError("injected failure inside the engine thread")
 
 
-layer = torch.nn.Linear(8, 2)
-opt = hvd.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1),
-                               named_parameters=layer.named_parameters())
-working_reduce, Transport.allreduce = Transport.allreduce, broken_reduce
-try:
-    layer(torch.ones(4, 8)).sum().backward()    # (the bucket starts here, in its hook)
-    opt.step()
-    raise AssertionError("step() did not raise")
-except hvd.RingReduceError as e:
-    assert isinstance(e.__cause__, OSError), repr(e.__cause__)
-    assert "bucket.0" in str(e) and "injected failure inside the engine" in str(e), e
-finally:
-    Transport.allreduce = working_reduce
+if n > 1:
+    layer = torch.nn.Linear(8, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1),
+                                   named_parameters=layer.named_parameters())
+    working_reduce, Transport.allreduce = Transport.allreduce, broken_reduce
+    try:
+        layer(torch.ones(4, 8)).sum().backward()    # (the bucket starts here, in its hook)
+        opt.step()
+        raise AssertionError("step() did not raise")
+    except hvd.RingReduceError as e:
+        assert isinstance(e.__cause__, OSError), repr(e.__cause__)
+        assert "bucket.0" in str(e) and "injected failure inside the engine" in str(e), e
+    finally:
+        Transport.allreduce = working_reduce
 assert torch.equal(hvd.allreduce(torch.ones(3), op=hvd.Sum), torch.full((3,), float(n)))
 
 # Empty and 0-d tensors give correct results in every collective.

@@ -25,6 +25,7 @@ timeout.)
 import copy
 import sys
 import traceback
+import warnings
 
 import torch
 import torch.nn as nn
@@ -66,13 +67,14 @@ def local_gradients(model, x, y):
 
 
 def averaged(per_rank):
-    """The members' gradients summed in rank order, then divided by their count: what the
-    shared-memory allreduce of a small bucket computes (for 2 ranks any order gives it)."""
+    """The members' gradients summed in rank order (what the shared-memory allreduce of a
+    small bucket does; for 2 ranks any order gives it), then times 1/count, as Horovod
+    averages: the factor computed in double, cast to the gradient's dtype, one multiply."""
     total = [g.clone() for g in per_rank[0]]
     for grads in per_rank[1:]:
         for t, g in zip(total, grads):
             t += g
-    return [t / len(per_rank) for t in total]
+    return [t * torch.tensor(1.0 / len(per_rank), dtype=t.dtype) for t in total]
 
 
 def same_across_ranks(tensors, what, process_set=hvd.global_process_set):
@@ -449,6 +451,204 @@ def case_parameter_names_are_horovods():
                                      named_parameters=model.named_parameters())
     assert named._parameter_names == {p: name for name, p in model.named_parameters()}
     assert list(named._parameter_names.values()) == sorted(named._parameter_names.values())
+
+
+# ---------------------------------------------------------------- the optimizer's life cycle
+
+def linear_and_optimizer(**options):
+    """A Linear(3, 2) and its DistributedOptimizer (SGD, lr 0: the gradients are what is
+    checked); rank r's input (r + 1) * ones makes its weight gradient r + 1 everywhere and its
+    bias gradient 1, so sums are exact."""
+    model = nn.Linear(3, 2)
+    sgd = options.pop("sgd", torch.optim.SGD(model.parameters(), lr=0.0))
+    return model, hvd.DistributedOptimizer(sgd, model.named_parameters(), **options)
+
+
+def backward(model, scale=1.0):
+    model(torch.full((1, 3), scale * (r + 1))).sum().backward()
+
+
+def case_synchronize_again_reduces_again():
+    """Horovod's synchronize() reduces every gradient again when called a second time, and so
+    does step() after synchronize() outside skip_synchronize() (with Horovod's warning): with
+    op=Sum the gradients grow by the set's size each time."""
+    model, opt = linear_and_optimizer(op=hvd.Sum)
+    backward(model)
+    total = n * (n + 1) / 2
+    opt.synchronize()
+    check_equal(model.weight.grad, torch.full((2, 3), total), "after synchronize()")
+    opt.synchronize()
+    check_equal(model.weight.grad, torch.full((2, 3), n * total), "synchronize() again")
+    check_equal(model.bias.grad, torch.full((2,), float(n * n)), "the bias, again")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    assert any("skip_synchronize" in str(w.message) for w in caught), caught
+    check_equal(model.weight.grad, torch.full((2, 3), n * n * total), "step() after them")
+
+
+def case_step_returns_what_the_wrapped_step_returns():
+    class Reporting(torch.optim.SGD):
+        def step(self, closure=None):
+            loss = super().step(closure)
+            return {"loss": loss}
+
+    model = nn.Linear(3, 2)
+    opt = hvd.DistributedOptimizer(Reporting(model.parameters(), lr=0.1),
+                                   model.named_parameters())
+    backward(model)
+    assert opt.step() == {"loss": None}
+    opt.zero_grad()
+    plain = nn.Linear(3, 2)
+    sgd = hvd.DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=0.1),
+                                   plain.named_parameters())
+
+    def closure():
+        sgd.zero_grad()
+        loss = plain(torch.ones(1, 3)).sum()
+        loss.backward()
+        return loss
+
+    loss = sgd.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.grad_fn is not None, loss
+
+
+def case_zero_grad_between_accumulated_passes_raises():
+    """Horovod's zero_grad() raises once a backward pass has counted towards
+    backward_passes_per_step, before any gradient is sent (its hooks keep a placeholder)."""
+    model, opt = linear_and_optimizer(backward_passes_per_step=2)
+    backward(model)
+    expect(AssertionError, "before optimizer.step()", opt.zero_grad)
+    backward(model)
+    opt.step()
+    check_equal(model.weight.grad, torch.full((2, 3), float(n + 1)), "two passes, averaged")
+    opt.zero_grad()
+
+
+def case_load_state_dict_starts_the_passes_again():
+    """As Horovod's: the passes counted before load_state_dict() start again, and the
+    gradients accumulated so far stay."""
+    model, opt = linear_and_optimizer(backward_passes_per_step=2)
+    backward(model)
+    opt.load_state_dict(opt.state_dict())
+    backward(model, 2.0)
+    backward(model, 2.0)          # the second pass since: reduced now
+    opt.step()
+    check_equal(model.weight.grad, torch.full((2, 3), 5 * (n + 1) / 2),
+                "three passes' gradients, averaged")
+
+
+def case_step_in_skip_synchronize_without_backward_steps_locally():
+    """Horovod's step() inside skip_synchronize() with no backward pass since the last step
+    steps with the gradients as they are (here set by hand, different per rank)."""
+    model = nn.Linear(3, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   model.named_parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float(r))
+    with opt.skip_synchronize():
+        opt.step()
+    for p, b in zip(model.parameters(), before):
+        check_equal(p.detach(), b - r, "stepped with the local gradient")
+
+
+def case_create_graph_is_refused():
+    """Horovod's hook asserts that a gradient does not require grad; ours says why, and the
+    job goes on after zero_grad()."""
+    model, opt = linear_and_optimizer()
+    expect(AssertionError, "create_graph",
+           lambda: (model(torch.ones(1, 3)) ** 2).sum().backward(create_graph=True))
+    opt.zero_grad()
+    backward(model)
+    opt.step()
+    check_equal(model.weight.grad, torch.full((2, 3), (n + 1) / 2), "the step after")
+
+
+class Halving(hvd.Compression.none):
+    """A compressor of one's own, as a subclass of Horovod's none (both methods overridden)."""
+    calls = 0
+
+    @staticmethod
+    def compress(tensor):
+        Halving.calls += 1
+        return tensor * 0.5, "halved"
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        assert ctx == "halved", ctx
+        return tensor * 4
+
+
+class InDouble:
+    """A compressor of one's own by Horovod's interface alone (no base class)."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor.to(torch.float64), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor.to(ctx)
+
+
+def case_a_compressor_of_ones_own_is_called_as_horovod_calls_it():
+    for compression in (Halving, InDouble):
+        torch.manual_seed(5)
+        model, opt = linear_and_optimizer(compression=compression)
+        backward(model, 0.7)
+        local = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        for p, g in zip(model.parameters(), local):
+            wire, ctx = compression.compress(g)
+            want = compression.decompress(hvd.allreduce(wire, op=hvd.Average), ctx)
+            check_equal(p.grad, want, f"{compression.__name__}: a reduced gradient")
+        opt.zero_grad()
+    assert Halving.calls >= 4, Halving.calls
+    # the collectives: compress, reduce, decompress; under autograd all three differentiated
+    x = torch.full((n, 2), float(r + 1), requires_grad=True)
+    for collective in (hvd.allreduce, hvd.reducescatter):
+        for grad in (False, True):
+            x.grad = None
+            with torch.set_grad_enabled(grad):
+                y = collective(x, compression=Halving, op=hvd.Sum)
+            check_equal(y.detach(), torch.full_like(y, float(n * (n + 1))),
+                        f"{collective.__name__} with Halving")
+            if grad:
+                y.sum().backward()
+                check_equal(x.grad, torch.full_like(x, 2.0 * n), f"{collective.__name__}'s grad")
+
+
+def case_optimizer_arguments_as_horovods():
+    model = nn.Linear(3, 2)
+    sgd = lambda: torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: E731
+    D = hvd.DistributedOptimizer
+    expect(ValueError, "once in groups", lambda: D(sgd(), groups=[[model.weight, model.weight]]))
+    expect(ValueError, "once in groups", lambda: D(sgd(), groups=[[model.weight],
+                                                                 [model.weight]]))
+    expect(ValueError, "torch.Tensor", lambda: D(sgd(), groups=[[1.0]]))
+    expect(ValueError, "gradient_predivide_factor",
+           lambda: D(sgd(), op=None, gradient_predivide_factor=2.0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        D(sgd(), num_groups=2).release()
+    assert any(w.category is DeprecationWarning for w in caught), caught
+    model, opt = linear_and_optimizer(backward_passes_per_step=2.0)
+    backward(model)
+    backward(model)
+    opt.step()
+    check_equal(model.weight.grad, torch.full((2, 3), float(n + 1)), "passes given as 2.0")
+    first = hvd.add_process_set([0])
+    try:        # on every rank, in the set or not, as Horovod's
+        expect(NotImplementedError, "non-global process sets",
+               lambda: D(sgd(), op=hvd.Adasum, process_set=first))
+    finally:
+        hvd.remove_process_set(first)
+    half = nn.Linear(3, 2).to(torch.bfloat16)     # Horovod's fp16 casts bfloat16 too
+    opt = D(torch.optim.SGD(half.parameters(), lr=0.1), half.named_parameters(),
+            compression=hvd.Compression.fp16, fusion_threshold=1 << 20)
+    assert {b.buffer.dtype for b in opt._buckets} == {torch.float16}, opt._buckets
+    opt.release()
 
 
 CASES = [value for key, value in list(globals().items()) if key.startswith("case_")]

@@ -14,11 +14,10 @@ from mpi4py import MPI
 
 import ringreduce as hvd
 from ringreduce import _native
+from checks import horovod_scaled
 from ringreduce.buffers import as_array, as_tensor
 
 LINE, PAGE, WORDS = _native.LINE, _native.PAGE, _native.HEADER_WORDS
-HALF = (torch.float16, torch.bfloat16)
-FUSED_SUMS = (torch.float32, torch.float16, torch.bfloat16)   # kernels.c's one-pass sums
 
 
 TORCH_OPS = {hvd.Sum: torch.add, hvd.Average: torch.add, hvd.Min: torch.minimum,
@@ -26,35 +25,15 @@ TORCH_OPS = {hvd.Sum: torch.add, hvd.Average: torch.add, hvd.Min: torch.minimum,
 
 
 def combine(a, b, dtype, op, last, divisor, scale):
-    """a op b (flat NumPy views); on the last step also / divisor * scale, as kernels.c
-    computes it."""
-    x, y = as_tensor(a, dtype), as_tensor(b, dtype)
-    if last and dtype in FUSED_SUMS and op in (hvd.Sum, hvd.Average):   # one rounding
-        out = x.float() + y.float()
-        if divisor != 1.0:
-            out = out / np.float32(divisor)
-        if scale != 1.0:
-            out = out * np.float32(scale)
-        return out.to(dtype)
-    out = TORCH_OPS[op](x, y)
+    """a op b (flat NumPy views), rounded to the dtype; on the last step also scaled as
+    `finish` scales (kernels.c's fused sums give the same bits)."""
+    out = TORCH_OPS[op](as_tensor(a, dtype), as_tensor(b, dtype))
     return finish(out, dtype, divisor, scale) if last else out
 
 
 def finish(t, dtype, divisor, scale):
-    if divisor == 1.0 and scale == 1.0:
-        return t
-    if dtype in HALF:
-        out = t.float()
-        if divisor != 1.0:
-            out = out / np.float32(divisor)
-        if scale != 1.0:
-            out = out * np.float32(scale)
-        return out.to(dtype)
-    if dtype.is_floating_point:
-        if divisor != 1.0:
-            t = t / divisor
-        return t * scale if scale != 1.0 else t
-    return (t.double() * (scale / divisor)).to(torch.int64).to(dtype)
+    """Horovod's scaling, by the one factor scale / divisor."""
+    return horovod_scaled(t, scale / divisor)
 
 
 class NodeOracle:

@@ -1,6 +1,7 @@
 """DistributedOptimizer on N ranks against one process training on the whole batch; then, in
 the same launch, SyncBatchNorm against BatchNorm on the whole batch (sync_bn_check.py)."""
 import copy
+import warnings
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -220,6 +221,14 @@ def check_errors():
                                                 compression=hvd.Compression.fp16))
     dist = D(opt(), named)
     x, y = data(0)
+    if n == 1:      # Horovod's in a job of one process: the plain optimizer's life cycle
+        F.cross_entropy(model(shard(x)), shard(y)).backward()
+        dist.zero_grad()
+        F.cross_entropy(model(shard(x)), shard(y)).backward()
+        F.cross_entropy(model(shard(x)), shard(y)).backward()
+        dist.step()
+        dist.zero_grad()
+        return
     F.cross_entropy(model(shard(x)), shard(y)).backward()
     expect(hvd.RingReduceError, "before optimizer.step()", dist.zero_grad)
     expect(AssertionError, "backward_passes_per_step is 1",    # Horovod: AssertionError
@@ -247,6 +256,8 @@ def check_errors():
 
 def check_overlap():
     """The first bucket is handed to the engine before backward has produced every gradient."""
+    if n == 1:      # nothing is reduced in a job of one process
+        return
     model = fresh_model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    model.named_parameters(), **SMALL_BUCKETS)
@@ -288,11 +299,16 @@ def check_state_helpers():
         F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    dist = hvd.DistributedOptimizer(opt, model.named_parameters())
+    # as Horovod's, the DistributedOptimizer starts with empty state (and says so)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist = hvd.DistributedOptimizer(opt, model.named_parameters())
+    assert any("starts with empty state" in str(w.message) for w in caught), caught
+    assert not dist.state and len(opt.state) == len(list(model.parameters()))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(dist, root_rank=0)
     state = dist.state_dict()["state"]
-    assert float(state[0]["step"]) == 2.0, state[0]["step"]   # rank 0: state step + one
+    assert float(state[0]["step"]) == 1.0, state[0]["step"]   # made by a zero step
     flat = torch.cat([state[i]["exp_avg"].reshape(-1) for i in sorted(state)])
     everyone = MPI.COMM_WORLD.allgather(flat.numpy().tobytes())
     assert all(b == everyone[0] for b in everyone), "optimizer state differs across ranks"

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import ringreduce as hvd
-from checks import check_equal, expect, per_setting
+from checks import check_equal, expect, horovod_scaled, per_setting
 from ringreduce.process_sets import close_group, open_group
 from models import Net
 
@@ -74,10 +74,7 @@ def _reference(ranks, length, dtype, op, salt):
     xs = torch.stack([inputs(k, length, dtype, op, salt).double() for k in ranks])
     out = {hvd.Sum: xs.sum, hvd.Average: xs.sum, hvd.Min: xs.amin, hvd.Max: xs.amax,
            hvd.Product: xs.prod}[op](0).to(dtype)
-    if op == hvd.Average:
-        k = len(ranks)
-        out = out / k if dtype.is_floating_point else (out.double() * (1.0 / k)).to(dtype)
-    return out
+    return horovod_scaled(out, 1.0 / len(ranks)) if op == hvd.Average else out
 
 
 def same_on_members(comm, t, what):

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ringreduce as hvd
+from checks import horovod_scaled
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -40,7 +41,7 @@ def reference(shape, dtype, op, seed):
                         for k in range(n)])
     out = torch.from_numpy(np.asarray(OPS[op](stacked, axis=0))).to(dtype)
     if op == hvd.Average:
-        out = out / n if dtype.is_floating_point else (out.double() * (1.0 / n)).to(dtype)
+        out = horovod_scaled(out, 1.0 / n)
     return out.reshape(shape)
 
 

@@ -17,6 +17,7 @@ alltoall      non-integer splits are a TypeError
 stoppable     prints its pid, then runs allreduces for a while (the test stops rank 1)
 stall         rank 1 sleeps FAULT_SLEEP seconds before its next allreduce
 """
+import copy
 import os
 import sys
 import time
@@ -99,25 +100,38 @@ def optimizer():
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.allclose(p, q, atol=1e-6), f"unfrozen: {name} differs from the reference"
 
-    # parameters no rank has a gradient for keep .grad None, and momentum and weight decay
-    # leave them alone, as in one process; one only rank 0 lacks is reduced with its zeros
+    # as Horovod's: a parameter no rank has a gradient for is reduced as zeros, so momentum
+    # and weight decay move it as a zero gradient would (one process: no hooks, .grad None,
+    # the parameter left alone); one only rank 0 lacks is reduced with its zeros; a
+    # parameter frozen after wrapping is still reduced, as zeros
     torch.manual_seed(2)
     model = nn.ModuleDict({"used": nn.Linear(2, 1), "never": nn.Linear(2, 1),
-                           "sometimes": nn.Linear(2, 1)})
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9,
-                                                   weight_decay=0.1), model.named_parameters())
-    never = [p.detach().clone() for p in model["never"].parameters()]
+                           "sometimes": nn.Linear(2, 1), "frozen": nn.Linear(2, 1)})
+    sgd = dict(lr=0.1, momentum=0.9, weight_decay=0.1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), **sgd),
+                                   model.named_parameters())
+    model["frozen"].requires_grad_(False)
+    idle = nn.ModuleDict({k: copy.deepcopy(model[k]) for k in ("never", "frozen")})
+    idle_opt = torch.optim.SGD(idle.parameters(), **sgd)
     for step in range(3):
         opt.zero_grad()
-        loss = model["used"](torch.ones(1, 2)).sum()
+        loss = model["used"](torch.ones(1, 2)).sum() + model["frozen"](torch.ones(1, 2)).sum()
         if r != 0:
             loss = loss + model["sometimes"](torch.ones(1, 2)).sum()
         loss.backward()
         opt.step()
-        assert all(p.grad is None for p in model["never"].parameters()), "grad made up"
+        if n > 1:
+            for p in idle.parameters():
+                p.grad = torch.zeros_like(p)
+            idle_opt.step()
+        for k in ("never", "frozen"):
+            for p in model[k].parameters():
+                assert (p.grad is None if n == 1 else torch.equal(p.grad, torch.zeros_like(p))), \
+                    f"{k}: {p.grad}"
         assert (model["sometimes"].weight.grad is not None) == (n > 1), "sometimes' grad"
-    assert all(torch.equal(p, q) for p, q in zip(model["never"].parameters(), never)), \
-        "a parameter no rank had a gradient for moved"
+    for k in ("never", "frozen"):
+        moved = [torch.equal(p, q) for p, q in zip(model[k].parameters(), idle[k].parameters())]
+        assert all(moved), f"{k} moved otherwise than with zero gradients"
     params_equal(model, "unused parameters")
 
     # two DistributedOptimizers over disjoint parameters in one backward
