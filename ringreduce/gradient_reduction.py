@@ -386,15 +386,16 @@ class GradientReduction(WrappedOptimizer):
         if start is not None:
             timeline.add_span(bucket.name, "waiting for gradients", start, time.perf_counter())
 
-    def _complete_collectives(self) -> None:
+    def _complete_collectives(self, again: bool = False) -> None:
         """Submit whatever of this step's collectives are left, in the same order on every
         rank, and wait for all of them, also after one fails (so that the next step starts
         with nothing of this one pending, on every rank); then raise the first failure. The
         last of them is the step's agreement: where any rank's step is broken (an extra
-        backward pass), or some ranks step again on the same gradients while others do not,
-        every rank raises UsageError, so that no rank steps."""
+        backward pass), or some ranks step again on the same gradients (or reduce them `again`:
+        synchronize() twice) while others do not, every rank raises UsageError, so that no
+        rank steps."""
         self._break_if_backward_failed()
-        again = self._steps_again()
+        again = again or self._steps_again()
         self._begin_step()                   # also when no gradient came this step
         self._submit_ready_buckets(force=True)
         seen_sparse = self._planned_sparse | self._found_sparse
@@ -435,8 +436,9 @@ class GradientReduction(WrappedOptimizer):
             own = self._broken
             if own is None and again and self._agreement.steps_differ():
                 own = (f"optimizer.step() on rank {self._rank} came again on the gradients of "
-                       "its last step, with no backward pass or zero_grad() since, while other "
-                       "ranks stepped on new gradients")
+                       "its last step, with no backward pass or zero_grad() since (or "
+                       "synchronize() reduced them again), while other ranks stepped on new "
+                       "gradients")
             self._broken = self._agreement.why_skipped(own)
             self._check_unbroken()
 
@@ -456,11 +458,12 @@ class GradientReduction(WrappedOptimizer):
         UsageError on every rank when some rank's step is broken. Called again before the
         step, it reduces the gradients again (Horovod's does: with op=Sum they grow)."""
         self._check_usable()
-        if self._synchronized:
+        again = self._synchronized
+        if again:       # (where only some ranks do, the step's agreement says so: see above)
             self._check_unbroken()
             self._reset_step()
         try:
-            self._complete_collectives()
+            self._complete_collectives(again)
         finally:
             self._synchronized = True
 

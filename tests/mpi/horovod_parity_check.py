@@ -487,6 +487,28 @@ def case_synchronize_again_reduces_again():
     check_equal(model.weight.grad, torch.full((2, 3), n * n * total), "step() after them")
 
 
+def case_synchronize_again_on_one_rank_only_skips_the_step_everywhere():
+    """Rank 0 alone reduces its gradients again while the others go on to the next step: the
+    reductions would pair with the others' next step (on Horovod, silently); the step's
+    agreement tells every rank, which raises UsageError naming rank 0; then the job goes on."""
+    model, opt = linear_and_optimizer()
+    backward(model)
+    opt.synchronize()
+    if r == 0:
+        expect(hvd.UsageError, ["skipped on every rank because ranks [0]",
+                                "synchronize() reduced them again"], opt.synchronize)
+    else:
+        with opt.skip_synchronize():
+            opt.step()
+        opt.zero_grad()
+        backward(model)
+        expect(hvd.UsageError, "skipped on every rank because ranks [0]", opt.step)
+    opt.zero_grad()
+    backward(model)
+    opt.step()
+    check_equal(model.weight.grad, torch.full((2, 3), (n + 1) / 2), "the step after")
+
+
 def case_step_returns_what_the_wrapped_step_returns():
     class Reporting(torch.optim.SGD):
         def step(self, closure=None):
