@@ -307,12 +307,13 @@ class GradientReduction(WrappedOptimizer):
             wires.append(wire.contiguous())
             contexts.append(context)
         op, prescale, postscale = self._reduction
-        specs = [ReduceSpec(w.dtype, op, prescale, postscale, digest(signature), signature)
-                 for w, name in zip(wires, bucket.names)
-                 for signature in [{"collective": "allreduce", "name": bucket.name,
-                                    "parameter": name, "compressed": True,
-                                    "dtype": str(w.dtype).removeprefix("torch."),
-                                    "shape": tuple(w.shape)}]]
+        specs = []
+        for wire, name in zip(wires, bucket.names):
+            signature = {"collective": "allreduce", "name": bucket.name, "parameter": name,
+                         "compressed": True, "dtype": str(wire.dtype).removeprefix("torch."),
+                         "shape": tuple(wire.shape)}
+            specs.append(ReduceSpec(wire.dtype, op, prescale, postscale, digest(signature),
+                                    signature))
         transport = self._set.transport
 
         def work() -> list[torch.Tensor]:

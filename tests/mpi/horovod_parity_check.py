@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ringreduce as hvd
-from checks import check_equal, expect
+from checks import check_equal, expect, horovod_scaled
 from models import Embedder
 
 torch.set_num_threads(1)
@@ -68,13 +68,13 @@ def local_gradients(model, x, y):
 
 def averaged(per_rank):
     """The members' gradients summed in rank order (what the shared-memory allreduce of a
-    small bucket does; for 2 ranks any order gives it), then times 1/count, as Horovod
-    averages: the factor computed in double, cast to the gradient's dtype, one multiply."""
+    small bucket does; for 2 ranks any order gives it), then scaled by 1/count as Horovod
+    averages (checks.horovod_scaled)."""
     total = [g.clone() for g in per_rank[0]]
     for grads in per_rank[1:]:
         for t, g in zip(total, grads):
             t += g
-    return [t * torch.tensor(1.0 / len(per_rank), dtype=t.dtype) for t in total]
+    return [horovod_scaled(t, 1.0 / len(per_rank)) for t in total]
 
 
 def same_across_ranks(tensors, what, process_set=hvd.global_process_set):
@@ -577,7 +577,8 @@ def case_step_in_skip_synchronize_without_backward_steps_locally():
 
 def case_create_graph_is_refused():
     """Horovod's hook asserts that a gradient does not require grad; ours says why, and the
-    job goes on after zero_grad()."""
+    job goes on after zero_grad(). On the last rank alone, the others' step is skipped too
+    (UsageError naming that rank), rather than reduced with a broken one."""
     model, opt = linear_and_optimizer()
     expect(AssertionError, "create_graph",
            lambda: (model(torch.ones(1, 3)) ** 2).sum().backward(create_graph=True))
@@ -585,6 +586,18 @@ def case_create_graph_is_refused():
     backward(model)
     opt.step()
     check_equal(model.weight.grad, torch.full((2, 3), (n + 1) / 2), "the step after")
+    opt.zero_grad()
+    if r == n - 1:
+        expect(AssertionError, "create_graph",
+               lambda: (model(torch.ones(1, 3)) ** 2).sum().backward(create_graph=True))
+        opt.zero_grad()         # meets the others' step, and tells them to skip it
+    else:
+        backward(model)
+        expect(hvd.UsageError, f"skipped on every rank because ranks [{n - 1}]", opt.step)
+        opt.zero_grad()
+    backward(model)
+    opt.step()
+    check_equal(model.weight.grad, torch.full((2, 3), (n + 1) / 2), "the step after one rank's")
 
 
 class Halving(hvd.Compression.none):
