@@ -469,6 +469,14 @@ def _reducescatter_one(ps: ActiveSet, work_tensor: torch.Tensor, context: Any,
     return scatter
 
 
+def barrier_work(name: Optional[str], process_set: ProcessSet, kind: str) -> Work:
+    """Every member reaches it (after the collectives each submitted before it); `kind` is
+    the caller's, for errors."""
+    ps = active(process_set, f"{kind}()")
+    name = ps.auto_name("barrier") if name is None else name
+    return ps, name, lambda: ps.transport.barrier({"collective": "barrier", "name": name})
+
+
 def sparse_allreduce_work(tensor: torch.Tensor, name: Optional[str], op: Any,
                           process_set: ProcessSet) -> Work:
     """A sparse COO tensor reduced as Horovod does: every member's indices, then values,

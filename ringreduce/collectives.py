@@ -5,6 +5,11 @@ Each function picks how its call runs: through autograd where an input needs a g
 (small_way.py), else the collective's work (collective_work.py: arguments checked on the
 caller's thread, then the set's transport moves the data), run at once or queued on the set's
 engine. `reduce_op` and `submit` are the internal API the optimizer shares.
+
+A name the caller gives is qualified by the collective's kind, as Horovod's are
+(`allreduce.w`, `allgather.w`): collectives of different kinds may share a name, and in-place
+and differentiable variants of one kind pair with each other under it. Front ends with names of
+their own (torch_group.py) call collective_work.py directly.
 """
 from __future__ import annotations
 
@@ -13,13 +18,14 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import differentiable
-from .collective_work import (allgather_work, allreduce_work, alltoall_work, broadcast_work,
-                              first, grouped_allreduce_work, reduce_op, reducescatter_work, run,
-                              sparse_allreduce_work, submit)
+from .collective_work import (allgather_work, allreduce_work, alltoall_work, barrier_work,
+                              broadcast_work, first, grouped_allreduce_work, reduce_op,
+                              reducescatter_work, run, sparse_allreduce_work, submit)
 from .compression import Compression, Compressor
 from .engine import Handle
 from .kernels import ReduceOp
 from .process_sets import ProcessSet, active, global_process_set
+from .signature import qualified
 from .small_way import allreduce_now, queued_work, started
 
 Average = ReduceOp.Average
@@ -28,6 +34,7 @@ Adasum = ReduceOp.Adasum
 Min = ReduceOp.Min
 Max = ReduceOp.Max
 Product = ReduceOp.Product
+
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "reduce_op", "submit",
@@ -48,6 +55,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
                     postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
                     compression: type[Compressor] = Compression.none) -> Handle:
     """Start an allreduce of `tensor`; `synchronize(handle)` returns a new reduced tensor."""
+    name = qualified("allreduce", name)
     if average is None and prescale_factor == 1.0 and compression is Compression.none:
         work = queued_work(active(process_set, "allreduce_async()"), tensor, name, op,
                            postscale_factor)
@@ -62,6 +70,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
                      postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place allreduce; `tensor` is overwritten when the handle completes."""
+    name = qualified("allreduce", name)
     if average is None and prescale_factor == 1.0:
         handle = started(active(process_set, "allreduce_async_()"), tensor, name, op,
                          postscale_factor)
@@ -76,6 +85,7 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce `tensor` over the set's ranks and return the result (differentiable)."""
+    name = qualified("allreduce", name)
     return differentiable.allreduce(tensor, average, name, compression, op, prescale_factor,
                                     postscale_factor, process_set)
 
@@ -84,6 +94,7 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
                op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce `tensor` over the set's ranks in place and return it."""
+    name = qualified("allreduce", name)
     if average is None and prescale_factor == 1.0:
         out = allreduce_now(active(process_set, "allreduce_()"), tensor, name, op,
                             postscale_factor, True)
@@ -99,6 +110,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
                             process_set: ProcessSet = global_process_set,
                             compression: type[Compressor] = Compression.none) -> Handle:
     """Start one fused allreduce of several tensors; the handle yields a list of results."""
+    name = qualified("grouped_allreduce", name)
     return submit(grouped_allreduce_work(list(tensors), name, op, average, prescale_factor,
                                          postscale_factor, compression, False,
                                          "grouped_allreduce", process_set))
@@ -109,6 +121,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> Handle:
     """Start one fused in-place allreduce of several tensors."""
+    name = qualified("grouped_allreduce", name)
     return submit(grouped_allreduce_work(list(tensors), name, op, average, prescale_factor,
                                          postscale_factor, Compression.none, True,
                                          "grouped_allreduce_", process_set))
@@ -120,6 +133,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
                       postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Reduce several tensors in one fused allreduce (differentiable)."""
+    name = qualified("grouped_allreduce", name)
     return differentiable.grouped_allreduce(tensors, average, name, compression, op,
                                             prescale_factor, postscale_factor, process_set)
 
@@ -129,6 +143,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] 
                        postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Reduce several tensors in one fused allreduce, in place, and return them."""
+    name = qualified("grouped_allreduce", name)
     return run(grouped_allreduce_work(list(tensors), name, op, average, prescale_factor,
                                       postscale_factor, Compression.none, True,
                                       "grouped_allreduce_", process_set))
@@ -144,6 +159,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
     has `wait()` and `done()`, so `synchronize(handle)` and `poll(handle)` work). The members'
     dense shapes must agree (they are part of the signature): otherwise every member raises
     MismatchError naming the tensor and each rank's shape."""
+    name = qualified("sparse_allreduce", name)
     submitted = submit(sparse_allreduce_work(tensor, name, op, process_set))
 
     def handle() -> torch.Tensor:
@@ -159,6 +175,7 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start concatenating every member's `tensor` along dimension 0 (sizes may differ
     there)."""
+    name = qualified("allgather", name)
     return submit(first(allgather_work([tensor], name, process_set)))
 
 
@@ -166,18 +183,21 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every member's `tensor` along dimension 0 (differentiable: the gradient is
     this rank's rows of the incoming gradients averaged over the set, as Horovod's)."""
+    name = qualified("allgather", name)
     return differentiable.allgather([tensor], name, process_set, "allgather")[0]
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                             process_set: ProcessSet = global_process_set) -> Handle:
     """Start allgathers of several tensors as one collective; the handle yields a list."""
+    name = qualified("grouped_allgather", name)
     return submit(allgather_work(list(tensors), name, process_set, "grouped_allgather"))
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather several tensors as one collective (differentiable)."""
+    name = qualified("grouped_allgather", name)
     return differentiable.allgather(tensors, name, process_set, "grouped_allgather")
 
 
@@ -186,24 +206,28 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = Non
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start sending global rank `root_rank`'s `tensor` to every member, into a new tensor."""
+    name = qualified("broadcast", name)
     return submit(broadcast_work(tensor, root_rank, name, False, "broadcast", process_set))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Start overwriting `tensor` with global rank `root_rank`'s values, in place."""
+    name = qualified("broadcast", name)
     return submit(broadcast_work(tensor, root_rank, name, True, "broadcast_", process_set))
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Return global rank `root_rank`'s `tensor` on every member (differentiable)."""
+    name = qualified("broadcast", name)
     return differentiable.broadcast(tensor, root_rank, name, process_set)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Overwrite `tensor` with global rank `root_rank`'s values, in place, and return it."""
+    name = qualified("broadcast", name)
     return run(broadcast_work(tensor, root_rank, name, True, "broadcast_", process_set))
 
 
@@ -215,6 +239,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
     rows from every member come back in member order. Without splits, dimension 0 is divided
     equally. `synchronize(handle)` returns (output, received_splits), with or without splits,
     as Horovod's does."""
+    name = qualified("alltoall", name)
     return submit(alltoall_work(tensor, splits, name, process_set))
 
 
@@ -223,6 +248,7 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = Non
     """All-to-all; returns the output, and the received splits too when `splits` is given, as
     Horovod's (differentiable: the gradient goes back by the all-to-all of the received
     splits; rows that were not sent get zeros)."""
+    name = qualified("alltoall", name)
     out, received = differentiable.alltoall(tensor, splits, name, process_set)
     return out if splits is None else (out, received)
 
@@ -234,6 +260,7 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: An
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start a reduce-scatter: reduce over the set's ranks, and set rank r keeps the r-th block
     of rows (dimension 0 divided as evenly as possible, lower ranks getting the extra rows)."""
+    name = qualified("reducescatter", name)
     return submit(first(reducescatter_work([tensor], name, op, prescale_factor,
                                            postscale_factor, Compression.none, process_set)))
 
@@ -244,6 +271,7 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
                   postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce-scatter (differentiable: the gradient is the allgather of the incoming ones,
     scaled as the forward scaled)."""
+    name = qualified("reducescatter", name)
     return differentiable.reducescatter([tensor], name, compression, op, process_set,
                                         prescale_factor, postscale_factor, "reducescatter")[0]
 
@@ -253,6 +281,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[
                                 prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> Handle:
     """Start reduce-scatters of several tensors as one collective; the handle yields a list."""
+    name = qualified("grouped_reducescatter", name)
     return submit(reducescatter_work(list(tensors), name, op, prescale_factor, postscale_factor,
                                      Compression.none, process_set, "grouped_reducescatter"))
 
@@ -263,6 +292,7 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
                           prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """Reduce-scatter several tensors as one collective (differentiable)."""
+    name = qualified("grouped_reducescatter", name)
     return differentiable.reducescatter(tensors, name, compression, op, process_set,
                                         prescale_factor, postscale_factor,
                                         "grouped_reducescatter")
@@ -283,20 +313,15 @@ def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Wait until every member reaches this point (after all collectives submitted before it)."""
-    ps = active(process_set, "barrier()")
-    name = ps.auto_name("barrier")
-    ps.engine.run(name, lambda: ps.transport.barrier({"collective": "barrier", "name": name}))
+    run(barrier_work(None, process_set, "barrier"))
 
 
 def barrier_async(name: Optional[str] = None,
                   process_set: ProcessSet = global_process_set) -> Handle:
     """Start a barrier; its handle completes once every member has reached it (after the
-    collectives each submitted before it). For front ends whose barrier returns a handle, such
-    as torch.distributed's `barrier(async_op=True)`."""
-    ps = active(process_set, "barrier_async()")
-    name = ps.auto_name("barrier") if name is None else name
-    return submit((ps, name,
-                   lambda: ps.transport.barrier({"collective": "barrier", "name": name})))
+    collectives each submitted before it). An extension: Horovod's barrier blocks."""
+    name = qualified("barrier", name)
+    return submit(barrier_work(name, process_set, "barrier_async"))
 
 
 def poll(handle: Handle) -> bool:

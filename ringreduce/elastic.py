@@ -48,7 +48,7 @@ from .elastic_state import (ROOT_RANK, HostsUpdatedInterrupt, HostUpdateResult,
                             TorchState, abandon_pending_steps, get_handler_registry,
                             set_handler_registry)
 from .errors import HorovodInternalError, RingReduceError, ShutDownError
-from .negotiation import RESET, ResetPending
+from .negotiation import RESET_GIVEN, ResetPending
 from .objects import allgather_object
 from .process_sets import failed_sets
 
@@ -150,7 +150,7 @@ def _agree(description: str, failures: int, own: bool) -> list[tuple[str, int, b
     inside a collective shut one of its sets down), once every rank has reached the reset. A
     rank that failed alone waits here while the others' collectives fail (negotiation.RESET:
     not their own errors), which sends them here too."""
-    return allgather_object((description, failures, own, bool(failed_sets())), name=RESET)
+    return allgather_object((description, failures, own, bool(failed_sets())), name=RESET_GIVEN)
 
 
 def _caused_by_reset(error: BaseException) -> bool:

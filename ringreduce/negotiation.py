@@ -28,14 +28,17 @@ from .crossnode import BetweenNodes
 from .engine import Agreement, OutOfOrder
 from .errors import JoinedError, MismatchError, ShutDownError
 from .shm import NodeWindow
-from .signature import Signature, describe_mismatch, digest
+from .signature import Signature, describe_mismatch, digest, given_name
 from .stall import StallWatch
 
 JOINED = 0x4A4F494E45442121   # "JOINED!!": the digest a joined rank sends, not a signature's
 # A collective of this name preempts: while some members have it pending, a member whose
 # collective is another one fails that one (MismatchError), so that an error raised on some
 # ranks only still brings every rank to the elastic reset (elastic.py).
-RESET = "ringreduce.elastic.reset"
+# (The reset's allgather_object is given the name RESET_GIVEN, qualified by its kind as every
+# given name is: signature.qualified.)
+RESET_GIVEN = "ringreduce.elastic.reset"
+RESET = f"allgather_object.{RESET_GIVEN}"
 log = logging.getLogger("ringreduce")
 
 
@@ -213,7 +216,10 @@ class _Settling:
         if (flags & _ENDED_FLAG).any() and self._children_ended(names, ended):
             return None
         if dues.max() > 0:
-            message = self._describe(n.gather(names), now - self.started)
+            pending = n.gather(names)
+            if self._kinds_apart(pending, now - self.started):
+                return None
+            message = self._describe(pending, now - self.started)
             if watch.check_time > 0:        # every interval from the start
                 self.next_report += watch.check_time * (1 + (now - self.next_report)
                                                         // watch.check_time)
@@ -245,6 +251,36 @@ class _Settling:
                 f"add_done_callback(), a DDP communication hook, say) raised {error} before "
                 f"starting it, so rank {ranks[other]} will not submit it; it went on to its "
                 "next collective")
+        return True
+
+    def _kinds_apart(self, pending: list[list[str]], waited: float) -> bool:
+        """(Collective: every member's `pending`, as gathered.) A name the callers gave to
+        collectives of different kinds on different members ('allreduce.w' on some, and
+        'allgather.w' on others), with nothing pending everywhere for a stall check's time, is
+        one program's mistake, not a slow rank: a member whose first collective is such a
+        one fails it with MismatchError (raised here), and the others leave the settling
+        (True), so that every member goes on to its next collective. False: no such name."""
+        kinds: dict[str, dict[str, list[int]]] = {}     # a given name -> kind -> members
+        for member, names in enumerate(pending):
+            for name in names:
+                given = given_name(name)
+                if given is not None:
+                    kinds.setdefault(given[1], {}).setdefault(given[0], []).append(member)
+        apart = {given: held for given, held in kinds.items() if len(held) > 1}
+        if not apart:
+            return False
+        me, ranks = self.negotiator.comm.rank, self.watch.ranks
+        first = given_name(pending[me][0]) if pending[me] else None
+        if first is not None and first[1] in apart:
+            where = " and to ".join(f"{kind} on ranks {[ranks[m] for m in members]}"
+                                    for kind, members in apart[first[1]].items())
+            raise MismatchError(
+                f"ringreduce: rank {ranks[me]}: collective '{pending[me][0]}' cannot run: the "
+                f"name '{first[1]}' was given to {where}, and no collective was pending on "
+                f"every rank for {waited:.0f} s (RINGREDUCE_STALL_CHECK_TIME). Names are "
+                "qualified by the kind of collective, as Horovod's: collectives of different "
+                "kinds never pair. Every rank waiting in one of them fails it; later "
+                "collectives run as usual.")
         return True
 
     def _describe(self, pending: list[list[str]], waited: float) -> str:

@@ -15,6 +15,7 @@ import torch
 from .collectives import broadcast_async_, synchronize
 from .errors import ConsistencyError
 from .process_sets import ProcessSet, active, global_process_set
+from .signature import qualified
 from .wrapped_optimizer import WrappedOptimizer
 
 Params = Union[Mapping[str, torch.Tensor], Iterable[Any]]
@@ -136,7 +137,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Global rank root_rank's `obj` (any picklable object), on every member."""
     ps = active(process_set, "broadcast_object()")
-    name = ps.auto_name("broadcast_object") if name is None else name
+    name = qualified("broadcast_object", name) or ps.auto_name("broadcast_object")
     root = ps.root(root_rank, "broadcast_object", name)
     signature = {"collective": "broadcast_object", "name": name, "root_rank": int(root_rank)}
     return ps.engine.run(name, lambda: ps.transport.broadcast_object(obj, root, signature))
@@ -146,7 +147,7 @@ def allgather_object(obj: Any, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> list:
     """Every member's `obj`, as a list in set rank order."""
     ps = active(process_set, "allgather_object()")
-    name = ps.auto_name("allgather_object") if name is None else name
+    name = qualified("allgather_object", name) or ps.auto_name("allgather_object")
     signature = {"collective": "allgather_object", "name": name}
     return ps.engine.run(name, lambda: ps.transport.allgather_object(obj, signature))
 
@@ -165,7 +166,7 @@ def check_consistency(tensors: Union[torch.nn.Module, Params], name: Optional[st
         items = [t if isinstance(t, tuple) else (str(i), t) for i, t in enumerate(tensors)]
     items = [(n, t) for n, t in items if isinstance(t, torch.Tensor)]
     digests = torch.tensor([[_digest(t) for _, t in items]], dtype=torch.int64)
-    name = ps.auto_name("check_consistency") if name is None else name
+    name = qualified("check_consistency", name) or ps.auto_name("check_consistency")
     signature = {"collective": "check_consistency", "name": name,
                  "tensors": tuple(n for n, _ in items)}
     everyone = ps.engine.run(name, lambda: ps.transport.allgather(digests, signature)).numpy()

@@ -4,13 +4,33 @@ factors, root ...), the 64-bit digest that ranks compare, and the messages built
 from __future__ import annotations
 
 import zlib
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from . import _native
 
 Signature = Mapping[str, Any]
 ALLREDUCE_FIELDS = frozenset(("collective", "name", "op", "prescale", "postscale", "dtype",
                               "shape"))
+# The kinds that qualify the names callers give (Horovod's 'allreduce.w'); see `qualified`.
+KINDS = frozenset(("allreduce", "grouped_allreduce", "sparse_allreduce", "allgather",
+                   "grouped_allgather", "broadcast", "alltoall", "reducescatter",
+                   "grouped_reducescatter", "barrier", "broadcast_object", "allgather_object",
+                   "check_consistency"))
+
+
+def qualified(kind: str, name: Optional[str]) -> Optional[str]:
+    """Horovod's name for a collective the caller named: its kind, then the name, so that
+    collectives of different kinds may share a name (None, or an empty name: none given)."""
+    return f"{kind}.{name}" if name else None
+
+
+def given_name(name: str) -> Optional[tuple[str, str]]:
+    """(kind, the caller's name) of a `qualified` name; None for automatic and internal
+    names."""
+    kind, _, given = name.partition(".")
+    if kind in KINDS and given and not given.startswith("noname."):
+        return kind, given
+    return None
 
 
 def digest(signature: Signature) -> int:

@@ -24,16 +24,15 @@ import torch
 import torch.distributed as dist
 
 from . import world
-from .collective_work import allreduce_work, refusing, sparse_allreduce_work, submit
-from .collectives import (Average, Sum, allgather_async, allreduce_, allreduce_async,
-                          alltoall_async, barrier_async, broadcast_async_, grouped_allgather_async,
-                          grouped_allreduce_async_, grouped_reducescatter_async,
-                          reducescatter_async)
+from .collective_work import (allgather_work, allreduce_work, alltoall_work, barrier_work,
+                              broadcast_work, first, grouped_allreduce_work, reducescatter_work,
+                              refusing, run, sparse_allreduce_work, submit)
+from .collectives import Average, Sum
 from .compression import Compression
 from .errors import RingReduceError, UnsupportedError
 from .point_to_point import Channel
 from .process_sets import ActiveSet, ProcessSet, active, close_group, global_process_set
-from .small_way import started
+from .small_way import allreduce_now, started
 from .torch_arguments import SUM, copy_flat, logical, one, reduction, same_size, worked_on
 from .torch_work import FINISHED, CollectiveWork
 
@@ -187,8 +186,10 @@ class RingReduceGroup(dist.ProcessGroup):
         if opts is not None and not getattr(opts, "asyncOp", True):    # (torch >= 2.8 has it)
             # dist.all_reduce(t) waits at once: the synchronous call runs on this thread when
             # the set's engine is idle (the handle's queue costs as much as a small allreduce)
-            allreduce_(tensor, name=name, op=op, prescale_factor=pre,
-                       process_set=self._process_set)
+            done = allreduce_now(ps, tensor, name, op, 1.0, True) if pre == 1.0 else None
+            if done is None:
+                run(allreduce_work(tensor, None, name, op, pre, 1.0, Compression.none, True,
+                                   self._process_set))
             if write_back is not None:
                 write_back(None)
             return CollectiveWork(FINISHED, tensors)
@@ -223,9 +224,10 @@ class RingReduceGroup(dist.ProcessGroup):
             op, pre = (self._op(opts, "allreduce_coalesced") if opts is not None
                        else (Sum, 1.0))
         targets, write_back = worked_on(tensors)
-        return CollectiveWork(grouped_allreduce_async_(targets, name=name, op=op,
-                                                       prescale_factor=pre, process_set=ps),
-                              tensors, write_back)
+        handle = submit(grouped_allreduce_work(targets, name, op, None, pre, 1.0,
+                                               Compression.none, True, "grouped_allreduce_",
+                                               ps))
+        return CollectiveWork(handle, tensors, write_back)
 
     def reduce(self, tensors: list, opts: Any) -> CollectiveWork:
         """An allreduce whose result only the root keeps."""
@@ -237,8 +239,8 @@ class RingReduceGroup(dist.ProcessGroup):
             self._global(root, "reduce")
             if tensor.dtype is _BOOL:
                 tensor, op = logical(tensor, op, pre, f"reduce on rank {self.rank()}")
-        handle = allreduce_async(tensor.contiguous(), name=name, op=op, prescale_factor=pre,
-                                 process_set=ps)
+        handle = submit(allreduce_work(tensor.contiguous(), None, name, op, pre, 1.0,
+                                       Compression.none, False, ps))
 
         def finish(result: torch.Tensor) -> None:
             if self.rank() == root:
@@ -270,8 +272,8 @@ class RingReduceGroup(dist.ProcessGroup):
                         value: list, name: str) -> CollectiveWork:
         """Row r of `rows` reduced over the group lands in rank r's `output`."""
         op, pre = self._op(opts, kind)
-        handle = reducescatter_async(rows, name=name, op=op, prescale_factor=pre,
-                                     process_set=self._process_set)
+        handle = submit(first(reducescatter_work([rows], name, op, pre, 1.0, Compression.none,
+                                                 self._process_set)))
 
         def finish(mine: torch.Tensor) -> None:
             self._check_output(output, mine, kind)
@@ -286,8 +288,8 @@ class RingReduceGroup(dist.ProcessGroup):
         with checks:
             rows = [self._rows(i, what) for i in inputs]
             op, pre = self._op(opts, what)
-            handle = grouped_reducescatter_async(rows, name=name, op=op, prescale_factor=pre,
-                                                 process_set=ps)
+            handle = submit(reducescatter_work(rows, name, op, pre, 1.0, Compression.none, ps,
+                                               "grouped_reducescatter"))
         return self._written(handle, outputs, what)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -300,8 +302,8 @@ class RingReduceGroup(dist.ProcessGroup):
             tensor = one(tensors, "broadcast")
             root = self._global(opts.rootRank, "broadcast")
         (target,), write_back = worked_on([tensor])
-        return CollectiveWork(broadcast_async_(target, root, name=name, process_set=ps),
-                              tensors, write_back)
+        handle = submit(broadcast_work(target, root, name, True, "broadcast_", ps))
+        return CollectiveWork(handle, tensors, write_back)
 
     def allgather(self, output_tensors: list, input_tensors: list,
                   opts: Any = None) -> CollectiveWork:
@@ -324,8 +326,8 @@ class RingReduceGroup(dist.ProcessGroup):
         """Each rank's `tensor` as one row (the signature then holds its whole shape, so a
         rank with another shape is a MismatchError everywhere); row r goes to outputs[r]
         (None: kept nowhere)."""
-        handle = allgather_async(tensor.detach().unsqueeze(0).contiguous(), name=name,
-                                 process_set=ps)
+        handle = submit(first(allgather_work([tensor.detach().unsqueeze(0).contiguous()], name,
+                                             ps)))
 
         def finish(rows: torch.Tensor) -> None:
             if outputs is None:
@@ -345,8 +347,8 @@ class RingReduceGroup(dist.ProcessGroup):
                           opts: Any = None) -> CollectiveWork:
         what = "all_gather_into_tensor"
         ps, name, _ = self._call(what)
-        handle = allgather_async(input.detach().unsqueeze(0).contiguous(), name=name,
-                                 process_set=ps)
+        handle = submit(first(allgather_work([input.detach().unsqueeze(0).contiguous()], name,
+                                             ps)))
 
         def finish(rows: torch.Tensor) -> None:
             self._check_output(output, rows, what)
@@ -361,8 +363,8 @@ class RingReduceGroup(dist.ProcessGroup):
         what = "all_gather_into_tensor_coalesced"
         ps, name, _ = self._call(what)
         rows = [i.detach().unsqueeze(0).contiguous() for i in inputs]
-        return self._written(grouped_allgather_async(rows, name=name, process_set=ps), outputs,
-                             what)
+        handle = submit(allgather_work(rows, name, ps, "grouped_allgather"))
+        return self._written(handle, outputs, what)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -376,8 +378,8 @@ class RingReduceGroup(dist.ProcessGroup):
                 raise ValueError(f"ringreduce backend: allgather_coalesced on rank "
                                  f"{self.rank()} takes {self.size()} output lists of "
                                  f"{len(inputs)} tensors")
-        handle = grouped_allgather_async([i.detach().unsqueeze(0).contiguous() for i in inputs],
-                                         name=name, process_set=ps)
+        rows = [i.detach().unsqueeze(0).contiguous() for i in inputs]
+        handle = submit(allgather_work(rows, name, ps, "grouped_allgather"))
 
         def finish(gathered: list) -> None:
             for i, rows in enumerate(gathered):
@@ -401,7 +403,7 @@ class RingReduceGroup(dist.ProcessGroup):
                 splits = [1] * self.size()
             else:
                 rows, splits = output.new_empty((0, *shape)), [0] * self.size()
-            handle = alltoall_async(rows, splits, name=name, process_set=ps)
+            handle = submit(alltoall_work(rows, splits, name, ps))
         return CollectiveWork(handle, output_tensors,
                               lambda result: copy_flat(output, result[0]))
 
@@ -424,8 +426,7 @@ class RingReduceGroup(dist.ProcessGroup):
                 raise ValueError(f"ringreduce backend: {what} on rank {self.rank()}: dimension "
                                  f"0 of the input ({tuple(input.shape)}) does not divide by the "
                                  f"{n} ranks; pass input_split_sizes")
-            handle = alltoall_async(input.detach().contiguous(), splits, name=name,
-                                    process_set=ps)
+            handle = submit(alltoall_work(input.detach().contiguous(), splits, name, ps))
         wanted = list(output_split_sizes) if output_split_sizes else None
 
         def finish(result: tuple) -> None:
@@ -454,8 +455,7 @@ class RingReduceGroup(dist.ProcessGroup):
                 raise ValueError(f"ringreduce backend: all_to_all on rank {self.rank()} takes "
                                  f"{n} input and {n} output tensors")
             flat = torch.cat([t.detach().reshape(-1) for t in input_tensors])
-            handle = alltoall_async(flat, [t.numel() for t in input_tensors], name=name,
-                                    process_set=ps)
+            handle = submit(alltoall_work(flat, [t.numel() for t in input_tensors], name, ps))
 
         def finish(result: tuple) -> None:
             out, received = result
@@ -471,7 +471,7 @@ class RingReduceGroup(dist.ProcessGroup):
 
     def barrier(self, opts: Any = None) -> CollectiveWork:
         ps, name, _ = self._call("barrier")
-        return CollectiveWork(barrier_async(name=name, process_set=ps), [])
+        return CollectiveWork(submit(barrier_work(name, ps, "barrier")), [])
 
     # -------------------------------------------------- point to point
 

@@ -27,9 +27,10 @@ def test_names_pending_on_some_ranks_only_are_reported_and_shut_down():
                      env={"RINGREDUCE_STALL_CHECK_TIME": "1",
                           "RINGREDUCE_STALL_SHUTDOWN_TIME": "3"})
     assert result.returncode != 0, "a stall past the shutdown time must end the job"
-    pending = re.escape("for the members to submit a collective they all have pending: 'n0' "
-                        "is pending on ranks [0, 2] and not submitted by ranks [1]; 'n1' is "
-                        "pending on ranks [1, 2] and not submitted by ranks [0]")
+    pending = re.escape("for the members to submit a collective they all have pending: "
+                        "'allreduce.n0' is pending on ranks [0, 2] and not submitted by ranks "
+                        "[1]; 'allreduce.n1' is pending on ranks [1, 2] and not submitted by "
+                        "ranks [0]")
     for rank in range(3):   # (each rank counts from its own start: a late one may say 2 s)
         assert re.search(rf"rank {rank} has waited \d+ s {pending}", result.output), \
             result.output[-3000:]

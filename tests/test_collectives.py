@@ -22,11 +22,14 @@ SETTINGS = {
 ON_EVERY_PATH = shared_script("collectives", "collectives_check.py",
                               args=lambda n: [json.dumps(SETTINGS[n])],
                               timeout=lambda n: 120 * len(SETTINGS[n]))
-ERRORS = shared_script("errors", "errors_check.py")
+# (A stall check a second: names given to collectives of different kinds fail after it.)
+QUICK_STALL_CHECK = {"RINGREDUCE_STALL_CHECK_TIME": "1"}
+ERRORS = shared_script("errors", "errors_check.py", env=QUICK_STALL_CHECK)
 # No shared memory anywhere: every exchange between the two nodes is the recursive doubling of
 # crossnode.py (small allreduces carry their signature with the data; a joined rank's and a
 # mismatched rank's headers-only messages meet them).
-ERRORS_ACROSS_NODES = shared_script("errors, 2 nodes of 1", "errors_check.py", env=NODES)
+ERRORS_ACROSS_NODES = shared_script("errors, 2 nodes of 1", "errors_check.py",
+                                    env={**NODES, **QUICK_STALL_CHECK})
 JOIN_ACROSS_NODES = shared_script("join, 2 nodes of 1", "join_check.py", env=NODES)
 
 

@@ -37,7 +37,8 @@ def check_resets(n: int, output: str) -> None:
                  f"failure at (2, {BATCHES_PER_RANK[n] - 1}, 'before forward') on rank {n - 1}; "
                  "then, stopped for the reset, rank 0: ResetPending: ")
         assert alone in output, output[-3000:]
-        assert f"ranks [{n - 1}] wait in 'ringreduce.elastic.reset' after an error" in output
+        assert (f"ranks [{n - 1}] wait in 'allgather_object.ringreduce.elastic.reset' after an "
+                "error") in output
     assert output.count("elastic reset after a host update") == 2
     if n > 1:   # a failure inside a bucket's allreduce on one rank: the job restarts
         assert output.count("a failure inside a collective shut a set down; shutdown() and "

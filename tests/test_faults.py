@@ -54,7 +54,8 @@ def test_stall_in_a_small_allreduce_is_reported(nodes, n, shared_run):
     between nodes): the stall watch must still see it, and name it."""
     result = shared_run()
     stall = [line for line in result.output.splitlines() if "ringreduce: stall" in line]
-    assert any("allreduce 'metric.3'" in line and "which ranks [1] have not submitted" in line
+    assert any("allreduce 'allreduce.metric.3'" in line
+               and "which ranks [1] have not submitted" in line
                for line in stall), result.output[-3000:]
 
 
@@ -93,7 +94,7 @@ def test_a_rank_late_to_a_mismatchs_report_is_waited_for_with_stall_reports(n, s
     waited silently, in a blocking allgather), then both get the error."""
     result = shared_run()
     stall = [line for line in result.output.splitlines() if "ringreduce: stall" in line]
-    assert any("rank 0 has waited 1 s in collective #1 allreduce 'mismatched'" in line
+    assert any("rank 0 has waited 1 s in collective #1 allreduce 'allreduce.mismatched'" in line
                for line in stall), result.output[-3000:]
     for rank in (0, 1):
         assert f"MISMATCH rank {rank}: " in result.output, result.output[-3000:]

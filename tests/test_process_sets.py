@@ -28,7 +28,8 @@ def test_process_sets(n, shared_run):
 def test_a_stall_report_names_the_set_and_its_missing_rank(n, shared_run):
     result = shared_run()
     stall = [line for line in result.output.splitlines() if "ringreduce: stall" in line]
-    assert any("rank 0 has waited" in line and "allreduce 'set_stall' on process set" in line
+    assert any("rank 0 has waited" in line
+               and "allreduce 'allreduce.set_stall' on process set" in line
                and "(ranks [0, 1]), which ranks [1] have not submitted" in line
                for line in stall), result.output[-3000:]
 

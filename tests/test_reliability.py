@@ -27,8 +27,8 @@ def test_rank_that_leaves_ends_the_others_wait_with_an_error_naming_it(mode):
     assert ("OK rank 0" in result.output) == (mode != "leave_exit")
     message = re.search(r"^MESSAGE (.*)$", result.output, re.MULTILINE)
     assert message, result.output[-3000:]
-    assert ("rank 1: collective #2 allreduce 'waiting.here' cannot complete: rank 0 shut down"
-            in message.group(1)), message.group(1)
+    assert ("rank 1: collective #2 allreduce 'allreduce.waiting.here' cannot complete: rank 0 "
+            "shut down" in message.group(1)), message.group(1)
     left, failed = stamps(result.output, "LEAVING")[0], stamps(result.output, "ERROR")[1]
     print(f"{mode}: rank 1 raised {1000 * (failed - left):.1f} ms after rank 0 left")
     assert failed - left < 10, "the waiting rank must hear of the departure within seconds"
@@ -89,7 +89,8 @@ def test_stopped_rank_is_reported_every_interval_and_the_job_recovers():
     assert proc.returncode == 0, output[-4000:]
     assert "lockall" not in output and "Internal error" not in output, output[-4000:]
     reports = [line for line in output.splitlines() if "ringreduce: stall: rank 0" in line]
-    assert all("collective #" in line and "allreduce 'round." in line for line in reports), \
+    assert all("collective #" in line and "allreduce 'allreduce.round." in line
+               for line in reports), \
         reports
     waited = [int(m.group(1)) for m in map(re.compile(r"has waited (\d+) s").search, reports)]
     # the k-th report at k s, or at most one more (a late look, rounded): an interval that

@@ -86,6 +86,41 @@ def async_in_any_order():
     check_equal(hvd.synchronize(handles["bcast"]), value("bcast", n - 1, 7), "bcast")
 
 
+
+def kinds_share_a_name():
+    """One name given to collectives of different kinds, all in flight at once and submitted
+    in a different order on every rank: each pairs with its own kind (Horovod qualifies names
+    by kind: 'allreduce.w', 'allgather.w'). And the variants of one kind pair with each other
+    under a name: an in-place synchronous call on rank 0, an out-of-place differentiable one
+    on the others."""
+    for size, length in SIZES.items():
+        name = f"w.{size}"
+        calls = {
+            "allreduce": lambda: hvd.allreduce_async(value(name, r, length), name=name,
+                                                     op=hvd.Sum),
+            "allgather": lambda: hvd.allgather_async(value(name, r, 3 + r), name=name),
+            "broadcast": lambda: hvd.broadcast_async(value(name, r, length), root_rank=0,
+                                                     name=name),
+            "alltoall": lambda: hvd.alltoall_async(value(name, r, 2 * n), name=name),
+            "grouped_allreduce": lambda: hvd.grouped_allreduce_async(
+                [value(name, r, length)], name=name, op=hvd.Sum),
+        }
+        handles = {kind: calls[kind]() for kind in permuted(calls)}
+        got = {kind: hvd.synchronize(handle) for kind, handle in handles.items()}
+        check_equal(got["allreduce"], total(name, length), f"{name}: allreduce")
+        check_equal(got["allgather"], torch.cat([value(name, k, 3 + k) for k in range(n)]),
+                    f"{name}: allgather")
+        check_equal(got["broadcast"], value(name, 0, length), f"{name}: broadcast")
+        check_equal(got["alltoall"][0],
+                    torch.cat([value(name, k, 2 * n)[2 * r:2 * r + 2] for k in range(n)]),
+                    f"{name}: alltoall")
+        check_equal(got["grouped_allreduce"][0], total(name, length),
+                    f"{name}: grouped_allreduce")
+        mine = value(name, r, length)
+        reduced = (hvd.allreduce_(mine, name=name, op=hvd.Sum) if r == 0
+                   else hvd.allreduce(mine.requires_grad_(), name=name, op=hvd.Sum).detach())
+        check_equal(reduced, total(name, length), f"{name}: allreduce_ against allreduce")
+
 def synchronous_after_async():
     """Rank 0 queues 'p' and then reduces 'q' synchronously; the others reduce 'q' first
     (the small, inline way) and queue 'p' after: 'q' runs first everywhere."""
@@ -235,12 +270,13 @@ def after_failures():
             check_equal(hvd.allreduce(value(f"auto{i}", r, 6), op=hvd.Sum),
                         total(f"auto{i}", 6), f"after {label}: unnamed #{i}")
 
-    expect(hvd.MismatchError, ["'shape_mm'", "'shape'"], hvd.allreduce,
+    expect(hvd.MismatchError, ["'allreduce.shape_mm'", "'shape'"], hvd.allreduce,
            torch.ones(3 + r), name="shape_mm")
     pairs_still("mismatch")
     if r == 0:      # a duplicate on one rank only ('held' cannot complete before the others')
         held = hvd.allreduce_async(value("held", r, 4), name="held", op=hvd.Sum)
-        expect(ValueError, ["'held'", "still in flight"], hvd.allreduce_async, torch.ones(2),
+        expect(ValueError, ["'allreduce.held'", "still in flight"], hvd.allreduce_async,
+               torch.ones(2),
                name="held")
         world.Barrier()
     else:
@@ -266,9 +302,9 @@ def after_failures():
     pairs_still("user exception")
 
 
-CASES = [barrier_against_async, async_in_any_order, synchronous_after_async,
-         unrelated_thread_on_one_rank, thread_per_set, racing_threads_with_names,
-         same_name_from_two_threads, after_failures]
+CASES = [barrier_against_async, async_in_any_order, kinds_share_a_name,
+         synchronous_after_async, unrelated_thread_on_one_rank, thread_per_set,
+         racing_threads_with_names, same_name_from_two_threads, after_failures]
 
 
 def stall():

@@ -31,11 +31,12 @@ here = f"rank {r}"
 # Local argument errors: raised on the rank that made them, before any MPI traffic. A dtype or
 # layout a collective does not take is Horovod's ValueError ("Tensor type ... is not
 # supported."), and a TypeError as ours was: ArgumentTypeError.
-expect(hvd.ArgumentTypeError, ["'flags'", here, "bool"], hvd.allreduce,
+expect(hvd.ArgumentTypeError, ["'allreduce.flags'", here, "bool"], hvd.allreduce,
        torch.ones(3, dtype=torch.bool), name="flags")
-expect(hvd.ArgumentTypeError, ["'cplx'", here, "complex64"], hvd.allreduce,
+expect(hvd.ArgumentTypeError, ["'allreduce.cplx'", here, "complex64"], hvd.allreduce,
        torch.ones(3, dtype=torch.complex64), name="cplx")
-expect(hvd.ArgumentTypeError, ["'sp'", here, "sparse"], hvd.allreduce, torch.eye(3).to_sparse(),
+expect(hvd.ArgumentTypeError, ["'allreduce.sp'", here, "sparse"], hvd.allreduce,
+       torch.eye(3).to_sparse(),
        name="sp")
 # A tensor that is not contiguous: Horovod's ValueError ('Tensor is required to be
 # contiguous.') for every collective, in place or not (NotContiguousError), the input
@@ -61,21 +62,23 @@ not_contiguous = {
 }
 for kind, call in not_contiguous.items():
     before = strided.clone()
-    expect(hvd.NotContiguousError, [f"'{kind}.strided", here, "not contiguous"], call, strided,
+    expect(hvd.NotContiguousError, [f".{kind}.strided", here, "not contiguous"], call, strided,
            f"{kind}.strided")
     assert torch.equal(strided, before) and not strided.is_contiguous(), kind
 assert issubclass(hvd.NotContiguousError, ValueError)
 expect(hvd.ArgumentTypeError, ["bool"], hvd.allreduce, torch.ones(3, 4, dtype=torch.bool).t())
-expect(TypeError, ["'lst'", "torch.Tensor"], hvd.allreduce, [1, 2], name="lst")
-expect(ValueError, ["'b'", "root_rank", str(n)], hvd.broadcast, torch.ones(2), n, name="b")
-expect(ValueError, ["'b2'", "root_rank"], hvd.broadcast, torch.ones(2), -1, name="b2")
-expect(ValueError, ["'a2a'", "non-negative"], hvd.alltoall, torch.ones(n, 2),
+expect(TypeError, ["'allreduce.lst'", "torch.Tensor"], hvd.allreduce, [1, 2], name="lst")
+expect(ValueError, ["'broadcast.b'", "root_rank", str(n)], hvd.broadcast, torch.ones(2), n,
+       name="b")
+expect(ValueError, ["'broadcast.b2'", "root_rank"], hvd.broadcast, torch.ones(2), -1, name="b2")
+expect(ValueError, ["'alltoall.a2a'", "non-negative"], hvd.alltoall, torch.ones(n, 2),
        splits=[-1] + [1] * (n - 1) if n > 1 else [-1], name="a2a")
-expect(ValueError, ["'a2b'", "summing to at most"], hvd.alltoall, torch.ones(n, 2),
+expect(ValueError, ["'alltoall.a2b'", "summing to at most"], hvd.alltoall, torch.ones(n, 2),
        splits=[2] * n, name="a2b")     # (fewer than the rows are fine, as in Horovod)
-expect(ValueError, ["'dev'", here, "meta"], hvd.allreduce, torch.ones(2, device="meta"),
+expect(ValueError, ["'allreduce.dev'", here, "meta"], hvd.allreduce, torch.ones(2, device="meta"),
        name="dev")
-expect(ValueError, ["'dev2'", here, "meta"], hvd.broadcast_, torch.ones(2, device="meta"), 0,
+expect(ValueError, ["'broadcast.dev2'", here, "meta"], hvd.broadcast_,
+       torch.ones(2, device="meta"), 0,
        name="dev2")
 expect(hvd.UnsupportedError, ["Adasum only reduces allreduces"], hvd.reducescatter,
        torch.ones(2), op=hvd.Adasum)
@@ -103,14 +106,15 @@ if n > 1:     # (a set of rank 0 alone is the global set at 1 rank)
                                                op=hvd.Adasum, process_set=alone),
         }
         for kind, call in adasum_calls.items():
-            expect(NotImplementedError, [f"'adasum.{kind}'", here,
+            expect(NotImplementedError, [f".adasum.{kind}'", here,
                                          "Adasum does not support non-global process sets"],
                    call, f"adasum.{kind}")
         assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=alone),
                            torch.ones(2))
     assert hvd.remove_process_set(alone)
 expect(ValueError, ["not both"], hvd.allreduce, torch.ones(2), average=True, op=hvd.Sum)
-expect(ValueError, ["'rs0'", "at least one dimension"], hvd.reducescatter, torch.tensor(1.0),
+expect(ValueError, ["'reducescatter.rs0'", "at least one dimension"], hvd.reducescatter,
+       torch.tensor(1.0),
        name="rs0")
 
 # A name reused while the first collective is still in flight (the engine is held on an
@@ -122,7 +126,8 @@ from ringreduce.process_sets import global_set
 release = threading.Event()
 blocker = global_set("test").engine.submit("test.blocker", release.wait)
 h = hvd.allreduce_async(torch.ones(1000), name="dup")
-expect(ValueError, ["'dup'", "in flight", here], hvd.allreduce_async, torch.ones(3), name="dup")
+expect(ValueError, ["'allreduce.dup'", "in flight", here], hvd.allreduce_async, torch.ones(3),
+       name="dup")
 assert not hvd.poll(h)
 release.set()
 hvd.synchronize(blocker)
@@ -131,46 +136,52 @@ assert torch.equal(hvd.synchronize(h), torch.ones(1000))
 # Cross-rank mismatches: MismatchError on every rank, naming the tensor and each rank's value.
 if n > 1:
     x = torch.ones(3 + r)
-    msg = expect(hvd.MismatchError, ["'shape_mm'", "'shape'", "rank 0: (3,)", "rank 1: (4,)"],
+    msg = expect(hvd.MismatchError,
+                 ["'allreduce.shape_mm'", "'shape'", "rank 0: (3,)", "rank 1: (4,)"],
                  hvd.allreduce_, x, name="shape_mm")
     assert torch.equal(x, torch.ones(3 + r)), "input changed by a failed collective"
     # the same on the block-by-block path, and between it and the small path
     big = torch.ones(300_000 + r)
-    expect(hvd.MismatchError, ["'big_mm'", "'shape'", "rank 0: (300000,)"], hvd.allreduce_,
+    expect(hvd.MismatchError, ["'allreduce.big_mm'", "'shape'", "rank 0: (300000,)"],
+           hvd.allreduce_,
            big, name="big_mm")
     assert torch.equal(big, torch.ones(300_000 + r)), "input changed by a failed collective"
-    expect(hvd.MismatchError, ["'mixed_mm'", "'shape'", "rank 0: (300000,)", "rank 1: (10,)"],
+    expect(hvd.MismatchError,
+           ["'allreduce.mixed_mm'", "'shape'", "rank 0: (300000,)", "rank 1: (10,)"],
            hvd.allreduce, torch.ones(300_000 if r == 0 else 10), name="mixed_mm")
     dtype = torch.float32 if r == 0 else torch.float64
-    expect(hvd.MismatchError, ["'dtype_mm'", "'dtype'", "float32", "float64"], hvd.allreduce,
+    expect(hvd.MismatchError, ["'allreduce.dtype_mm'", "'dtype'", "float32", "float64"],
+           hvd.allreduce,
            torch.ones(4, dtype=dtype), name="dtype_mm")
-    expect(hvd.MismatchError, ["'op_mm'", "'op'", "Sum", "Max"], hvd.allreduce, torch.ones(4),
+    expect(hvd.MismatchError, ["'allreduce.op_mm'", "'op'", "Sum", "Max"], hvd.allreduce,
+           torch.ones(4),
            name="op_mm", op=hvd.Sum if r == 0 else hvd.Max)
-    expect(hvd.MismatchError, ["'root_mm'", "'root_rank'"], hvd.broadcast, torch.ones(4),
+    expect(hvd.MismatchError, ["'broadcast.root_mm'", "'root_rank'"], hvd.broadcast, torch.ones(4),
            root_rank=0 if r == 0 else 1, name="root_mm")
-    expect(hvd.MismatchError, ["'collective'", "allreduce", "allgather"],
-           hvd.allreduce if r == 0 else hvd.allgather, torch.ones(4), name="kind_mm")
-    # Every other kind of collective on rank 0 against an allreduce of the same name on the
-    # others: each kind's check carries the name it was submitted under (a sparse allreduce's
-    # once carried others, and the engine put it back in order without end).
+    # One name given to a collective of another kind on rank 0 than on the others: names are
+    # qualified by kind (Horovod's), so the two never pair; after a stall check's time (1 s in
+    # this launch) every rank fails its call with MismatchError naming both, and goes on. Each
+    # kind's check carries the name it was submitted under (a sparse allreduce's once carried
+    # others, and the engine put it back in order without end).
     kinds = {
         "allgather": lambda name: hvd.allgather(torch.ones(2), name=name),
         "broadcast": lambda name: hvd.broadcast(torch.ones(2), 0, name=name),
-        "alltoall": lambda name: hvd.alltoall(torch.ones(n, 2), name=name),
-        "reducescatter": lambda name: hvd.reducescatter(torch.ones(n, 2), name=name),
         "sparse_allreduce": lambda name: hvd.sparse_allreduce_async(
             torch.eye(3).to_sparse(), name, hvd.Sum)(),
         "broadcast_object": lambda name: hvd.broadcast_object(1, 0, name=name),
-        "allgather_object": lambda name: hvd.allgather_object(1, name=name),
         "check_consistency": lambda name: hvd.check_consistency([torch.ones(2)], name=name),
     }
+    others = list(range(1, n))
     for kind, call in kinds.items():
-        expect(hvd.MismatchError, [f"'{kind}_mm'", "'collective' differs", f"rank 0: '{kind}'"],
-               call if r == 0 else lambda name: hvd.allreduce(torch.ones(3), name=name),
-               f"{kind}_mm")
-    expect(hvd.MismatchError, ["'ag_mm'", "trailing shape"], hvd.allgather,
+        name = f"{kind}_mm"
+        mine = f"{kind}.{name}" if r == 0 else f"allreduce.{name}"
+        expect(hvd.MismatchError, [f"rank {r}: collective '{mine}' cannot run",
+                                   f"the name '{name}' was given to", f"{kind} on ranks [0]",
+                                   f"allreduce on ranks {others}", "never pair"],
+               call if r == 0 else lambda name: hvd.allreduce(torch.ones(3), name=name), name)
+    expect(hvd.MismatchError, ["'allgather.ag_mm'", "trailing shape"], hvd.allgather,
            torch.ones(2, 1 + (r > 0)), name="ag_mm")
-    expect(hvd.MismatchError, ["'scale_mm'", "'prescale'"], hvd.allreduce, torch.ones(4),
+    expect(hvd.MismatchError, ["'allreduce.scale_mm'", "'prescale'"], hvd.allreduce, torch.ones(4),
            name="scale_mm", prescale_factor=1.0 if r == 0 else 2.0)
     # A mistake in the arguments of the last rank alone, named or not: TypeError/ValueError
     # (or UnsupportedError) there, at once a MismatchError quoting it on the others (not a
@@ -180,21 +191,23 @@ if n > 1:
     flags = torch.ones(3, dtype=torch.bool if last else torch.float32)
     wide = torch.ones(3, dtype=torch.complex128 if last else torch.float32)   # moved: 16 bytes
     if last:
-        expect(hvd.ArgumentTypeError, ["'one_bad'", "bool"], hvd.allreduce, flags,
+        expect(hvd.ArgumentTypeError, ["'allreduce.one_bad'", "bool"], hvd.allreduce, flags,
                name="one_bad")
         expect(ValueError, ["does not divide"], hvd.alltoall, torch.ones(n + 1, 2))
         expect(ValueError, ["root_rank"], hvd.broadcast_, torch.ones(2), n)
-        expect(TypeError, ["'one_bad_group[1]'", "bool"], hvd.grouped_allreduce,
+        expect(TypeError, ["'grouped_allreduce.one_bad_group[1]'", "bool"], hvd.grouped_allreduce,
                [torch.ones(2), flags], name="one_bad_group")
         expect(ValueError, ["at least one dimension"], hvd.reducescatter, torch.tensor(1.0))
         expect(hvd.UnsupportedError, ["Adasum only reduces allreduces"], hvd.reducescatter,
                torch.ones(n), op=hvd.Adasum)
-        expect(TypeError, ["'one_bad_gather.1'", "complex128"], hvd.grouped_allgather,
+        expect(TypeError, ["'grouped_allgather.one_bad_gather.1'", "complex128"],
+               hvd.grouped_allgather,
                [torch.ones(2), wide], name="one_bad_gather")
-        expect(TypeError, ["'one_bad_sparse'", "sparse COO"], hvd.sparse_allreduce_async,
+        expect(TypeError, ["'sparse_allreduce.one_bad_sparse'", "sparse COO"],
+               hvd.sparse_allreduce_async,
                torch.ones(3), "one_bad_sparse", hvd.Sum)
     else:
-        expect(hvd.MismatchError, refused + ["'one_bad'", "bool"], hvd.allreduce, flags,
+        expect(hvd.MismatchError, refused + ["'allreduce.one_bad'", "bool"], hvd.allreduce, flags,
                name="one_bad")
         expect(hvd.MismatchError, refused + ["does not divide"], hvd.alltoall,
                torch.ones(n, 2))
@@ -229,7 +242,7 @@ if n > 1:
         None: lambda t, name: hvd.allreduce_(t, op=hvd.Sum),
     }
     for name, call in one_odd.items():
-        named = [f"'{name}", "not contiguous"] if name else ["not contiguous"]
+        named = [f".{name}", "not contiguous"] if name else ["not contiguous"]
         if last:
             expect(hvd.NotContiguousError, named + [here], call, odd, name)
         else:
@@ -250,7 +263,7 @@ if n > 1:
                hvd.allreduce_async(torch.ones(10 + r), name="async_mm"),
                hvd.allreduce_async(torch.ones(10), name="fine.1")]
     assert torch.equal(hvd.synchronize(handles[0]), torch.ones(10))
-    expect(hvd.MismatchError, ["'async_mm'"], hvd.synchronize, handles[1])
+    expect(hvd.MismatchError, ["'allreduce.async_mm'"], hvd.synchronize, handles[1])
     assert torch.equal(hvd.synchronize(handles[2]), torch.ones(10))
     # In place, small: begun on this thread (completed there when the peers are in step); the
     # mismatch still comes from synchronize, and the tensor is left as it was.
@@ -259,7 +272,7 @@ if n > 1:
                hvd.allreduce_async_(mine, name="async_mm_"),
                hvd.allreduce_async_(torch.ones(10), name="fine_.1")]
     assert torch.equal(hvd.synchronize(handles[0]), torch.ones(10))
-    expect(hvd.MismatchError, ["'async_mm_'", "shape"], hvd.synchronize, handles[1])
+    expect(hvd.MismatchError, ["'allreduce.async_mm_'", "shape"], hvd.synchronize, handles[1])
     assert torch.equal(mine, torch.ones(10 + (r == n - 1))), "async_mm_: tensor changed"
     assert torch.equal(hvd.synchronize(handles[2]), torch.ones(10))
 
@@ -329,15 +342,16 @@ hvd.barrier()
 # allgather_object, refuses it in the signature check, so every rank raises (the same
 # MismatchError quoting it), and the job goes on. At 1 rank the pickling error is the cause.
 if n > 1:
-    expect(hvd.MismatchError, ["'lock'", f"rank {n - 1}: TypeError: cannot pickle"],
+    expect(hvd.MismatchError,
+           ["'broadcast_object.lock'", f"rank {n - 1}: TypeError: cannot pickle"],
            hvd.broadcast_object, threading.Lock() if r == n - 1 else 0, root_rank=n - 1,
            name="lock")
-    expect(hvd.MismatchError, ["'locks'", "rank 0: TypeError: cannot pickle"],
+    expect(hvd.MismatchError, ["'allgather_object.locks'", "rank 0: TypeError: cannot pickle"],
            hvd.allgather_object, threading.Lock() if r == 0 else r, name="locks")
 else:
-    expect(hvd.RingReduceError, ["'lock'", "cannot pickle"], hvd.broadcast_object,
+    expect(hvd.RingReduceError, ["'broadcast_object.lock'", "cannot pickle"], hvd.broadcast_object,
            threading.Lock(), name="lock")
-    expect(hvd.RingReduceError, ["'locks'", "cannot pickle"], hvd.allgather_object,
+    expect(hvd.RingReduceError, ["'allgather_object.locks'", "cannot pickle"], hvd.allgather_object,
            threading.Lock(), name="locks")
 assert hvd.broadcast_object({"from": r}, root_rank=n - 1) == {"from": n - 1}
 assert hvd.allgather_object(("r", r)) == [("r", k) for k in range(n)]
@@ -352,10 +366,10 @@ def expect_met(name, injected, call, *args, **kwargs):
         raise AssertionError(f"{name}: no error")
     except hvd.RingReduceError as e:
         if r == n - 1:
-            assert isinstance(e.__cause__, MemoryError) and f"'{name}'" in str(e), repr(e)
+            assert isinstance(e.__cause__, MemoryError) and f".{name}'" in str(e), repr(e)
         else:
             assert isinstance(e, hvd.MismatchError), repr(e)
-            for fragment in [f"'{name}' cannot run: a failure before its data moved, on rank",
+            for fragment in [f".{name}' cannot run: a failure before its data moved, on rank",
                              f"rank {n - 1}: MemoryError: {injected}"]:
                 assert fragment in str(e), f"{fragment!r} not in {e}"
 
@@ -405,7 +419,7 @@ assert [t.tolist() for t in hvd.grouped_allreduce(
 # failing.
 def failing_check(self, spec):
     checking(self, spec)
-    if spec.describe()["name"] == "lone":
+    if spec.describe()["name"] == "allreduce.lone":
         raise MemoryError("injected on one rank")
 
 
@@ -418,17 +432,19 @@ def fail_alone(failing_rank, process_set):
         raise AssertionError("no error")
     except hvd.RingReduceError as e:
         if r == failing_rank:
-            assert isinstance(e.__cause__, MemoryError) and "'lone'" in str(e), repr(e)
+            assert isinstance(e.__cause__, MemoryError) and "'allreduce.lone'" in str(e), repr(e)
             assert "failed here (MemoryError: injected on one rank), and the other members " \
                 "were told" in str(e), str(e)
         else:
             assert isinstance(e, hvd.ShutDownError), repr(e)
-            for fragment in [f"rank {failing_rank} failed in its collective", "allreduce 'lone'",
+            for fragment in [f"rank {failing_rank} failed in its collective",
+                             "allreduce 'allreduce.lone'",
                              "MemoryError: injected on one rank", "out of step"]:
                 assert fragment in str(e), f"{fragment!r} not in {e}"
     finally:
         SetParts.check = checking
-    expect(hvd.ShutDownError, ["allreduce 'lone'", "shutdown() and init()"], hvd.allgather,
+    expect(hvd.ShutDownError, ["allreduce 'allreduce.lone'", "shutdown() and init()"],
+           hvd.allgather,
            torch.ones(1), name="after.lone", process_set=process_set)
     if process_set is not hvd.global_process_set:
         expect(hvd.ShutDownError, "remove_process_set() and add_process_set()", hvd.barrier,

@@ -433,7 +433,7 @@ def case_sparse_allreduce_with_different_dense_shapes_is_a_mismatch():
 def case_alltoall_float_splits():
     floats = torch.empty(n, dtype=torch.float32)
     for error in (ValueError, TypeError, hvd.ArgumentTypeError):
-        expect(error, ["splits must be integers", "'floats.split'", f"rank {r}"],
+        expect(error, ["splits must be integers", "'alltoall.floats.split'", f"rank {r}"],
                hvd.alltoall, torch.ones(n), floats, "floats.split")
     expect(ValueError, "splits must be integers", hvd.alltoall, torch.ones(n), [0.5] * n)
 

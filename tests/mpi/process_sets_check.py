@@ -304,7 +304,8 @@ def check_errors():
         outside = hvd.DistributedOptimizer(torch.optim.SGD(Net().parameters(), lr=0.1),
                                            process_set=ps)
         assert isinstance(outside, torch.optim.SGD) and not outside._hooks
-    expect(ValueError, "not registered", hvd.allgather, torch.ones(2), process_set=hvd.ProcessSet([r]))
+    expect(ValueError, "not registered", hvd.allgather, torch.ones(2),
+           process_set=hvd.ProcessSet([r]))
     expect(ValueError, "invalid rank list", hvd.add_process_set, [0, n])
     expect(ValueError, "invalid rank list", hvd.add_process_set, [0, 0])
     expect(ValueError, "invalid rank list", hvd.add_process_set, [])
@@ -340,7 +341,8 @@ def check_groups():
         group = open_group(ends, "group 'ends'")
         assert group.ranks == ends and group.included()
         check_collectives(group, "group 'ends'")
-        expect(hvd.MismatchError, ["'g.mm'", "'shape'", f"rank 0: (3,); rank {n - 1}: (4,)"],
+        expect(hvd.MismatchError,
+               ["'allreduce.g.mm'", "'shape'", f"rank 0: (3,); rank {n - 1}: (4,)"],
                hvd.allreduce, torch.ones(3 + (r == n - 1)), name="g.mm", process_set=group)
         close_group(group)
         assert group.process_set_id is None

@@ -52,9 +52,9 @@ train(1)
 hvd.stop_timeline()
 events = json.loads(path.read_text())["traceEvents"]      # complete JSON after stop
 lanes = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
-assert {"x", "bucket.0"} <= lanes and any(n.endswith(" (unnamed)") for n in lanes), lanes
+assert {"allreduce.x", "bucket.0"} <= lanes and any(n.endswith(" (unnamed)") for n in lanes), lanes
 assert any(e["name"] == "process_name" and e["args"]["name"] == f"rank {r}" for e in events)
-assert any(e.get("cat") == "x" and e["name"] == "submitted" for e in events)
+assert any(e.get("cat") == "allreduce.x" and e["name"] == "submitted" for e in events)
 assert any(e.get("cat") == "bucket.0" and e["name"] == "allreduce" for e in events)
 
 # Left running: shutdown at exit must flush and close it.
