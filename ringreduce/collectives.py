@@ -35,7 +35,6 @@ Min = ReduceOp.Min
 Max = ReduceOp.Max
 Product = ReduceOp.Product
 
-
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "reduce_op", "submit",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",

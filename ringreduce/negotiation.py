@@ -255,18 +255,23 @@ class _Settling:
 
     def _kinds_apart(self, pending: list[list[str]], waited: float) -> bool:
         """(Collective: every member's `pending`, as gathered.) A name the callers gave to
-        collectives of different kinds on different members ('allreduce.w' on some, and
-        'allgather.w' on others), with nothing pending everywhere for a stall check's time, is
-        one program's mistake, not a slow rank: a member whose first collective is such a
-        one fails it with MismatchError (raised here), and the others leave the settling
-        (True), so that every member goes on to its next collective. False: no such name."""
+        collectives of different kinds on different members ('allreduce.w' pending on some
+        and not 'allgather.w', 'allgather.w' on others and not 'allreduce.w'), with nothing
+        pending everywhere for a stall check's time, is one program's mistake, not a slow rank
+        (members that have both, or neither, are not told apart by it): a member whose first
+        collective is such a one fails it with MismatchError (raised here), and the others
+        leave the settling (True), so that every member goes on to its next collective.
+        False: no such name."""
         kinds: dict[str, dict[str, list[int]]] = {}     # a given name -> kind -> members
+        held: dict[str, list[set[str]]] = {}     # a given name -> each member's kinds of it
         for member, names in enumerate(pending):
             for name in names:
                 given = given_name(name)
                 if given is not None:
                     kinds.setdefault(given[1], {}).setdefault(given[0], []).append(member)
-        apart = {given: held for given, held in kinds.items() if len(held) > 1}
+                    held.setdefault(given[1], [set() for _ in pending])[member].add(given[0])
+        apart = {given: kinds[given] for given, sets in held.items()
+                 if any(a - b and b - a for a in sets for b in sets)}
         if not apart:
             return False
         me, ranks = self.negotiator.comm.rank, self.watch.ranks

@@ -3,6 +3,8 @@ hangs, inputs are untouched, and the job is still usable afterwards. Then check_
 and the optimizer's per-step consistency check."""
 import threading
 
+import time
+
 import torch
 
 import ringreduce as hvd
@@ -179,6 +181,20 @@ if n > 1:
                                    f"the name '{name}' was given to", f"{kind} on ranks [0]",
                                    f"allreduce on ranks {others}", "never pair"],
                call if r == 0 else lambda name: hvd.allreduce(torch.ones(3), name=name), name)
+    # Not a mistake: rank 0 has both kinds of one name pending for longer than a stall check
+    # while the others wait in another collective before submitting them; all complete.
+    if r == 0:
+        both = [hvd.allreduce_async(torch.ones(2), name="both", op=hvd.Sum),
+                hvd.allgather_async(torch.ones(1), name="both")]
+        time.sleep(2.5)
+        x = hvd.allreduce(torch.ones(1), name="x_first", op=hvd.Sum)
+    else:
+        x = hvd.allreduce(torch.ones(1), name="x_first", op=hvd.Sum)
+        both = [hvd.allgather_async(torch.ones(1), name="both"),
+                hvd.allreduce_async(torch.ones(2), name="both", op=hvd.Sum)][::-1]
+    assert torch.equal(x, torch.full((1,), float(n)))
+    assert torch.equal(hvd.synchronize(both[0]), torch.full((2,), float(n)))
+    assert torch.equal(hvd.synchronize(both[1]), torch.ones(n))
     expect(hvd.MismatchError, ["'allgather.ag_mm'", "trailing shape"], hvd.allgather,
            torch.ones(2, 1 + (r > 0)), name="ag_mm")
     expect(hvd.MismatchError, ["'allreduce.scale_mm'", "'prescale'"], hvd.allreduce, torch.ones(4),
