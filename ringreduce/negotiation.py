@@ -262,23 +262,22 @@ class _Settling:
         collective is such a one fails it with MismatchError (raised here), and the others
         leave the settling (True), so that every member goes on to its next collective.
         False: no such name."""
-        kinds: dict[str, dict[str, list[int]]] = {}     # a given name -> kind -> members
         held: dict[str, list[set[str]]] = {}     # a given name -> each member's kinds of it
         for member, names in enumerate(pending):
-            for name in names:
-                given = given_name(name)
-                if given is not None:
-                    kinds.setdefault(given[1], {}).setdefault(given[0], []).append(member)
-                    held.setdefault(given[1], [set() for _ in pending])[member].add(given[0])
-        apart = {given: kinds[given] for given, sets in held.items()
+            for kind, given in filter(None, map(given_name, names)):
+                held.setdefault(given, [set() for _ in pending])[member].add(kind)
+        apart = {given for given, sets in held.items()
                  if any(a - b and b - a for a in sets for b in sets)}
         if not apart:
             return False
         me, ranks = self.negotiator.comm.rank, self.watch.ranks
         first = given_name(pending[me][0]) if pending[me] else None
         if first is not None and first[1] in apart:
-            where = " and to ".join(f"{kind} on ranks {[ranks[m] for m in members]}"
-                                    for kind, members in apart[first[1]].items())
+            sets = held[first[1]]
+            kinds = dict.fromkeys(kind for mine in sets for kind in sorted(mine))
+            where = " and to ".join(
+                f"{kind} on ranks {[ranks[m] for m, mine in enumerate(sets) if kind in mine]}"
+                for kind in kinds)
             raise MismatchError(
                 f"ringreduce: rank {ranks[me]}: collective '{pending[me][0]}' cannot run: the "
                 f"name '{first[1]}' was given to {where}, and no collective was pending on "
