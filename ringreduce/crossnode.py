@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _native
 from .mpi import mpi
-from .shm import SPIN_SECONDS, NodeWindow
+from .shm import PUBLISH_SPIN_SECONDS, SPIN_SECONDS, NodeWindow
 from .stall import StallWatch
 
 TAG = 11                # the ring uses its own tag on the same communicator
@@ -104,6 +104,9 @@ class BetweenNodes:
         self._tail = (self.data_address, self.incoming_address, self.incoming.nbytes,
                       self.gathered.ctypes.data, self.gathered.size // 2, SPIN_SECONDS)
         self._post_only = self._tail[:-1] + (-1.0,)     # post the first round and return
+        self._glance = self._tail[:-1] + (PUBLISH_SPIN_SECONDS,)   # poll a few microseconds
+        self._begun: Optional[tuple] = None     # small_publish's reduction, for small_complete
+        self._status = _PENDING                 # where small_publish left it
         self._mine_address = self.gathered[cross.rank].ctypes.data
         self._own = self.gathered[cross.rank].reshape(-1) if node is None else None
 
@@ -152,6 +155,48 @@ class BetweenNodes:
             status = _doubling(*self._head, True, nbytes, count, dtype, op, src, dst, divisor,
                                scale, *self._tail)
         return status == 1
+
+    def small_publish(self, address: int, nbytes: int, count: int, dtype: int, op: int,
+                      divisor: float, scale: float, digest: int) -> bool:
+        """`small` in place on `address`, begun without waiting (an asynchronous call on the
+        caller's thread): the node's slot published and, once every rank of the node is
+        there, our first message between nodes posted and polled a few microseconds. True
+        when the whole exchange is done already; `small_complete` finishes it either way."""
+        node = self.node
+        self._begun = (nbytes, count, dtype, op, address, address, divisor, scale)
+        if node is None:
+            own = self._own
+            own[0], own[1] = digest, 0
+        elif not node.small_publish(address, nbytes, count, dtype, op, divisor, scale, digest):
+            self._status = None         # the node's part comes first
+            return False
+        else:
+            self._between_nodes(node.small_complete(True, self.data_address, count, dtype, op,
+                                                    1.0, 1.0))
+        self._status = status = _doubling(*self._head, False, *self._begun, *self._post_only)
+        if status == _PENDING:
+            self._status = status = _doubling(*self._head, True, *self._begun, *self._glance)
+        return status != _PENDING
+
+    def small_complete(self, ready: bool, address: int, count: int, dtype: int, op: int,
+                       divisor: float, scale: float) -> bool:
+        """`small_publish`'s collective, finished: True with the result at `address`, False
+        (nothing written) when the digests differ, as `small`."""
+        node, status = self.node, self._status
+        if status is None:
+            self._between_nodes(node.small_complete(False, self.data_address, count, dtype, op,
+                                                    1.0, 1.0))
+            return self.run(self._begun)
+        while status == _PENDING:
+            self.watch.wait(self.exchanged)
+            status = _doubling(*self._head, True, *self._begun, *self._tail)
+        return status == 1
+
+    def _between_nodes(self, reduced: bool) -> None:
+        """After the node's part of `small_publish`: the node's headers, and its reduced data
+        (where the node's digests agreed; else headers only) for the exchange between nodes."""
+        self.node.headers_into(self._mine_address)
+        self._begun = self._begun[:4] + (0,) + self._begun[5:] if reduced else _HEADERS_ONLY
 
     def last_digests(self) -> np.ndarray:
         """Every member's digest in the last exchange, by set rank."""

@@ -85,9 +85,11 @@ class NodeWindow:
         ready = _native.small_begin(self.node, src, nbytes, digest, -1.0)
         return self.small_complete(ready, output(), count, dtype, op, divisor, scale)
 
-    def small_publish(self, src: int, nbytes: int, digest: int) -> bool:
+    def small_publish(self, src: int, nbytes: int, count: int, dtype: int, op: int,
+                      divisor: float, scale: float, digest: int) -> bool:
         """`small`'s first half, which hardly waits: our slot and flag up, the peers' flags
-        polled a few microseconds. True when every peer's is up."""
+        polled a few microseconds. True when every peer's is up. (The reduction's arguments
+        are `small_complete`'s: taken for the ways' common signature, ways.Way.publish.)"""
         return _native.small_begin(self.node, src, nbytes, digest, PUBLISH_SPIN_SECONDS)
 
     def small_complete(self, ready: bool, dst: int, count: int, dtype: int, op: int,

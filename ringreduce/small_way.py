@@ -76,7 +76,9 @@ class SmallWay:
         code, op = case[1][0], case[0][1]
         self._watch.begin(f"allreduce '{name}'")     # (signature.label, without a dict)
         address = tensor.data_ptr()
-        ready = self._publish(address, tensor.nbytes, digest)
+        ready = self._publish(address, tensor.nbytes, tensor.numel(), code, op,
+                              self._average_divisor if op is _AVERAGE else 1.0, postscale,
+                              digest)
         if ready:
             try:
                 return True, self._rest(True, tensor, address, code, op, postscale,

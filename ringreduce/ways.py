@@ -126,10 +126,11 @@ class Way:
     writing `dst` only once the signatures agree."""
 
     carries_signature = False   # its one exchange carries the signature with the data
-    # A way whose exchange can begin without waiting: `publish(src, nbytes, digest)` posts ours
-    # and says whether every peer's is there; `complete(ready, dst, count, dtype, op, divisor,
-    # scale)` finishes it (the small way begins asynchronous calls with these).
-    publish: Optional[Callable[[int, int, int], bool]] = None
+    # A way whose exchange can begin without waiting, in place: `publish(address, nbytes,
+    # count, dtype, op, divisor, scale, digest)` posts ours and says whether every peer's is
+    # there; `complete(ready, address, count, dtype, op, divisor, scale)` finishes it (the
+    # small way begins asynchronous calls with these).
+    publish: Optional[Callable[..., bool]] = None
     complete: Optional[Callable[..., bool]] = None
 
     def __init__(self, parts: SetParts) -> None:
@@ -226,7 +227,8 @@ class Alone(Way):
             _native.copy_stream(dst, src, nbytes)
         return self.complete(True, dst, count, code, op, divisor, factor)
 
-    def publish(self, src: int, nbytes: int, digest: int) -> bool:
+    def publish(self, address: int, nbytes: int, count: int, code: int, op: ReduceOp,
+                divisor: float, factor: float, digest: int) -> bool:
         return True     # every member's part is here: this one's
 
     def complete(self, ready: bool, dst: int, count: int, code: int, op: ReduceOp,
@@ -244,7 +246,8 @@ class BetweenNodesSmall(Way):
     """Several nodes, a small buffer: reduced on the node (its slots), then between nodes in the
     messages that carry the signature (crossnode.py, in C from the copy in to the copy out);
     `dst` is written once every digest agrees. Up to `limit` bytes: the smaller of the small
-    message size and the node's slots."""
+    message size and the node's slots. It begins without waiting (`publish`), so an
+    asynchronous call posts its first message on the caller's thread."""
 
     carries_signature = True
 
@@ -254,6 +257,7 @@ class BetweenNodesSmall(Way):
         self.limit = min(parts.settings.small_message_bytes,
                          node.small_bytes if node is not None else 1 << 62)
         self.exchange = between.small
+        self.publish, self.complete = between.small_publish, between.small_complete
 
     def applies(self, src: torch.Tensor, spec: ReduceSpec) -> bool:
         return src.nbytes <= self.limit

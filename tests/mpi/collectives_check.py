@@ -15,7 +15,7 @@ import torch
 from mpi4py import MPI
 
 import ringreduce as hvd
-from checks import check_equal, horovod_scaled, per_setting
+from checks import check_equal, expect, horovod_scaled, per_setting
 
 world = MPI.COMM_WORLD
 r, n = world.rank, world.size
@@ -193,6 +193,29 @@ def check_inline_and_queued_small_allreduce_agree():
             assert torch.equal(hvd.synchronize(big), torch.full((1 << 18,), float(n)))
 
 
+def check_small_async_mistake_on_one_rank():
+    """A small allreduce_async_ (begun on the caller's thread where the engine is idle: a node
+    slot, or a first message between nodes) whose shape is wrong on the last rank alone: every
+    rank's synchronize raises MismatchError, no tensor changes, and the next one is right. With
+    every rank in step, and with rank 0 late (the others' begun parts wait, and the rest runs
+    later: on the engine thread, or in synchronize)."""
+    for late in (False, True):
+        what = f"async_mistake.{late}"
+        mine = torch.full((9 + (r == n - 1) if n > 1 else 10,), float(r + 1))
+        if late and r == 0:
+            time.sleep(0.05)
+        handle = hvd.allreduce_async_(mine, op=hvd.Sum, name=what)
+        if n > 1:
+            expect(hvd.MismatchError, [f"'allreduce.{what}'", "shape"], hvd.synchronize,
+                   handle)
+            check_equal(mine, torch.full(mine.shape, float(r + 1)), f"{what}: tensor changed")
+        if late and r == 0:
+            time.sleep(0.05)
+        good = torch.full((9,), float(r + 1))
+        hvd.synchronize(hvd.allreduce_async_(good, op=hvd.Average, name=what + ".after"))
+        check_equal(good, torch.full((9,), (n + 1) / 2), what + ".after")
+
+
 def check_grouped():
     tensors = [inputs(r, 33, torch.float32, hvd.Sum), inputs(r, 5, torch.int64, hvd.Sum),
                inputs(r, 70_000, torch.float32, hvd.Sum, salt=1), torch.ones(2, 3) * r]
@@ -294,7 +317,8 @@ def check_reducescatter():
 
 def check_all():
     for check in (check_allreduce, check_average_scales_as_horovod,
-                  check_inline_and_queued_small_allreduce_agree, check_grouped,
+                  check_inline_and_queued_small_allreduce_agree,
+                  check_small_async_mistake_on_one_rank, check_grouped,
                   check_allgather, check_broadcast, check_alltoall, check_reducescatter):
         check()
         hvd.barrier()
