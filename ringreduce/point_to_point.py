@@ -28,6 +28,7 @@ from torch.futures import Future
 
 from .buffers import as_array
 from .errors import RingReduceError, ShutDownError
+from .failed_future import fail
 from .mpi import mpi
 from .ring import ABANDONED
 from .stall import DEPARTED_GRACE, StallWatch
@@ -81,7 +82,7 @@ class MessageWork(dist.Work):
 
     def _settle(self, future: Future) -> None:
         if self._error is not None:
-            future.set_exception(self._error)
+            fail(future, self._error)
         else:
             future.set_result([self._tensor] if self._tensor is not None else [])
 

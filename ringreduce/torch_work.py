@@ -4,7 +4,7 @@ A `CollectiveWork` wraps a collective's `Handle`: `wait()` waits for it (running
 queue on the caller's thread when the engine is idle, as `synchronize()` does), then copies
 the result into torch's output tensors where the collective does not write them in place;
 `get_future()` is completed from the handle's done-callback (`Future.set_result`, or
-`set_exception` with our error), so DDP's reducer and FSDP chain on it; Python callbacks
+with our error: failed_future.fail), so DDP's reducer and FSDP chain on it; Python callbacks
 chained on it run as the collective's (`CollectiveFuture`). `FINISHED` stands for
 the handle of a collective that already ran on the caller's thread (a synchronous all_reduce).
 """
@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from .engine import Finished, Handle, children_end, children_of
+from .failed_future import fail
 
 _FUTURES = threading.Lock()     # a work's future is made once
 _WORK_INIT = dist.Work.__init__
@@ -50,7 +51,7 @@ class CollectiveFuture(Future):
                 error = RuntimeError("Got the following error when running the callback: "
                                      f"{type(exc).__name__}: {exc}")
                 error.__cause__ = exc
-                chained.set_exception(error)
+                fail(chained, error)
             else:
                 chained.set_result(value)
 
@@ -127,7 +128,7 @@ class CollectiveWork(dist.Work):
         try:
             self._settle()
         except BaseException as exc:
-            self._future.set_exception(exc)
+            fail(self._future, exc)
             return
         self._future.set_result(self._value)
 

@@ -25,6 +25,7 @@ CASES = ("case_all_reduce", "case_all_reduce_coalesced", "case_coalesced", "case
          "case_one_rank_refuses_its_inputs", "case_one_rank_calls_another_kind",
          "case_sparse_all_reduce", "case_dtypes_moved_and_bool_reduced", "case_ddp",
          "case_ddp_hooks_that_start_collectives", "case_ddp_hook_raises_on_one_rank",
+         "case_ddp_bucket_fails_on_one_rank",
          "case_ddp_join_and_zero", "case_fsdp",
          "case_torchmetrics",
          "case_a_group_does_not_outlive_a_restart")

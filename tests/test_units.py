@@ -3,6 +3,7 @@ the engine's ordering."""
 import ctypes
 import dataclasses
 import os
+import pickle
 import threading
 import time
 import warnings
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 import ringreduce as hvd
-from ringreduce import (_native, config, crossnode, engine, kernels, negotiation, ring,
-                        signature, stall)
+from ringreduce import (_native, config, crossnode, engine, failed_future, kernels,
+                        negotiation, ring, signature, stall)
 from ringreduce.buffers import CODES, as_array
 from ringreduce.mpi import mpi
 
@@ -791,3 +792,24 @@ def test_a_set_is_restartable_after_a_failure_or_a_restart_and_not_after_a_membe
     departures.failures.clear()
     del departures.gone[0]
     assert departures.restartable()     # one restarting is enough: the failure comes later
+
+
+
+def test_a_failed_future_raises_its_error_wherever_it_is_read():
+    """Python's wait() and value() raise the error itself, a callback chained by torch's own
+    then() fails with it, and the value C++ readers get (DDP's reducer pickles it for its
+    tensors, or formats it casting a hook's result) raises it too."""
+    error = hvd.MismatchError("ringreduce: ranks disagree on 'x'")
+    future = torch.futures.Future()
+    chained = future.then(lambda f: f.value())
+    failed_future.fail(future, error)
+    for read in (future.wait, future.value):
+        with pytest.raises(hvd.MismatchError, match="ranks disagree on 'x'"):
+            read()
+    with pytest.raises(RuntimeError, match="MismatchError: ringreduce: ranks disagree"):
+        chained.wait()
+    failure = failed_future.Failure(error)
+    for read in (pickle.dumps, str):
+        with pytest.raises(hvd.MismatchError, match="ranks disagree on 'x'"):
+            read(failure)
+    assert "MismatchError" in repr(failure)

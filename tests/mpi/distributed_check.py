@@ -911,6 +911,44 @@ def case_ddp_hook_raises_on_one_rank():
     check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
 
 
+def case_ddp_bucket_fails_on_one_rank():
+    """DDP's own allreduce (no hook) on every rank but the last, whose hook sends the bucket
+    in float16 at step 1 (a mistake made on one rank only; DDP's default otherwise). Every
+    rank's backward raises an error naming the MismatchError, at that step: on the hookless
+    ranks DDP's reducer reads the failed future in C++ (torch's set_exception leaves it a
+    success there, and the reducer then read an empty list: the process crashed). Training
+    goes on, and the model equals one process trained on the other batches."""
+    steps, wrong, bad = 4, 1 if n > 1 else None, n - 1
+    calls = {"step": 0}
+
+    def hook(state, bucket):
+        if calls["step"] == wrong:
+            return default_hooks.fp16_compress_hook(state, bucket)
+        return default_hooks.allreduce_hook(state, bucket)
+
+    torch.manual_seed(0)
+    model = Net()
+    ddp = (with_hook(hook) if r == bad else DDP)(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+
+    def step(k):
+        calls["step"] = k
+        x, y = data(k)
+        opt.zero_grad()
+        F.cross_entropy(ddp(shard(x)), shard(y)).backward()
+        opt.step()
+
+    for k in range(steps):
+        if k != wrong:
+            step(k)
+        else:
+            expect(RuntimeError, ["MismatchError", "'dtype' differs",
+                                  f"rank {bad}: 'float16'"], step, k)
+    kept = [k for k in range(steps) if k != wrong]
+    same_model(model, train(Net, steps=len(kept), batches=lambda i: data(kept[i])),
+               "DDP after one rank's bucket failed at one step", rtol=1e-5, atol=1e-6)
+
+
 def mlp():
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16),
                          nn.ReLU(), nn.Linear(16, 10))
@@ -1097,7 +1135,7 @@ cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadc
          case_one_rank_calls_another_kind, case_sparse_all_reduce,
          case_dtypes_moved_and_bool_reduced, case_ddp,
          case_ddp_hooks_that_start_collectives, case_ddp_hook_raises_on_one_rank,
-         case_ddp_join_and_zero, case_fsdp,
+         case_ddp_bucket_fails_on_one_rank, case_ddp_join_and_zero, case_fsdp,
          case_torchmetrics,
          case_a_group_does_not_outlive_a_restart]
 # Alone, a rank has no peer to send to, to make a subgroup of two with, or to disagree with.
