@@ -840,6 +840,32 @@ def case_ddp_hooks_that_start_collectives():
         everywhere(p.detach(), f"PowerSGD, small buckets: {name}")
 
 
+def one_step_lost(wrap, calls, steps, wrong, fragments, what, **tolerance):
+    """Net trained `steps` steps through `wrap` (a DDP), `calls["step"]` telling its hooks the
+    step: step `wrong` raises a RuntimeError holding `fragments` (this rank's), and the model
+    then equals one process trained on the other steps' batches."""
+    torch.manual_seed(0)
+    model = Net()
+    ddp = wrap(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+
+    def step(k):
+        calls["step"] = k
+        x, y = data(k)
+        opt.zero_grad()
+        F.cross_entropy(ddp(shard(x)), shard(y)).backward()
+        opt.step()
+
+    for k in range(steps):
+        if k != wrong:
+            step(k)
+        else:
+            expect(RuntimeError, fragments, step, k)
+    kept = [k for k in range(steps) if k != wrong]
+    same_model(model, train(Net, steps=len(kept), batches=lambda i: data(kept[i])), what,
+               **tolerance)
+
+
 def case_ddp_hook_raises_on_one_rank():
     """The last rank's hook callback raises at step 1, before starting the collective its
     callbacks start on every other rank (a mistake made on one rank only). There: the
@@ -864,29 +890,11 @@ def case_ddp_hook_raises_on_one_rank():
 
         return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(divide)
 
-    torch.manual_seed(0)
-    model = Net()
-    ddp = with_hook(hook)(model)    # one bucket: see the docstring
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-
-    def step(k):
-        calls["step"] = k
-        x, y = data(k)
-        opt.zero_grad()
-        F.cross_entropy(ddp(shard(x)), shard(y)).backward()
-        opt.step()
-
-    for k in range(steps):
-        if k != wrong:
-            step(k)
-        elif r == bad:
-            expect(RuntimeError, f"hook mistake on rank {bad}", step, k)
-        else:
-            expect(RuntimeError, ["MismatchError", f"on rank {bad} a callback of collective",
-                                  f"raised ValueError: hook mistake on rank {bad}"], step, k)
-    kept = [k for k in range(steps) if k != wrong]
-    same_model(model, train(Net, steps=len(kept), batches=lambda i: data(kept[i])),
-               "DDP after one rank's hook raised at one step")
+    fragments = (f"hook mistake on rank {bad}" if r == bad else
+                 ["MismatchError", f"on rank {bad} a callback of collective",
+                  f"raised ValueError: hook mistake on rank {bad}"])
+    one_step_lost(with_hook(hook), calls, steps, wrong, fragments,    # one bucket: see above
+                  "DDP after one rank's hook raised at one step")
     # The same mistake in a callback given to add_done_callback (torch logs its error, with a
     # traceback, on that rank): the others' collective started there fails the same way.
     finished, seen = threading.Event(), []
@@ -926,27 +934,9 @@ def case_ddp_bucket_fails_on_one_rank():
             return default_hooks.fp16_compress_hook(state, bucket)
         return default_hooks.allreduce_hook(state, bucket)
 
-    torch.manual_seed(0)
-    model = Net()
-    ddp = (with_hook(hook) if r == bad else DDP)(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-
-    def step(k):
-        calls["step"] = k
-        x, y = data(k)
-        opt.zero_grad()
-        F.cross_entropy(ddp(shard(x)), shard(y)).backward()
-        opt.step()
-
-    for k in range(steps):
-        if k != wrong:
-            step(k)
-        else:
-            expect(RuntimeError, ["MismatchError", "'dtype' differs",
-                                  f"rank {bad}: 'float16'"], step, k)
-    kept = [k for k in range(steps) if k != wrong]
-    same_model(model, train(Net, steps=len(kept), batches=lambda i: data(kept[i])),
-               "DDP after one rank's bucket failed at one step", rtol=1e-5, atol=1e-6)
+    one_step_lost(with_hook(hook) if r == bad else DDP, calls, steps, wrong,
+                  ["MismatchError", "'dtype' differs", f"rank {bad}: 'float16'"],
+                  "DDP after one rank's bucket failed at one step", rtol=1e-5, atol=1e-6)
 
 
 def mlp():
