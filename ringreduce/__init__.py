@@ -12,7 +12,7 @@ from .collectives import (Adasum, Average, Max, Min, Product, Sum, allgather, al
                           reducescatter_async, sparse_allreduce_async, synchronize)
 from .compression import Compression
 from .engine import Handle
-from . import checkpoint, elastic
+from . import checkpoint, compile_boundary, elastic
 from .errors import (ArgumentTypeError, CheckpointError, ConsistencyError,
                      HorovodInternalError, JoinedError, MismatchError, NotContiguousError,
                      NotInitializedError, RingReduceError, ShutDownError, UnsupportedError,
@@ -30,6 +30,8 @@ from .world import (ccl_built, check_extension, cross_rank, cross_size, cuda_bui
                     split_list, start_timeline, stop_timeline)
 
 __version__ = "0.1.0"
+
+compile_boundary.install()      # torch.compile runs our code eagerly rather than tracing it
 
 __all__ = [
     # start-up and topology

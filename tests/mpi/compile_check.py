@@ -1,0 +1,75 @@
+"""torch.compile reaching ringreduce's code runs it eagerly (ringreduce/compile_boundary.py):
+collectives and SyncBatchNorm in a compiled forward, and a compiled DDP on the "ringreduce"
+backend, whose C++ calls the group's Python methods. Launched on its own, so that ringreduce
+is imported before dynamo (the import hook's path)."""
+import sys
+
+import ringreduce as hvd
+
+assert "torch._dynamo" not in sys.modules, "dynamo was imported before this check could"
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import ringreduce.distributed as rrd  # noqa: E402
+from checks import run_cases  # noqa: E402
+
+rrd.init_process_group()
+r, n = hvd.rank(), hvd.size()
+
+
+class Normed(torch.nn.Module):
+    """A layer, SyncBatchNorm, and a sum over the ranks, in its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.norm = torch.nn.Linear(4, 4), hvd.SyncBatchNorm(4)
+
+    def forward(self, x):
+        return hvd.allreduce(self.norm(self.linear(x)), op=hvd.Sum, name="compiled.sum")
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(4 * n, 8, generator=g), torch.randn(4 * n, 4, generator=g)
+
+
+def collectives_in_a_compiled_forward():
+    torch.manual_seed(0)
+    model = Normed()
+    x = torch.arange(12.0).reshape(3, 4) + r
+    compiled, eager = torch.compile(model)(x), model(x)
+    assert torch.allclose(compiled, eager, rtol=1e-6, atol=1e-6), (compiled, eager)
+    same = hvd.allgather(compiled.unsqueeze(0))
+    assert all(torch.equal(same[0], row) for row in same), "ranks differ"
+
+
+def a_compiled_ddp_on_the_backend():
+    model, alone = mlp(), mlp()
+    ddp = torch.compile(torch.nn.parallel.DistributedDataParallel(model))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_alone = torch.optim.SGD(alone.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = batch(step)
+        opt.zero_grad()
+        F.mse_loss(ddp(x[4 * r:4 * (r + 1)]), y[4 * r:4 * (r + 1)]).backward()
+        opt.step()
+        opt_alone.zero_grad()
+        sum(F.mse_loss(alone(x[4 * k:4 * (k + 1)]), y[4 * k:4 * (k + 1)])
+            for k in range(n)).div(n).backward()
+        opt_alone.step()
+    for p, q in zip(model.parameters(), alone.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), (p, q)
+        gathered = hvd.allgather(p.detach().unsqueeze(0))
+        assert all(torch.equal(gathered[0], row) for row in gathered), "ranks differ"
+
+
+run_cases([collectives_in_a_compiled_forward, a_compiled_ddp_on_the_backend], r)
+dist.destroy_process_group()
+print(f"OK rank {r}", flush=True)
