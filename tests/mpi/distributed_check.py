@@ -893,7 +893,7 @@ def case_ddp_hook_raises_on_one_rank():
     fragments = (f"hook mistake on rank {bad}" if r == bad else
                  ["MismatchError", f"on rank {bad} a callback of collective",
                   f"raised ValueError: hook mistake on rank {bad}"])
-    one_step_lost(with_hook(hook), calls, steps, wrong, fragments,    # one bucket: see above
+    one_step_lost(with_hook(hook), calls, steps, wrong, fragments,  # one bucket: see docstring
                   "DDP after one rank's hook raised at one step")
     # The same mistake in a callback given to add_done_callback (torch logs its error, with a
     # traceback, on that rank): the others' collective started there fails the same way.
