@@ -150,7 +150,7 @@ class BetweenNodes:
             if status == _PENDING:
                 status = _doubling(*self._head, True, nbytes, count, dtype, op, src, dst,
                                    divisor, scale, *self._tail)
-        while status == _PENDING:       # run()'s loop, inline
+        while status == _PENDING:       # _resumed()'s loop, inline
             self.watch.wait(self.exchanged)
             status = _doubling(*self._head, True, nbytes, count, dtype, op, src, dst, divisor,
                                scale, *self._tail)
@@ -187,10 +187,7 @@ class BetweenNodes:
             self._between_nodes(node.small_complete(False, self.data_address, count, dtype, op,
                                                     1.0, 1.0))
             return self.run(self._begun)
-        while status == _PENDING:
-            self.watch.wait(self.exchanged)
-            status = _doubling(*self._head, True, *self._begun, *self._tail)
-        return status == 1
+        return self._resumed(status, self._begun)
 
     def _between_nodes(self, reduced: bool) -> None:
         """After the node's part of `small_publish`: the node's headers, and its reduced data
@@ -224,7 +221,12 @@ class BetweenNodes:
         op, src, dst, divisor, scale) for `data`, reduced in place until a message comes
         without data (its sender's digest tells why), or _HEADERS_ONLY. True when every
         message carried data and every digest agrees (then `dst` is written)."""
-        status = _doubling(*self._head, False, *reduction, *self._tail)
+        return self._resumed(_doubling(*self._head, False, *reduction, *self._tail), reduction)
+
+    def _resumed(self, status: int, reduction: tuple) -> bool:
+        """The doubling that returned `status` for `reduction`, resumed until it ends (waits
+        past the spin go to the stall watch); True as `run`'s. (`small` keeps this loop inline:
+        its hot path is one frame.)"""
         while status == _PENDING:
             self.watch.wait(self.exchanged)
             status = _doubling(*self._head, True, *reduction, *self._tail)

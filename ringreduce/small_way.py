@@ -75,29 +75,28 @@ class SmallWay:
         digest, make_spec = _signed(tensor, name, case, postscale)
         code, op = case[1][0], case[0][1]
         self._watch.begin(f"allreduce '{name}'")     # (signature.label, without a dict)
-        address = tensor.data_ptr()
-        ready = self._publish(address, tensor.nbytes, tensor.numel(), code, op,
-                              self._average_divisor if op is _AVERAGE else 1.0, postscale,
-                              digest)
-        if ready:
+        address, count = tensor.data_ptr(), tensor.numel()
+        divisor = self._average_divisor if op is _AVERAGE else 1.0
+        if self._publish(address, tensor.nbytes, count, code, op, divisor, postscale, digest):
             try:
-                return True, self._rest(True, tensor, address, code, op, postscale,
-                                        make_spec), None
+                return True, self._rest(True, tensor, address, count, code, op, divisor,
+                                        postscale, make_spec), None
             except OutOfOrder:
                 rest = None         # the engine settles the order, then runs it whole
         else:
-            rest = partial(self._rest, False, tensor, address, code, op, postscale, make_spec)
+            rest = partial(self._rest, False, tensor, address, count, code, op, divisor,
+                           postscale, make_spec)
         allreduce = self.allreduce
         return False, rest, lambda: allreduce(tensor, True, code, op, postscale, digest,
                                               make_spec, name)
 
-    def _rest(self, ready: bool, tensor: torch.Tensor, address: int, code: int, op: ReduceOp,
-              postscale: float, make_spec: Callable[[], ReduceSpec]) -> torch.Tensor:
+    def _rest(self, ready: bool, tensor: torch.Tensor, address: int, count: int, code: int,
+              op: ReduceOp, divisor: float, postscale: float,
+              make_spec: Callable[[], ReduceSpec]) -> torch.Tensor:
         """`begin`'s collective after our part is posted: the peers' parts (there already
         where `ready`), reduced into `tensor`."""
         try:
-            if not self._complete(ready, address, tensor.numel(), code, op,
-                                  self._average_divisor if op is _AVERAGE else 1.0, postscale):
+            if not self._complete(ready, address, count, code, op, divisor, postscale):
                 self._explain(lambda: make_spec().describe())
         except PeersJoined:
             self._after_joins(tensor, tensor, make_spec())
