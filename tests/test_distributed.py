@@ -12,9 +12,11 @@ from conftest import run_ok, shared_script
 
 
 def needs_test_extra() -> None:
-    """The checks sync torchmetrics metrics (and at 2 ranks run Lightning's strategies)."""
-    pytest.importorskip("torchmetrics", reason="the test extra is not installed "
-                        "(pip install -e '.[test]')")
+    """The checks sync torchmetrics metrics, train with Hugging Face Accelerate (and at 2
+    ranks run Lightning's strategies)."""
+    for package in ("torchmetrics", "accelerate"):
+        pytest.importorskip(package, reason="the test extra is not installed "
+                            "(pip install -e '.[test]')")
 
 
 CASES = ("case_all_reduce", "case_all_reduce_coalesced", "case_coalesced", "case_broadcast",
@@ -27,7 +29,7 @@ CASES = ("case_all_reduce", "case_all_reduce_coalesced", "case_coalesced", "case
          "case_ddp_hooks_that_start_collectives", "case_ddp_hook_raises_on_one_rank",
          "case_ddp_bucket_fails_on_one_rank",
          "case_ddp_join_and_zero", "case_fsdp",
-         "case_torchmetrics",
+         "case_torchmetrics", "case_accelerate",
          "case_a_group_does_not_outlive_a_restart")
 AT_TWO = ("case_lightning_ringreduce_strategy", "case_lightning_ddp", "case_stall")
 PEERS_NEEDED = ("case_send_recv", "case_subgroup", "case_errors", "case_one_rank_errs",

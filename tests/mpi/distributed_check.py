@@ -10,7 +10,8 @@ DDP (plain, find_unused_parameters, no_sync with accumulation, fp16_compress_hoo
 whose callbacks start collectives: PowerSGD) against one process on the whole batch; DDP's
 join() with uneven inputs and ZeroRedundancyOptimizer against gloo; FSDP (fully_shard)
 against DDP, its state saved and loaded by torch.distributed.checkpoint; torchmetrics syncing
-to the whole-data value; thousands of small calls on both front doors leaving no objects
+to the whole-data value; Hugging Face Accelerate (prepare, gather_for_metrics) against one
+process; thousands of small calls on both front doors leaving no objects
 alive.
 With `lightning` (2 ranks): first our Lightning strategy, which starts torch.distributed's
 default group on our backend (torchmetrics syncs through it), then Lightning's own DDP
@@ -990,6 +991,49 @@ def case_torchmetrics():
     close(accuracy.compute(), whole, "MulticlassAccuracy")
 
 
+def case_accelerate():
+    """Hugging Face Accelerate on our default group, started before Accelerator() (which then
+    keeps it; on CPUs it takes cpu=True): prepare() wraps the model in DDP on that group and
+    gives rank k the loader's batches k, k + n, ..., so training matches one process on the
+    whole batch; gather_for_metrics returns every row once though the last rank runs short;
+    reduce and gather_object go through the group too."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, gather_object
+    from torch.utils.data import DataLoader, TensorDataset
+
+    saved, threads = dict(os.environ), torch.get_num_threads()
+    try:    # (Accelerate sets env:// variables and, where OMP_NUM_THREADS is unset, threads)
+        accelerator = Accelerator(cpu=True)
+        assert (accelerator.num_processes, accelerator.process_index) == (n, r)
+        assert accelerator.distributed_type == DistributedType.MULTI_CPU   # (LOCAL_RANK set)
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        steps = [data(step) for step in range(3)]
+        rows = TensorDataset(torch.cat([x for x, _ in steps]), torch.cat([y for _, y in steps]))
+        model, opt, loader = accelerator.prepare(model, opt,
+                                                 DataLoader(rows, batch_size=BATCH // n))
+        assert isinstance(model, DDP) and model.process_group is dist.group.WORLD
+        for x, y in loader:
+            opt.zero_grad()
+            accelerator.backward(F.cross_entropy(model(x), y))
+            opt.step()
+        same_model(accelerator.unwrap_model(model), train(Net), "Accelerate")
+        table = torch.arange(20.0).reshape(10, 2)     # 5 batches: short at 2 to 4 ranks
+        seen = [accelerator.gather_for_metrics(batch) for (batch,) in
+                accelerator.prepare(DataLoader(TensorDataset(table), batch_size=2))]
+        check_equal(torch.cat(seen), table, "Accelerate gather_for_metrics")
+        check_equal(accelerator.reduce(torch.tensor([r + 1]), reduction="sum"),
+                    torch.tensor([n * (n + 1) // 2]), "Accelerate reduce")
+        assert gather_object([r]) == list(range(n)), "Accelerate gather_object"
+        accelerator.wait_for_everyone()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        torch.set_num_threads(threads)
+    assert dist.get_backend() == "ringreduce"
+
+
 # ---------------------------------------------------------------- Lightning (2 ranks)
 
 def lightning_module(pl, torchmetrics):
@@ -1126,7 +1170,7 @@ cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadc
          case_dtypes_moved_and_bool_reduced, case_ddp,
          case_ddp_hooks_that_start_collectives, case_ddp_hook_raises_on_one_rank,
          case_ddp_bucket_fails_on_one_rank, case_ddp_join_and_zero, case_fsdp,
-         case_torchmetrics,
+         case_torchmetrics, case_accelerate,
          case_a_group_does_not_outlive_a_restart]
 # Alone, a rank has no peer to send to, to make a subgroup of two with, or to disagree with.
 PEERS_NEEDED = (case_send_recv, case_subgroup, case_errors, case_one_rank_errs,
