@@ -1,6 +1,6 @@
 """torch.compile reaching ringreduce's code runs it eagerly (ringreduce/compile_boundary.py):
 collectives and SyncBatchNorm in a compiled forward, and a compiled DDP on the "ringreduce"
-backend, whose C++ calls the group's Python methods. Launched on its own, so that ringreduce
+backend, whose C++ calls the group's Python methods, also under compiled autograd. Launched on its own, so that ringreduce
 is imported before dynamo (the import hook's path)."""
 import sys
 
@@ -11,6 +11,8 @@ assert "torch._dynamo" not in sys.modules, "dynamo was imported before this chec
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import ringreduce.distributed as rrd  # noqa: E402
 from checks import run_cases  # noqa: E402
@@ -52,13 +54,38 @@ def collectives_in_a_compiled_forward():
 
 def a_compiled_ddp_on_the_backend():
     model, alone = mlp(), mlp()
-    ddp = torch.compile(torch.nn.parallel.DistributedDataParallel(model))
+    ddp = torch.compile(DDP(model))
+    train_against_one_process(model, alone, lambda x, y: F.mse_loss(ddp(x), y).backward())
+
+
+def a_ddp_under_compiled_autograd():
+    """DDP's Python reducer (dynamo's optimize_ddp="python_reducer"), the backward compiled
+    too (compiled autograd): DDP's own reducer stands aside, and each gradient is all-reduced
+    by torch's functional collectives, which reach the group's allreduce from C++."""
+    captures = counters["compiled_autograd"]["captures"]
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer", compiled_autograd=True):
+        model, alone = mlp(), mlp()
+        ddp = DDP(model)
+        assert ddp._use_python_reducer
+
+        @torch.compile(backend="aot_eager")     # (inductor's C++ build would add a minute)
+        def forward_backward(x, y):
+            F.mse_loss(ddp(x), y).backward()
+
+        train_against_one_process(model, alone, forward_backward)
+    assert counters["compiled_autograd"]["captures"] > captures, "the backward was not compiled"
+
+
+def train_against_one_process(model, alone, forward_backward):
+    """3 SGD steps of `model` (`forward_backward(x, y)` on this rank's shard of each batch
+    computes its gradients) against `alone` on the whole batch: the same parameters,
+    identical on every rank."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt_alone = torch.optim.SGD(alone.parameters(), lr=0.1)
     for step in range(3):
         x, y = batch(step)
         opt.zero_grad()
-        F.mse_loss(ddp(x[4 * r:4 * (r + 1)]), y[4 * r:4 * (r + 1)]).backward()
+        forward_backward(x[4 * r:4 * (r + 1)], y[4 * r:4 * (r + 1)])
         opt.step()
         opt_alone.zero_grad()
         sum(F.mse_loss(alone(x[4 * k:4 * (k + 1)]), y[4 * k:4 * (k + 1)])
@@ -70,6 +97,7 @@ def a_compiled_ddp_on_the_backend():
         assert all(torch.equal(gathered[0], row) for row in gathered), "ranks differ"
 
 
-run_cases([collectives_in_a_compiled_forward, a_compiled_ddp_on_the_backend], r)
+run_cases([collectives_in_a_compiled_forward, a_compiled_ddp_on_the_backend,
+           a_ddp_under_compiled_autograd], r)
 dist.destroy_process_group()
 print(f"OK rank {r}", flush=True)
