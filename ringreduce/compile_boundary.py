@@ -8,6 +8,7 @@ into), where a C++ library (Horovod's ops, gloo) is a graph break. So ringreduce
 dynamo's skip list (`trace_rules.add`, which torch keeps for modules it must not trace): a call
 into them is a graph break, and runs eagerly. Importing dynamo takes over a second, so this
 waits for it: done at once if its rules are loaded, else when they are first imported.
+It also tells whether a backward pass runs compiled (in_compiled_backward).
 """
 from __future__ import annotations
 
@@ -47,6 +48,15 @@ class _WhenLoaded(importlib.abc.MetaPathFinder):
 
             spec.loader.exec_module = exec_module
         return spec
+
+
+def in_compiled_backward() -> bool:
+    """Whether this runs in a backward pass that compiled autograd compiled (its hooks call
+    ours eagerly): torch runs no end-of-backward callbacks there, since the callbacks that
+    Variable._execution_engine.queue_callback queues go to a graph task it never finishes.
+    (Compiled autograd is loaded only with dynamo: this imports nothing.)"""
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    return compiled_autograd is not None and compiled_autograd.in_compiled_autograd_region
 
 
 def install() -> None:

@@ -34,6 +34,7 @@ from torch.autograd import Variable
 from . import cuda, fusion, sparse_gradients, timeline
 from .buffers import CODES
 from .collectives import submit
+from .compile_boundary import in_compiled_backward
 from .compression import custom
 from .engine import Handle
 from .errors import UnsupportedError, UsageError
@@ -196,8 +197,8 @@ class GradientReduction(WrappedOptimizer):
 
     def _on_gradient(self, p: torch.Tensor) -> None:
         self._begin_step()
-        if not self._in_backward:
-            self._in_backward = True
+        if not self._in_backward and not in_compiled_backward():
+            self._in_backward = True        # (compiled, no callback would clear it)
             Variable._execution_engine.queue_callback(self._backward_finished)
         key = id(p)
         if key not in self._pass_count:      # trainable only since this step began
@@ -245,7 +246,9 @@ class GradientReduction(WrappedOptimizer):
         error caught by the script, say), its gradients are incomplete, and the buckets it
         submitted wait for the other ranks' buckets: the step is broken, so that zero_grad() or
         step() meets the others' collectives and every rank skips the step. Without this, the
-        next step's buckets would pair with the others' buckets of this one."""
+        next step's buckets would pair with the others' buckets of this one. (Not in a backward
+        that compiled autograd runs, which calls no end-of-backward callback: there a pass that
+        raised part-way leaves its missing gradients as a parameter without one does.)"""
         if self._in_backward:
             self._in_backward = False
             if self._broken is None:

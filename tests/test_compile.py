@@ -17,6 +17,6 @@ def test_dynamo_imported_first_skips_ringreduce_too():
 
 def test_compiled_code_reaching_ringreduce_runs_it_eagerly():
     """A compiled forward with SyncBatchNorm and an allreduce, and a compiled DDP on the
-    "ringreduce" backend, also under compiled autograd, at 2 ranks (ringreduce imported
-    before dynamo)."""
+    "ringreduce" backend, also under compiled autograd, as is DistributedOptimizer, at 2
+    ranks (ringreduce imported before dynamo)."""
     run_ok(2, "compile_check.py", timeout=300)

@@ -1,6 +1,7 @@
 """torch.compile reaching ringreduce's code runs it eagerly (ringreduce/compile_boundary.py):
 collectives and SyncBatchNorm in a compiled forward, and a compiled DDP on the "ringreduce"
-backend, whose C++ calls the group's Python methods, also under compiled autograd. Launched on its own, so that ringreduce
+backend, whose C++ calls the group's Python methods, also under compiled autograd, as is
+DistributedOptimizer. Launched on its own, so that ringreduce
 is imported before dynamo (the import hook's path)."""
 import sys
 
@@ -76,11 +77,28 @@ def a_ddp_under_compiled_autograd():
     assert counters["compiled_autograd"]["captures"] > captures, "the backward was not compiled"
 
 
-def train_against_one_process(model, alone, forward_backward):
+def a_distributed_optimizer_under_compiled_autograd():
+    """DistributedOptimizer's gradient hooks in a compiled backward (compiled autograd): the
+    hooks are ringreduce's code, so they run eagerly as the backward reaches each gradient."""
+    captures = counters["compiled_autograd"]["captures"]
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        model, alone = mlp(), mlp()
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                             named_parameters=model.named_parameters())
+
+        @torch.compile(backend="aot_eager")
+        def forward_backward(x, y):
+            F.mse_loss(model(x), y).backward()
+
+        train_against_one_process(model, alone, forward_backward, optimizer)
+    assert counters["compiled_autograd"]["captures"] > captures, "the backward was not compiled"
+
+
+def train_against_one_process(model, alone, forward_backward, opt=None):
     """3 SGD steps of `model` (`forward_backward(x, y)` on this rank's shard of each batch
-    computes its gradients) against `alone` on the whole batch: the same parameters,
-    identical on every rank."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    computes its gradients; `opt` steps, by default plain SGD) against `alone` on the whole
+    batch: the same parameters, identical on every rank."""
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.1)
     opt_alone = torch.optim.SGD(alone.parameters(), lr=0.1)
     for step in range(3):
         x, y = batch(step)
@@ -98,6 +116,6 @@ def train_against_one_process(model, alone, forward_backward):
 
 
 run_cases([collectives_in_a_compiled_forward, a_compiled_ddp_on_the_backend,
-           a_ddp_under_compiled_autograd], r)
+           a_ddp_under_compiled_autograd, a_distributed_optimizer_under_compiled_autograd], r)
 dist.destroy_process_group()
 print(f"OK rank {r}", flush=True)
