@@ -1,8 +1,8 @@
 """torch.compile reaching ringreduce's code runs it eagerly (ringreduce/compile_boundary.py):
 collectives and SyncBatchNorm in a compiled forward, and a compiled DDP on the "ringreduce"
 backend, whose C++ calls the group's Python methods, also under compiled autograd, as is
-DistributedOptimizer. Launched on its own, so that ringreduce
-is imported before dynamo (the import hook's path)."""
+DistributedOptimizer. Launched on its own, so that ringreduce is imported before dynamo (the
+import hook's path)."""
 import sys
 
 import ringreduce as hvd
@@ -98,7 +98,8 @@ def train_against_one_process(model, alone, forward_backward, opt=None):
     """3 SGD steps of `model` (`forward_backward(x, y)` on this rank's shard of each batch
     computes its gradients; `opt` steps, by default plain SGD) against `alone` on the whole
     batch: the same parameters, identical on every rank."""
-    opt = opt or torch.optim.SGD(model.parameters(), lr=0.1)
+    if opt is None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt_alone = torch.optim.SGD(alone.parameters(), lr=0.1)
     for step in range(3):
         x, y = batch(step)
