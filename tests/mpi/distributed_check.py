@@ -3,16 +3,16 @@
 Usage: distributed_check.py [lightning]
 
 Every collective against gloo's result on a gloo group of the same launch (reductions, within
-float tolerance) or a reference built from every rank's inputs (data movement, exact), with
-our results bitwise identical across ranks; subgroups; send/recv; the errors; the dtypes
-only moved (bool, uint16/64, float8, complex64), bool reductions, DDP with a bool buffer;
-DDP (plain, find_unused_parameters, no_sync with accumulation, fp16_compress_hook, hooks
-whose callbacks start collectives: PowerSGD) against one process on the whole batch; DDP's
-join() with uneven inputs and ZeroRedundancyOptimizer against gloo; FSDP (fully_shard)
-against DDP, its state saved and loaded by torch.distributed.checkpoint; torchmetrics syncing
-to the whole-data value; Hugging Face Accelerate (prepare, gather_for_metrics) against one
-process; thousands of small calls on both front doors leaving no objects
-alive.
+float tolerance) or a reference built from every rank's inputs (data movement, exact), with our
+results bitwise identical across ranks; subgroups; send/recv; the errors; the dtypes only moved
+(bool, uint16/64, float8, complex64), bool reductions, DDP with a bool buffer; DDP (plain,
+small buckets, gradient_as_bucket_view, static_graph, find_unused_parameters, no_sync with
+accumulation, fp16_compress_hook, hooks whose callbacks start collectives: PowerSGD) against
+one process on the whole batch; DDP's join() with uneven inputs and ZeroRedundancyOptimizer
+against gloo; FSDP (fully_shard) against DDP, its state saved and loaded by
+torch.distributed.checkpoint; torchmetrics syncing to the whole-data value; Hugging Face
+Accelerate (prepare, gather_for_metrics) against one process; thousands of small calls on both
+front doors leaving no objects alive.
 With `lightning` (2 ranks): first our Lightning strategy, which starts torch.distributed's
 default group on our backend (torchmetrics syncs through it), then Lightning's own DDP
 strategy with process_group_backend="ringreduce", which starts it by env:// (torch's
@@ -754,6 +754,9 @@ def case_ddp():
     reference = train(Net)
     same_model(train(Net, DDP), reference, "DDP")
     same_model(train(Net, lambda m: DDP(m, bucket_cap_mb=0.002)), reference, "DDP small buckets")
+    same_model(train(Net, lambda m: DDP(m, gradient_as_bucket_view=True)), reference,
+               "DDP gradient_as_bucket_view")
+    same_model(train(Net, lambda m: DDP(m, static_graph=True)), reference, "DDP static_graph")
     unused = train(WithUnused, lambda m: DDP(m, find_unused_parameters=True))
     same_model(unused, train(WithUnused), "DDP find_unused_parameters")
     same_model(train(Net, DDP, accumulate=2), train(Net, accumulate=2), "DDP no_sync")
