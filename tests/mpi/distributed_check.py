@@ -11,8 +11,8 @@ accumulation, fp16_compress_hook, hooks whose callbacks start collectives: Power
 one process on the whole batch; DDP's join() with uneven inputs and ZeroRedundancyOptimizer
 against gloo; FSDP (fully_shard) against DDP, its state saved and loaded by
 torch.distributed.checkpoint; torchmetrics syncing to the whole-data value; Hugging Face
-Accelerate (prepare, gather_for_metrics) against one process; thousands of small calls on both
-front doors leaving no objects alive.
+Accelerate (prepare, gather_for_metrics) against one process; pipelining (GPipe, 1F1B) against
+one process; thousands of small calls on both front doors leaving no objects alive.
 With `lightning` (2 ranks): first our Lightning strategy, which starts torch.distributed's
 default group on our backend (torchmetrics syncs through it), then Lightning's own DDP
 strategy with process_group_backend="ringreduce", which starts it by env:// (torch's
@@ -1037,7 +1037,26 @@ def case_accelerate():
     assert dist.get_backend() == "ringreduce"
 
 
-# ---------------------------------------------------------------- Lightning (2 ranks)
+def case_pipelining():
+    """torch.distributed.pipelining: a stage per rank (its activations and gradients sent with
+    batch_isend_irecv), GPipe and 1F1B over 4 micro-batches: each stage's gradients those of
+    one process running the whole model on the whole batch."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.manual_seed(0)
+    whole = nn.Sequential(*[nn.Linear(6, 6) for _ in range(n)])
+    x, y = rand(8, 6, seed=3, rank=0), rand(8, 6, seed=4, rank=0)
+    F.mse_loss(whole(x), y, reduction="sum").backward()
+    mine = whole[r]
+    want = [p.grad.clone() for p in mine.parameters()]
+    for schedule in (ScheduleGPipe, Schedule1F1B):
+        mine.zero_grad()
+        stage = PipelineStage(mine, r, n, torch.device("cpu"))
+        run = schedule(stage, n_microbatches=4, scale_grads=False,
+                       loss_fn=lambda out, target: F.mse_loss(out, target, reduction="sum"))
+        run.step(*([x] if r == 0 else []), **({"target": y} if r == n - 1 else {}))
+        for p, g in zip(mine.parameters(), want):
+            close(p.grad, g, f"{schedule.__name__}: stage {r}'s gradient", rtol=1e-4, atol=1e-5)
 
 def lightning_module(pl, torchmetrics):
     class Module(pl.LightningModule):
@@ -1173,7 +1192,7 @@ cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadc
          case_dtypes_moved_and_bool_reduced, case_ddp,
          case_ddp_hooks_that_start_collectives, case_ddp_hook_raises_on_one_rank,
          case_ddp_bucket_fails_on_one_rank, case_ddp_join_and_zero, case_fsdp,
-         case_torchmetrics, case_accelerate,
+         case_torchmetrics, case_accelerate, case_pipelining,
          case_a_group_does_not_outlive_a_restart]
 # Alone, a rank has no peer to send to, to make a subgroup of two with, or to disagree with.
 PEERS_NEEDED = (case_send_recv, case_subgroup, case_errors, case_one_rank_errs,
