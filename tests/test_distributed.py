@@ -29,7 +29,7 @@ CASES = ("case_all_reduce", "case_all_reduce_coalesced", "case_coalesced", "case
          "case_ddp_hooks_that_start_collectives", "case_ddp_hook_raises_on_one_rank",
          "case_ddp_bucket_fails_on_one_rank",
          "case_ddp_join_and_zero", "case_fsdp",
-         "case_torchmetrics", "case_accelerate", "case_pipelining",
+         "case_torchmetrics", "case_accelerate", "case_pipelining", "case_tensor_parallel",
          "case_a_group_does_not_outlive_a_restart")
 AT_TWO = ("case_lightning_ringreduce_strategy", "case_lightning_ddp", "case_stall")
 PEERS_NEEDED = ("case_send_recv", "case_subgroup", "case_errors", "case_one_rank_errs",

@@ -11,8 +11,9 @@ accumulation, fp16_compress_hook, hooks whose callbacks start collectives: Power
 one process on the whole batch; DDP's join() with uneven inputs and ZeroRedundancyOptimizer
 against gloo; FSDP (fully_shard) against DDP, its state saved and loaded by
 torch.distributed.checkpoint; torchmetrics syncing to the whole-data value; Hugging Face
-Accelerate (prepare, gather_for_metrics) against one process; pipelining (GPipe, 1F1B) against
-one process; thousands of small calls on both front doors leaving no objects alive.
+Accelerate (prepare, gather_for_metrics) against one process; pipelining (GPipe, 1F1B) and
+tensor parallelism against one process; thousands of small calls on both front doors leaving no
+objects alive.
 With `lightning` (2 ranks): first our Lightning strategy, which starts torch.distributed's
 default group on our backend (torchmetrics syncs through it), then Lightning's own DDP
 strategy with process_group_backend="ringreduce", which starts it by env:// (torch's
@@ -1058,6 +1059,34 @@ def case_pipelining():
         for p, g in zip(mine.parameters(), want):
             close(p.grad, g, f"{schedule.__name__}: stage {r}'s gradient", rtol=1e-4, atol=1e-5)
 
+
+def case_tensor_parallel():
+    """torch.distributed.tensor.parallel on a mesh of every rank: a column-wise then a
+    row-wise sharded layer (DTensor's collectives, through torch's functional ones), trained
+    against one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 6 * n), nn.ReLU(), nn.Linear(6 * n, 4))
+
+    sharded, whole = make(), make()
+    parallelize_module(sharded, init_device_mesh("cpu", (n,)),
+                       {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    for model in (sharded, whole):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(3):
+            opt.zero_grad()
+            F.mse_loss(model(rand(6, 8, seed=step, rank=0)), rand(6, 4, seed=step + 5, rank=0)
+                       ).backward()
+            opt.step()
+    same_model(sharded, whole, "tensor parallel", rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- Lightning (2 ranks)
+
 def lightning_module(pl, torchmetrics):
     class Module(pl.LightningModule):
         def __init__(self):
@@ -1192,7 +1221,7 @@ cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadc
          case_dtypes_moved_and_bool_reduced, case_ddp,
          case_ddp_hooks_that_start_collectives, case_ddp_hook_raises_on_one_rank,
          case_ddp_bucket_fails_on_one_rank, case_ddp_join_and_zero, case_fsdp,
-         case_torchmetrics, case_accelerate, case_pipelining,
+         case_torchmetrics, case_accelerate, case_pipelining, case_tensor_parallel,
          case_a_group_does_not_outlive_a_restart]
 # Alone, a rank has no peer to send to, to make a subgroup of two with, or to disagree with.
 PEERS_NEEDED = (case_send_recv, case_subgroup, case_errors, case_one_rank_errs,
