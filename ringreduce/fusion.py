@@ -19,7 +19,7 @@ class Bucket:
     names: list[str]
     params: list[torch.Tensor]
     buffer: torch.Tensor                 # flat, in the wire dtype
-    views: list[torch.Tensor]            # buffer slices shaped like each parameter
+    views: list[torch.Tensor]            # buffer slices shaped (and laid out) like each parameter
     signature: dict = field(default_factory=dict)   # how ranks recognise its allreduce
     direct: bool = False                 # see `gradient`: no buffer, no pack and unpack
 
@@ -119,6 +119,18 @@ def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire, pref
     buffer = torch.zeros(total, dtype=dtype, device=device)
     views, offset = [], 0
     for p in params:
-        views.append(buffer[offset:offset + p.numel()].view(p.shape))
+        views.append(_laid_out_like(buffer[offset:offset + p.numel()], p))
         offset += p.numel()
+    layouts = tuple((n, tuple(v.stride())) for n, v in zip(names, views) if not v.is_contiguous())
+    if layouts:     # the buffer holds those in their memory order: every rank must have it
+        signature["strides"] = layouts
     return Bucket(index, names, params, buffer, views, signature)
+
+
+def _laid_out_like(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`flat` (p.numel() elements) shaped like `p`, and in p's memory layout where p is dense
+    but not row-major (channels_last): a gradient made a view of it keeps autograd's layout
+    contract, and packing a gradient is a straight copy rather than a transposing one."""
+    if not p.is_contiguous() and torch.empty_like(p, device="meta").stride() == p.stride():
+        return flat.as_strided(p.shape, p.stride())
+    return flat.view(p.shape)

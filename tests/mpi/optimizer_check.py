@@ -254,6 +254,56 @@ def check_errors():
     assert_close(m1, m2, "gradient_predivide_factor", tol=1e-6)
 
 
+class Conv(nn.Module):
+    """Two convolutions (3 and 6 channels in) and a linear head: weights that channels_last
+    lays out other than row-major."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 6, 3), nn.Conv2d(6, 6, 3)
+        self.fc = nn.Linear(6 * 4 * 4, 10)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.conv2(F.relu(self.conv1(x)))).flatten(1))
+
+
+def train_conv(distributed, channels_last=True, **options):
+    torch.manual_seed(0)
+    model = Conv().to(memory_format=torch.channels_last if channels_last else
+                      torch.contiguous_format)
+    opt = sgd(model.parameters())
+    if distributed:
+        opt = hvd.DistributedOptimizer(opt, model.named_parameters(), **options)
+    for step in range(3):
+        g = torch.Generator().manual_seed(200 + step)
+        x, y = torch.randn(BATCH, 3, 8, 8, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+        if distributed:
+            x, y = shard(x), shard(y)
+        opt.zero_grad()
+        F.cross_entropy(model(x.contiguous(memory_format=torch.channels_last)), y).backward()
+        opt.step()
+    return model
+
+
+def check_channels_last():
+    """A channels_last model: its buckets hold each weight in the weight's memory layout, so a
+    gradient made a view of one keeps autograd's layout contract (the layout of its parameter),
+    and training goes as in one process. A rank whose model is laid out otherwise gets a
+    MismatchError on every rank, naming the strides, and the job goes on."""
+    reference = train_conv(False)
+    for options in (SMALL_BUCKETS, dict(gradient_as_bucket_view=True, **SMALL_BUCKETS)):
+        model = train_conv(True, **options)
+        params_equal_across_ranks(model, f"channels_last {options}")
+        assert_close(model, reference, f"channels_last {options}")
+        if options.get("gradient_as_bucket_view"):
+            for name, p in model.named_parameters():
+                assert p.grad.stride() == p.stride(), f"{name}: {p.grad.stride()}, {p.stride()}"
+    if n > 1:
+        expect(hvd.MismatchError, ["'strides' differs", "conv2.weight", "rank 0", "None"],
+               train_conv, True, channels_last=r != n - 1, **SMALL_BUCKETS)
+    params_equal_across_ranks(train_conv(True, **SMALL_BUCKETS), "channels_last after")
+
+
 def check_overlap():
     """The first bucket is handed to the engine before backward has produced every gradient."""
     if n == 1:      # nothing is reduced in a job of one process
@@ -330,5 +380,5 @@ def check_state_helpers():
 
 run_cases([then_barrier(check) for check in (
     check_equivalence, check_inheritance, check_features, check_unused_and_frozen, check_errors,
-    check_overlap, check_state_helpers, check_sync_batch_norm)], r)
+    check_channels_last, check_overlap, check_state_helpers, check_sync_batch_norm)], r)
 print(f"OK rank {r}", flush=True)
