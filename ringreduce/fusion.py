@@ -121,9 +121,9 @@ def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire, pref
     for p in params:
         views.append(_laid_out_like(buffer[offset:offset + p.numel()], p))
         offset += p.numel()
-    layouts = tuple((n, tuple(v.stride())) for n, v in zip(names, views) if not v.is_contiguous())
-    if layouts:     # the buffer holds those in their memory order: every rank must have it
-        signature["strides"] = layouts
+    strides = tuple((n, tuple(v.stride())) for n, v in zip(names, views) if not v.is_contiguous())
+    if strides:     # the buffer holds those in their memory order: every rank must have it
+        signature["strides"] = strides
     return Bucket(index, names, params, buffer, views, signature)
 
 
