@@ -33,9 +33,10 @@ class Normed(torch.nn.Module):
         return hvd.allreduce(self.norm(self.linear(x)), op=hvd.Sum, name="compiled.sum")
 
 
-def mlp():
+def mlp(hidden=16):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(),
+                               torch.nn.Linear(hidden, 4))
 
 
 def batch(step):
@@ -60,38 +61,46 @@ def a_compiled_ddp_on_the_backend():
 
 
 def a_ddp_under_compiled_autograd():
-    """DDP's Python reducer (dynamo's optimize_ddp="python_reducer"), the backward compiled
-    too (compiled autograd): DDP's own reducer stands aside, and each gradient is all-reduced
-    by torch's functional collectives, which reach the group's allreduce from C++."""
-    captures = counters["compiled_autograd"]["captures"]
-    with torch._dynamo.config.patch(optimize_ddp="python_reducer", compiled_autograd=True):
-        model, alone = mlp(), mlp()
+    """DDP's Python reducer (dynamo's optimize_ddp="python_reducer"): DDP's own reducer stands
+    aside, and each gradient is all-reduced by torch's functional collectives, which reach the
+    group's allreduce from C++."""
+    def wrap(model):
         ddp = DDP(model)
         assert ddp._use_python_reducer
+        return ddp, None
 
-        @torch.compile(backend="aot_eager")     # (inductor's C++ build would add a minute)
-        def forward_backward(x, y):
-            F.mse_loss(ddp(x), y).backward()
-
-        train_against_one_process(model, alone, forward_backward)
-    assert counters["compiled_autograd"]["captures"] > captures, "the backward was not compiled"
+    trains_under_compiled_autograd(wrap, optimize_ddp="python_reducer")
 
 
 def a_distributed_optimizer_under_compiled_autograd():
-    """DistributedOptimizer's gradient hooks in a compiled backward (compiled autograd): the
-    hooks are ringreduce's code, so they run eagerly as the backward reaches each gradient."""
+    """DistributedOptimizer's gradient hooks in a compiled backward: the hooks are ringreduce's
+    code, so they run eagerly as the backward reaches each gradient. Then with the last rank
+    alone compiling its backward: its buckets pair with the others' eager ones."""
+    def wrap(model):
+        return model, hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                               named_parameters=model.named_parameters())
+
+    trains_under_compiled_autograd(wrap)
+    trains_under_compiled_autograd(wrap, compiled=r == n - 1, hidden=12)   # (a new graph)
+
+
+def trains_under_compiled_autograd(wrap, compiled=True, hidden=16, **config):
+    """`wrap(model)` -> (what runs the forward, the optimizer or None), made and trained with
+    the forward and backward compiled (compiled autograd, dynamo's `config` too; eagerly where
+    not `compiled`) against one process; fails unless the backward was compiled."""
     captures = counters["compiled_autograd"]["captures"]
-    with torch._dynamo.config.patch(compiled_autograd=True):
-        model, alone = mlp(), mlp()
-        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                             named_parameters=model.named_parameters())
+    with torch._dynamo.config.patch(compiled_autograd=compiled, **config):
+        model, alone = mlp(hidden), mlp(hidden)
+        forward, opt = wrap(model)
 
-        @torch.compile(backend="aot_eager")
         def forward_backward(x, y):
-            F.mse_loss(model(x), y).backward()
+            F.mse_loss(forward(x), y).backward()
 
-        train_against_one_process(model, alone, forward_backward, optimizer)
-    assert counters["compiled_autograd"]["captures"] > captures, "the backward was not compiled"
+        if compiled:        # (aot_eager: inductor's C++ build would add a minute)
+            forward_backward = torch.compile(forward_backward, backend="aot_eager")
+        train_against_one_process(model, alone, forward_backward, opt)
+    assert not compiled or counters["compiled_autograd"]["captures"] > captures, \
+        "the backward was not compiled"
 
 
 def train_against_one_process(model, alone, forward_backward, opt=None):
