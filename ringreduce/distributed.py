@@ -31,7 +31,7 @@ from .errors import RingReduceError
 from .objects import allgather_object, broadcast_object
 from .point_to_point import Channel
 from .process_sets import active, global_process_set, open_group
-from .torch_group import BACKEND, RingReduceGroup
+from .torch_group import BACKEND, DEVICES, RingReduceGroup
 
 _EXPORTED: dict[str, str] = {}  # the env:// variables init_process_group set, as it set them
 
@@ -112,4 +112,4 @@ def init_process_group(timeout: Optional[datetime.timedelta] = None,
                                 world_size=world.size(), timeout=timeout)
 
 
-dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=list(DEVICES))

@@ -37,6 +37,7 @@ from .torch_arguments import SUM, copy_flat, logical, one, reduction, same_size,
 from .torch_work import FINISHED, CollectiveWork
 
 BACKEND = "ringreduce"
+DEVICES = ("cpu", "cuda")   # the tensors a group takes (CUDA ones through the GPU path)
 _BOOL = torch.bool
 _SPARSE = torch.sparse_coo
 _SEQUENCE = "dist"      # the automatic names' prefix, one count for every kind of call
@@ -77,6 +78,21 @@ class RingReduceGroup(dist.ProcessGroup):
 
     def getGroupDesc(self) -> str:
         return self._group_desc
+
+    # torch's Python code asks a group which devices it serves and for each device's backend
+    # (FSDP2's broadcast_from_rank0 loading, checkpoint's async_save, dist.breakpoint): a
+    # group made in Python registers no C++ backend, so it answers itself, being its own
+    # backend for each.
+
+    @property
+    def _device_types(self) -> list:
+        return [torch.device(device) for device in DEVICES]
+
+    def _get_backend(self, device: Any) -> "RingReduceGroup":
+        if torch.device(device).type not in DEVICES:
+            raise RuntimeError(f"ringreduce backend: {self._label} has no backend for device "
+                               f"{device} (it serves {', '.join(DEVICES)})")
+        return self
 
     def setGroupDesc(self, desc: str) -> None:
         self._group_desc = desc

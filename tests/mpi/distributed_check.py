@@ -10,7 +10,8 @@ small buckets, gradient_as_bucket_view, static_graph, find_unused_parameters, no
 accumulation, fp16_compress_hook, hooks whose callbacks start collectives: PowerSGD) against
 one process on the whole batch; DDP's join() with uneven inputs and ZeroRedundancyOptimizer
 against gloo; FSDP (fully_shard) against DDP, its state saved and loaded by
-torch.distributed.checkpoint; torchmetrics syncing to the whole-data value; Hugging Face
+torch.distributed.checkpoint (also async_save on a group of its own beside training calls) and
+its whole state loaded from rank 0 alone (broadcast_from_rank0); torchmetrics syncing to the whole-data value; Hugging Face
 Accelerate (prepare, gather_for_metrics) against one process; pipelining (GPipe, 1F1B) and
 tensor parallelism against one process; thousands of small calls on both front doors leaving no
 objects alive.
@@ -974,6 +975,36 @@ def case_fsdp():
         fresh.load_state_dict(state["model"])
         for (name, p), q in zip(fresh.named_parameters(), trained.parameters()):
             check_equal(p.full_tensor(), q.full_tensor(), f"FSDP state saved and loaded: {name}")
+        # the whole state on rank 0 alone (cpu_offload), loaded into a fresh model by
+        # broadcast_from_rank0, where torch asks the group which devices it serves
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_model_state_dict, set_model_state_dict)
+        whole = get_model_state_dict(trained, options=StateDictOptions(full_state_dict=True,
+                                                                       cpu_offload=True))
+        assert (len(whole) > 0) == (r == 0), f"rank {r} holds {len(whole)} entries"
+        torch.manual_seed(2)
+        loaded = sharded(mlp())
+        set_model_state_dict(loaded, whole, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True))
+        for (name, p), q in zip(loaded.named_parameters(), trained.parameters()):
+            check_equal(p.full_tensor(), q.full_tensor(), f"broadcast_from_rank0: {name}")
+        # async_save on a group of its own (its collectives run on the saving thread) while
+        # this thread goes on reducing on the default group
+        saving = dist.new_group(list(range(n)))
+        future = dcp.async_save({"model": trained.state_dict()}, checkpoint_id=box[0] + "/async",
+                                process_group=saving)
+        for k in range(20):
+            check_equal(reduced(torch.full((3,), float(k))), torch.full((3,), float(k * n)),
+                        "all_reduce beside async_save")
+        future.result()
+        torch.manual_seed(3)
+        fresh = sharded(mlp())
+        state = {"model": fresh.state_dict()}
+        dcp.load(state, checkpoint_id=box[0] + "/async")
+        fresh.load_state_dict(state["model"])
+        for (name, p), q in zip(fresh.named_parameters(), trained.parameters()):
+            check_equal(p.full_tensor(), q.full_tensor(), f"async_save, loaded: {name}")
+        dist.destroy_process_group(saving)
         dist.barrier()
     finally:
         if r == 0:
