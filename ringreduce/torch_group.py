@@ -79,6 +79,12 @@ class RingReduceGroup(dist.ProcessGroup):
     def getGroupDesc(self) -> str:
         return self._group_desc
 
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    group_name = property(getGroupName)
+    group_desc = property(getGroupDesc)
+
     # torch's Python code asks a group which devices it serves and for each device's backend
     # (FSDP2's broadcast_from_rank0 loading, checkpoint's async_save, dist.breakpoint): a
     # group made in Python registers no C++ backend, so it answers itself, being its own
@@ -93,12 +99,6 @@ class RingReduceGroup(dist.ProcessGroup):
             raise RuntimeError(f"ringreduce backend: {self._label} has no backend for device "
                                f"{device} (it serves {', '.join(DEVICES)})")
         return self
-
-    def setGroupDesc(self, desc: str) -> None:
-        self._group_desc = desc
-
-    group_name = property(getGroupName)
-    group_desc = property(getGroupDesc)
 
     def _call(self, kind: str) -> tuple[ProcessSet, str, refusing]:
         """A call's set to run on, its automatic name ('dist.noname.<k>', the group's k-th
