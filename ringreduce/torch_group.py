@@ -88,7 +88,9 @@ class RingReduceGroup(dist.ProcessGroup):
     # torch's Python code asks a group which devices it serves and for each device's backend
     # (FSDP2's broadcast_from_rank0 loading, checkpoint's async_save, dist.breakpoint): a
     # group made in Python registers no C++ backend, so it answers itself, being its own
-    # backend for each.
+    # backend for each, one that cannot split (what split_group and init_process_group's
+    # device_id read from a backend).
+    supports_splitting = False
 
     @property
     def _device_types(self) -> list:

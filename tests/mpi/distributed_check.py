@@ -363,6 +363,10 @@ def case_subgroup():
     ours, gloo = dist.new_group(ends), dist.new_group(ends, backend="gloo")
     if r in ends:
         assert dist.get_backend(ours) == "ringreduce"
+        # answered as by a group with a backend per device (torch's helpers ask)
+        assert ours._device_types == [torch.device("cpu"), torch.device("cuda")]
+        assert ours._get_backend(torch.device("cpu")) is ours and not ours.supports_splitting
+        assert dist.distributed_c10d._get_pg_default_device(ours) == torch.device("cpu")
         x = rand(9, seed=50)
         close(reduced(x, SUM, ours), reduced(x, SUM, gloo), "all_reduce on [0, n-1]")
         outputs = [torch.empty(9) for _ in ends]
