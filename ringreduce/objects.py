@@ -14,7 +14,7 @@ import torch
 
 from .collectives import broadcast_async_, synchronize
 from .errors import ConsistencyError
-from .process_sets import ProcessSet, active, global_process_set
+from .process_sets import ActiveSet, ProcessSet, active, global_process_set
 from .signature import qualified
 from .wrapped_optimizer import WrappedOptimizer
 
@@ -26,19 +26,29 @@ def broadcast_parameters(params: Params, root_rank: int, prefix: Optional[str] =
     """Overwrite every member's tensors with global rank root_rank's, in place: a state_dict, a
     dict of tensors, model.named_parameters(), or a list of tensors. `prefix` goes in front of
     the collectives' names (to tell two models' broadcasts apart)."""
+    ps = active(process_set, "broadcast_parameters()")
     if isinstance(params, Mapping):
         items = sorted(params.items())
     else:
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
-    handles = []
-    for index, (name, tensor) in enumerate(items):
-        if not isinstance(tensor, torch.Tensor):
-            continue
-        label = f"{prefix or ''}{name if name is not None else index}"
-        handles.append(broadcast_async_(tensor, root_rank, f"broadcast_parameters.{label}",
-                                        process_set))
+    named = [(f"broadcast_parameters.{prefix or ''}{name if name is not None else index}",
+              tensor) for index, (name, tensor) in enumerate(items)
+             if isinstance(tensor, torch.Tensor)]
+    _agree_on_names(ps, "broadcast_parameters", prefix, [name for name, _ in named])
+    handles = [broadcast_async_(tensor, root_rank, name, process_set) for name, tensor in named]
     for handle in handles:
         synchronize(handle)
+
+
+def _agree_on_names(ps: ActiveSet, helper: str, prefix: Optional[str],
+                    names: list[str]) -> None:
+    """One signature check of the names a helper is about to broadcast under: where some rank
+    has others (another model, a parameter with optimizer state on some ranks only, other
+    param_groups), every rank gets a MismatchError naming them, instead of each waiting for
+    broadcasts the others never submit (Horovod's stall)."""
+    name = helper if prefix is None else f"{helper}[{prefix}]"
+    signature = {"collective": helper, "name": name, "tensors": tuple(names)}
+    ps.engine.run(name, lambda: ps.transport.check(signature))
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
@@ -93,17 +103,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                 else:
                     scalars[key] = value
                     assign[key] = functools.partial(_set_item, param_state, entry)
+    _agree_on_names(ps, "broadcast_optimizer_state", None,
+                    [key for key, _ in tensors] + list(scalars))
     handles = [broadcast_async_(tensor, root_rank, key, process_set) for key, tensor in tensors]
     for handle in handles:
         synchronize(handle)
     roots = broadcast_object(scalars, root_rank, "broadcast_optimizer_state.scalars",
                              process_set)
-    unknown = sorted(set(roots) - set(assign))
-    if unknown:
-        raise ValueError(f"ringreduce: broadcast_optimizer_state() on rank {ps.ranks[ps.rank]}: "
-                         f"root rank {root_rank}'s optimizer has options or state entries "
-                         f"{unknown[:10]} that this rank's has not; wrap the same optimizer "
-                         "class with the same parameter groups on every rank")
     for key, value in roots.items():
         assign[key](value)
 

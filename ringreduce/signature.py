@@ -16,6 +16,7 @@ KINDS = frozenset(("allreduce", "grouped_allreduce", "sparse_allreduce", "allgat
                    "grouped_allgather", "broadcast", "alltoall", "reducescatter",
                    "grouped_reducescatter", "barrier", "broadcast_object", "allgather_object",
                    "check_consistency"))
+_SHOWN = 10     # names a mismatch of two lists of names shows (then how many differ)
 
 
 def qualified(kind: str, name: Optional[str]) -> Optional[str]:
@@ -91,7 +92,8 @@ def describe_mismatch(signatures: Sequence[Signature], ranks: Sequence[int]) -> 
         partial = [f"{entry!r} only on ranks {where}" for entry, where in held.items()
                    if len(where) < len(ranks)]
         if partial:
-            by_rank = "; ".join(partial)
+            by_rank = "; ".join(partial[:_SHOWN]) + (
+                f"; ... ({len(partial)} names in all)" if len(partial) > _SHOWN else "")
             if field == "parameters":
                 by_rank += ": a parameter frozen or unfrozen (requires_grad) on some ranks only"
     return (f"ringreduce: ranks disagree on {'/'.join(kinds)} of tensor "

@@ -376,6 +376,34 @@ def check_state_helpers():
     assert hvd.broadcast_object({"epoch": r, "tag": "x"}, root_rank=n - 1) == \
         {"epoch": n - 1, "tag": "x"}
     assert hvd.allgather_object(r * 10) == [k * 10 for k in range(n)]
+    if n > 1:
+        check_state_helpers_refuse_a_mistake_on_one_rank()
+
+
+def check_state_helpers_refuse_a_mistake_on_one_rank():
+    """The last rank alone with another model, other param_groups or another optimizer
+    class: a MismatchError on every rank naming what differs (Horovod stalls), and the
+    helpers work after."""
+    last = f"only on ranks [{n - 1}]"
+    torch.manual_seed(r)
+    bigger = nn.Sequential(Net(), *([nn.Linear(2, 2)] if r == n - 1 else []))
+    expect(hvd.MismatchError, [f"'broadcast_parameters.1.weight' {last}", "broadcast_parameters"],
+           hvd.broadcast_parameters, bigger.state_dict(), root_rank=0)
+    model = Net()
+    groups = ([{"params": [p]} for p in model.parameters()] if r == n - 1
+              else [{"params": list(model.parameters())}])
+    grouped = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    expect(hvd.MismatchError, f"'lr.1' {last}", hvd.broadcast_optimizer_state, grouped, 0)
+    other = (torch.optim.Adam(model.parameters(), lr=0.1) if r == n - 1
+             else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    expect(hvd.MismatchError, [f"'momentum_buffer.1' only on ranks {list(range(n - 1))}",
+                               "names in all"],      # (the first ten shown)
+           hvd.broadcast_optimizer_state, other, 0)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    params_equal_across_ranks(model, "broadcast_parameters after a refused one")
+    same = torch.optim.SGD(model.parameters(), lr=0.1 * (r + 1), momentum=0.9)
+    hvd.broadcast_optimizer_state(same, root_rank=0)
+    assert same.param_groups[0]["lr"] == 0.1
 
 
 run_cases([then_barrier(check) for check in (
