@@ -502,7 +502,7 @@ def sparse_allreduce_work(tensor: torch.Tensor, name: Optional[str], op: Any,
             t = _tensor(piece, "sparse_allreduce_async", f"{name}.{part}", ps)
         signature = {"collective": "sparse_allreduce", "name": name, "part": part,
                      "dense shape": dense_shape, "dtype": NAMES[t.dtype],
-                     "trailing shape": tuple(t.shape[1:])}
+                     "trailing shape": tuple(t.shape[1:]), "op": op.name}
         gathers.append(functools.partial(ps.transport.allgather, t, signature))
 
     def work() -> torch.Tensor:

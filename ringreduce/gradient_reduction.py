@@ -109,6 +109,8 @@ class GradientReduction(WrappedOptimizer):
                                     explicit_groups(self._groups, dense), self._prefix,
                                     direct=self._direct_buckets)
         op, prescale, postscale = self._reduction
+        for b in self._buckets:     # (a rank given another op or factor: MismatchError)
+            b.signature.update(op=op.name, prescale=prescale, postscale=postscale)
         self._specs = [ReduceSpec(b.buffer.dtype, op, prescale, postscale, digest(b.signature),
                                   b.signature, [p.numel() for p in b.params])
                        for b in self._buckets]
@@ -314,7 +316,8 @@ class GradientReduction(WrappedOptimizer):
         for wire, name in zip(wires, bucket.names):
             signature = {"collective": "allreduce", "name": bucket.name, "parameter": name,
                          "compressed": True, "dtype": str(wire.dtype).removeprefix("torch."),
-                         "shape": tuple(wire.shape)}
+                         "shape": tuple(wire.shape), "op": op.name, "prescale": prescale,
+                         "postscale": postscale}
             specs.append(ReduceSpec(wire.dtype, op, prescale, postscale, digest(signature),
                                     signature))
         transport = self._set.transport

@@ -68,6 +68,9 @@ def check_sparse_allreduce():
         want = dense / n if op == hvd.Average else dense
         assert got.is_sparse, "sparse_allreduce_async returned a dense tensor"
         assert torch.allclose(got.to_dense(), want), f"sparse {op.name}: {got.to_dense()}"
+    if n > 1:   # the last rank alone summing where the others average
+        expect(hvd.MismatchError, "'op' differs", hvd.sparse_allreduce_async(
+            sparse, "sparse.ops", hvd.Sum if r == n - 1 else hvd.Average))
 
 
 def check_sparse_gradients_in_the_optimizer():
