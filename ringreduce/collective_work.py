@@ -324,9 +324,12 @@ def _reduce_fused(ps: ActiveSet, tensors: Sequence[torch.Tensor], op: ReduceOp,
 # ---------------------------------------------------------------- allgather, broadcast, ...
 
 def _group_name(ps: ActiveSet, name: Optional[str], kind: str, count: int) -> list[str]:
-    """The names of a group's collectives: `name` alone for one tensor, `name.i` for several."""
+    """The names of a group's collectives: `name` alone for one tensor of a plain call,
+    `name.i` for a grouped call's (however many: with the count in each signature, a rank
+    passing another number of tensors meets the others' first one and gets MismatchError)."""
     base = ps.auto_name(kind) if name is None else name
-    return [base] if count == 1 else [f"{base}.{i}" for i in range(count)]
+    grouped = kind.startswith("grouped_")
+    return [base] if count == 1 and not grouped else [f"{base}.{i}" for i in range(count)]
 
 
 def allgather_work(tensors: Sequence[torch.Tensor], name: Optional[str],
@@ -340,7 +343,7 @@ def allgather_work(tensors: Sequence[torch.Tensor], name: Optional[str],
         with refusal:
             t = _tensor(tensor, kind, each, ps, moves_only=True)
         t = t.reshape(1) if t.dim() == 0 else t
-        signature = {"collective": "allgather", "name": each,
+        signature = {"collective": "allgather", "name": each, "tensors": len(tensors),
                      "dtype": _dtype_name(tensor.dtype), "trailing shape": tuple(t.shape[1:])}
         gathers.append((functools.partial(ps.transport.allgather, t, signature), tensor.dtype))
     return ps, names[0], lambda: [_as(gather(), dtype) for gather, dtype in gathers]
@@ -446,16 +449,16 @@ def reducescatter_work(tensors: Sequence[torch.Tensor], name: Optional[str], op:
     for t, each in zip(checked, names):
         wire, context = compression.compress(t)
         scatters.append(_reducescatter_one(ps, wire.clone(), context, compression, each, op,
-                                           prescale_factor, postscale_factor))
+                                           prescale_factor, postscale_factor, len(tensors)))
     return ps, names[0], lambda: [scatter() for scatter in scatters]
 
 
 def _reducescatter_one(ps: ActiveSet, work_tensor: torch.Tensor, context: Any,
                        compression: type[Compressor], name: str, op: ReduceOp, pre: float,
-                       post: float) -> Callable[[], torch.Tensor]:
+                       post: float, count: int) -> Callable[[], torch.Tensor]:
     dtype, shape = _describe(work_tensor)
-    signature = {"collective": "reducescatter", "name": name, "op": op.name, "dtype": dtype,
-                 "shape": shape, "prescale": pre, "postscale": post}
+    signature = {"collective": "reducescatter", "name": name, "tensors": count, "op": op.name,
+                 "dtype": dtype, "shape": shape, "prescale": pre, "postscale": post}
     spec = ReduceSpec(work_tensor.dtype, op, pre, post, digest(signature), signature)
     rows = ring.balanced_counts(work_tensor.shape[0], ps.size)
     bounds = ring.chunk_bounds([r * math.prod(work_tensor.shape[1:]) for r in rows])

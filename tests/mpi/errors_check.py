@@ -199,6 +199,14 @@ if n > 1:
            torch.ones(2, 1 + (r > 0)), name="ag_mm")
     expect(hvd.MismatchError, ["'allreduce.scale_mm'", "'prescale'"], hvd.allreduce, torch.ones(4),
            name="scale_mm", prescale_factor=1.0 if r == 0 else 2.0)
+    # A grouped call given another number of tensors on the last rank alone (2 against 1, 3
+    # against 2): its first tensor meets the others', and the count differs
+    for mine, theirs in ((2, 1), (3, 2)):
+        count = mine if r == n - 1 else theirs
+        expect(hvd.MismatchError, ["'tensors' differs", f"rank {n - 1}: {mine}"],
+               hvd.grouped_allgather, [torch.ones(2)] * count)
+        expect(hvd.MismatchError, ["'tensors' differs", f"rank {n - 1}: {mine}"],
+               hvd.grouped_reducescatter, [torch.ones(n)] * count)
     # A mistake in the arguments of the last rank alone, named or not: TypeError/ValueError
     # (or UnsupportedError) there, at once a MismatchError quoting it on the others (not a
     # wait for a call never made), and the automatic names still in step afterwards.
