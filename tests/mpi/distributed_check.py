@@ -11,10 +11,10 @@ accumulation, fp16_compress_hook, hooks whose callbacks start collectives: Power
 one process on the whole batch; DDP's join() with uneven inputs and ZeroRedundancyOptimizer
 against gloo; FSDP (fully_shard) against DDP, its state saved and loaded by
 torch.distributed.checkpoint (also async_save on a group of its own beside training calls) and
-its whole state loaded from rank 0 alone (broadcast_from_rank0); torchmetrics syncing to the whole-data value; Hugging Face
-Accelerate (prepare, gather_for_metrics) against one process; pipelining (GPipe, 1F1B) and
-tensor parallelism against one process; thousands of small calls on both front doors leaving no
-objects alive.
+its whole state loaded from rank 0 alone (broadcast_from_rank0); torchmetrics syncing to the
+whole-data value; Hugging Face Accelerate (prepare, gather_for_metrics) against one process;
+pipelining (GPipe, 1F1B) and tensor parallelism against one process; thousands of small calls
+on both front doors leaving no objects alive.
 With `lightning` (2 ranks): first our Lightning strategy, which starts torch.distributed's
 default group on our backend (torchmetrics syncs through it), then Lightning's own DDP
 strategy with process_group_backend="ringreduce", which starts it by env:// (torch's
