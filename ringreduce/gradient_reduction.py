@@ -396,11 +396,12 @@ class GradientReduction(WrappedOptimizer):
     def _complete_collectives(self, again: bool = False) -> None:
         """Submit whatever of this step's collectives are left, in the same order on every
         rank, and wait for all of them, also after one fails (so that the next step starts
-        with nothing of this one pending, on every rank); then raise the first failure. The
-        last of them is the step's agreement: where any rank's step is broken (an extra
+        with nothing of this one pending, on every rank); then raise the first failure. After
+        the buckets comes the step's agreement: where any rank's step is broken (an extra
         backward pass), or some ranks step again on the same gradients (or reduce them `again`:
         synchronize() twice) while others do not, every rank raises UsageError, so that no
-        rank steps."""
+        rank steps. The sparse gradients' allgathers follow it, once it has passed on every
+        rank (it names them)."""
         self._break_if_backward_failed()
         again = again or self._steps_again()
         self._begin_step()                   # also when no gradient came this step
@@ -408,9 +409,8 @@ class GradientReduction(WrappedOptimizer):
         seen_sparse = self._planned_sparse | self._found_sparse
         sparse = [(n, p) for n, p in self._named if id(p) in seen_sparse] if seen_sparse else []
         self._sparse |= self._found_sparse    # the next step's plan reduces them on their own
-        results = sparse_gradients.gather(sparse, self._prefix, self._op, self._process_set)
-        agreement = (self._agreement.submit(self._broken is not None, again) if self._agrees
-                     else None)
+        agreement = (self._agreement.submit(self._broken is not None, again,
+                                            [n for n, _ in sparse]) if self._agrees else None)
         failures: list[BaseException] = []
 
         def wait(outcome: Callable[[], Any]) -> Any:
@@ -422,12 +422,17 @@ class GradientReduction(WrappedOptimizer):
         try:
             for handle in self._handles:
                 wait(handle.wait)
-            for p, handle in results:
-                gathered = wait(handle)
-                if gathered is not None:
-                    p.grad = gathered
+            agreed = True       # (a failed agreement failed on every rank: see its submit)
             if agreement is not None:
+                failed_before = len(failures)
                 wait(agreement.wait)
+                agreed = len(failures) == failed_before
+            if sparse and agreed:
+                for p, handle in sparse_gradients.gather(sparse, self._prefix, self._op,
+                                                         self._process_set):
+                    gathered = wait(handle)
+                    if gathered is not None:
+                        p.grad = gathered
         finally:
             self._handles = []
             self._synchronized = True       # nothing of this step is pending any more

@@ -1,4 +1,5 @@
-"""The step's agreement: the last collective of a `DistributedOptimizer` step, after its buckets.
+"""The step's agreement: a `DistributedOptimizer` step's collective after its buckets (and
+before its sparse gradients' allgathers, which start only once it has passed).
 
 One small allreduce (Max) of three bytes: 1 where this rank's step is broken (an extra backward
 pass), 1 where it steps again on its last step's gradients, 1 where it does not. From it every
@@ -32,22 +33,31 @@ class StepAgreement:
         self.name = f"{prefix}agreement"
         self._marks = torch.zeros(3, dtype=torch.uint8)
         self._mark_array = self._marks.numpy()      # element writes: NumPy's are cheap
-        signature = {"collective": "allreduce", "name": self.name,
-                     "parameters": tuple(parameter_names),
-                     "and": ("broken", "again", "not again")}
-        self._spec = ReduceSpec(torch.uint8, ReduceOp.Max, digest=digest(signature),
-                                signature=signature)
+        self._signature = {"collective": "allreduce", "name": self.name,
+                           "parameters": tuple(parameter_names),
+                           "and": ("broken", "again", "not again")}
+        self._spec = self._spec_of(self._signature)
+
+    @staticmethod
+    def _spec_of(signature: dict) -> ReduceSpec:
+        return ReduceSpec(torch.uint8, ReduceOp.Max, digest=digest(signature),
+                          signature=signature)
 
     def clear(self) -> None:
         """A new step: nothing broken."""
         self._marks.zero_()
 
-    def submit(self, broken: bool, again: bool) -> Handle:
+    def submit(self, broken: bool, again: bool, sparse: Sequence[str] = ()) -> Handle:
         """Queue the allreduce: this rank's step broken or not, and stepping again on its last
-        step's gradients or not."""
+        step's gradients or not. `sparse` names the parameters whose gradients this rank is
+        about to allgather sparse: a rank that would gather others (sparse_as_dense on some
+        ranks only) fails the signature check on every rank, before any gather waits for
+        ranks that never submit it."""
         marks = self._mark_array
         marks[-3], marks[-2], marks[-1] = broken, again, not again
-        transport, marks, spec = self._set.transport, self._marks, self._spec
+        spec = self._spec if not sparse else self._spec_of({**self._signature,
+                                                            "sparse": tuple(sparse)})
+        transport, marks = self._set.transport, self._marks
         return submit((self._set, self.name, lambda: transport.allreduce(marks, marks, spec)))
 
     def broken(self) -> bool:

@@ -113,6 +113,18 @@ def check_sparse_gradients_in_the_optimizer():
                 assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), \
                     f"{what}: {name} off by {(p - q).abs().max().item()}"
         hvd.check_consistency(model)
+    if n > 1:   # sparse_as_dense on the last rank alone: reduced densely there, gathered
+        # sparse on the others; the step's agreement names the sparse gradients, so every rank
+        # gets a MismatchError instead of a gather waiting for ranks that never submit it
+        torch.manual_seed(3)
+        model = Embedder()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       model.named_parameters(), sparse_as_dense=r == n - 1)
+        before = [p.detach().clone() for p in model.parameters()]
+        F.cross_entropy(model(torch.randint(0, 20, (4, 5))), torch.zeros(4, dtype=torch.long)
+                        ).backward()
+        expect(hvd.MismatchError, ["'sparse' differs", f"rank {n - 1}: None"], opt.step)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
 def adasum_combine(a, b):
