@@ -37,6 +37,7 @@ class StepAgreement:
                            "parameters": tuple(parameter_names),
                            "and": ("broken", "again", "not again")}
         self._spec = self._spec_of(self._signature)
+        self._sparse_spec: tuple[tuple, ReduceSpec] = ((), self._spec)   # the last step's
 
     @staticmethod
     def _spec_of(signature: dict) -> ReduceSpec:
@@ -55,9 +56,11 @@ class StepAgreement:
         ranks that never submit it."""
         marks = self._mark_array
         marks[-3], marks[-2], marks[-1] = broken, again, not again
-        spec = self._spec if not sparse else self._spec_of({**self._signature,
-                                                            "sparse": tuple(sparse)})
-        transport, marks = self._set.transport, self._marks
+        sparse = tuple(sparse)
+        if sparse != self._sparse_spec[0]:      # (the same names step after step: one digest)
+            self._sparse_spec = (sparse, self._spec_of({**self._signature, "sparse": sparse})
+                                 if sparse else self._spec)
+        transport, marks, spec = self._set.transport, self._marks, self._sparse_spec[1]
         return submit((self._set, self.name, lambda: transport.allreduce(marks, marks, spec)))
 
     def broken(self) -> bool:
