@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 from torch.autograd import Variable
@@ -207,18 +207,16 @@ class GradientReduction(WrappedOptimizer):
             return
         count = self._pass_count[key] = self._pass_count[key] + 1
         if count > self._passes:
-            self._broken = (
+            self._break_step(
                 f"ringreduce: gradient of '{self._names[key]}' was computed {count} times on "
                 f"rank {self._rank} before step(); backward_passes_per_step is {self._passes}. "
                 "Increase backward_passes_per_step to accumulate gradients locally, or call "
                 "step()/synchronize() between backward passes.")
-            raise UsageError(self._broken)
         if p.grad is not None and p.grad.requires_grad:
             p.grad = p.grad.detach()     # (the broken step's collectives still pack it)
-            self._broken = (f"ringreduce: gradient of '{self._names[key]}' on rank {self._rank} "
-                            "requires grad (backward(create_graph=True)): DistributedOptimizer "
-                            "reduces plain gradients, as Horovod's, which asserts the same")
-            raise UsageError(self._broken)
+            self._break_step(f"ringreduce: gradient of '{self._names[key]}' on rank {self._rank} "
+                             "requires grad (backward(create_graph=True)): DistributedOptimizer "
+                             "reduces plain gradients, as Horovod's, which asserts the same")
         if count < self._passes:
             return
         if (p.grad is not None and p.grad.layout != torch.strided
@@ -237,6 +235,22 @@ class GradientReduction(WrappedOptimizer):
         if self._waiting[bucket.index] == 0:
             timeline.record(bucket.name, "gradients ready")
         self._submit_ready_buckets()
+
+    def _break_step(self, why: str) -> NoReturn:
+        """This rank's step cannot be completed: meet the other ranks' collectives of the step
+        now, telling them to skip it, then raise. Settled here rather than at the next
+        zero_grad() or step(), so that what the script does after catching the error (a
+        metric's allreduce, the end of training) finds nothing of this step still pending on
+        the other ranks, and, where it is not caught, the others learn why before the job
+        ends. A later pass of a step already settled only raises."""
+        if self._broken is None:
+            self._broken = why
+        if not self._synchronized:
+            try:
+                self._complete_collectives()
+            except UsageError:
+                pass        # (the skip this rank caused; its own reason is raised below)
+        raise UsageError(why)
 
     def _backward_finished(self) -> None:
         """Run by autograd at the end of a backward pass that reached our hooks, and only if

@@ -590,7 +590,7 @@ def case_create_graph_is_refused():
     if r == n - 1:
         expect(AssertionError, "create_graph",
                lambda: (model(torch.ones(1, 3)) ** 2).sum().backward(create_graph=True))
-        opt.zero_grad()         # meets the others' step, and tells them to skip it
+        opt.zero_grad()         # (its step met the others' as it raised: they skip it)
     else:
         backward(model)
         expect(hvd.UsageError, f"skipped on every rank because ranks [{n - 1}]", opt.step)

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 import ringreduce as hvd
-from checks import expect, run_cases
+from checks import check_equal, expect, run_cases
 from ringreduce import process_sets
 
 hvd.init()
@@ -184,11 +184,19 @@ def recovery():
             what = f"views={views}, extra pass on rank {culprit}"
             for _ in range(2):
                 model(batch(r, 0)).sum().backward()
+            skipped = [f"skipped on every rank because ranks [{culprit}] broke it",
+                       "zero_grad()"]
+            # the culprit, having caught its error, allreduces a metric before its step(),
+            # which the others call first: its broken step was settled as it raised, so the
+            # metric meets theirs (it waited for their step's agreement, never submitted)
             if r == culprit:
                 expect(hvd.UsageError, "computed 3 times",
                        lambda: model(batch(r, 0)).sum().backward())
-            expect(hvd.UsageError, [f"skipped on every rank because ranks [{culprit}] broke it",
-                                    "zero_grad()"], opt.step)
+            else:
+                expect(hvd.UsageError, skipped, opt.step)
+            metric = hvd.allreduce(torch.tensor([r]), op=hvd.Sum, name="metric after a break")
+            check_equal(metric, torch.tensor([n * (n - 1) // 2]), f"{what}: the metric after")
+            expect(hvd.UsageError, skipped, opt.step)
             expect(hvd.UsageError, "skipped on every rank", opt.step)   # still, until zero_grad
             for step in (1, 2):         # the recipe: zero_grad() and the step again
                 opt.zero_grad()
