@@ -197,19 +197,36 @@ def run(work: Work) -> Any:
 
 # ---------------------------------------------------------------- allreduce
 
+# The torch.distributed backend's calls with a root, each made of a collective without one.
+ROOTED = {"allreduce": "reduce", "allgather": "gather", "alltoall": "scatter"}
+
+
+def _with_root(signature: dict, root: Optional[int]) -> dict:
+    """The signature of a collective that the backend's reduce, gather or scatter (ROOTED) is
+    made of, where `root` (a global rank) is given: that call's kind and root, which every rank
+    must name alike. Otherwise a rank naming another root, or making the plain collective,
+    would pair with the others' call and keep a result it was not meant to have."""
+    if root is not None:
+        signature["collective"] = ROOTED[signature["collective"]]
+        signature["root_rank"] = root
+    return signature
+
+
 def _allreduce_spec(t: torch.Tensor, op: ReduceOp, pre: float, post: float,
-                    name: str) -> ReduceSpec:
+                    name: str, root: Optional[int]) -> ReduceSpec:
     dtype, shape = _describe(t)
-    signature = {"collective": "allreduce", "name": name, "op": op.name, "prescale": pre,
-                 "postscale": post, "dtype": dtype, "shape": shape}
+    signature = _with_root({"collective": "allreduce", "name": name, "op": op.name,
+                            "prescale": pre, "postscale": post, "dtype": dtype,
+                            "shape": shape}, root)
     return ReduceSpec(t.dtype, op, pre, post, digest(signature), signature)
 
 
 def allreduce_work(tensor: torch.Tensor, average: Optional[bool], name: Optional[str], op: Any,
                    pre: float, post: float, compression: type[Compressor], in_place: bool,
-                   process_set: ProcessSet) -> Work:
+                   process_set: ProcessSet, root: Optional[int] = None) -> Work:
     """One tensor: straight from the input into the output (or in place), with none of the
-    grouping machinery, since a small allreduce is dominated by Python overhead."""
+    grouping machinery, since a small allreduce is dominated by Python overhead. `root`: see
+    _with_root (uncompressed only)."""
     kind = "allreduce_" if in_place else "allreduce"
     if compression is not Compression.none:
         ps, name, grouped = grouped_allreduce_work([tensor], name, op, average, pre, post,
@@ -223,7 +240,7 @@ def allreduce_work(tensor: torch.Tensor, average: Optional[bool], name: Optional
         t = _tensor(tensor, kind, name, ps)
     if op == ReduceOp.Adasum:
         adasum.check_supported(ps.size, t.dtype)
-    spec = _allreduce_spec(t, op, pre, post, name)
+    spec = _allreduce_spec(t, op, pre, post, name, root)
 
     def work() -> torch.Tensor:
         begun = ps.transport.watch.begun
@@ -333,9 +350,10 @@ def _group_name(ps: ActiveSet, name: Optional[str], kind: str, count: int) -> li
 
 
 def allgather_work(tensors: Sequence[torch.Tensor], name: Optional[str],
-                   process_set: ProcessSet, kind: str = "allgather") -> Work:
+                   process_set: ProcessSet, kind: str = "allgather",
+                   root: Optional[int] = None) -> Work:
     """Concatenate every member's tensors along dimension 0, one allgather per tensor, all in
-    one piece of work; its result is the list of outputs."""
+    one piece of work; its result is the list of outputs. `root`: see _with_root."""
     ps = active(process_set, f"{kind}()")
     names = _group_name(ps, name, kind, len(tensors))
     refusal, gathers = refusing(ps, names[0], kind), []
@@ -343,8 +361,9 @@ def allgather_work(tensors: Sequence[torch.Tensor], name: Optional[str],
         with refusal:
             t = _tensor(tensor, kind, each, ps, moves_only=True)
         t = t.reshape(1) if t.dim() == 0 else t
-        signature = {"collective": "allgather", "name": each, "tensors": len(tensors),
-                     "dtype": _dtype_name(tensor.dtype), "trailing shape": tuple(t.shape[1:])}
+        signature = _with_root({"collective": "allgather", "name": each,
+                                "tensors": len(tensors), "dtype": _dtype_name(tensor.dtype),
+                                "trailing shape": tuple(t.shape[1:])}, root)
         gathers.append((functools.partial(ps.transport.allgather, t, signature), tensor.dtype))
     return ps, names[0], lambda: [_as(gather(), dtype) for gather, dtype in gathers]
 
@@ -388,9 +407,9 @@ def broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
 
 
 def alltoall_work(tensor: torch.Tensor, splits: Any, name: Optional[str],
-                  process_set: ProcessSet) -> Work:
+                  process_set: ProcessSet, root: Optional[int] = None) -> Work:
     """The result is (output, received splits), as Horovod's handle gives. Rows past the sum
-    of the splits are not sent."""
+    of the splits are not sent. `root`: see _with_root."""
     ps = active(process_set, "alltoall()")
     name = ps.auto_name("alltoall") if name is None else name
     with refusing(ps, name, "alltoall"):
@@ -398,8 +417,9 @@ def alltoall_work(tensor: torch.Tensor, splits: Any, name: Optional[str],
         send_splits = _send_splits(t, splits, ps, name)
     t = t.narrow(0, 0, int(send_splits.sum()))
     dtype = tensor.dtype
-    signature = {"collective": "alltoall", "name": name, "dtype": _dtype_name(dtype),
-                 "trailing shape": tuple(t.shape[1:])}
+    signature = _with_root({"collective": "alltoall", "name": name,
+                            "dtype": _dtype_name(dtype), "trailing shape": tuple(t.shape[1:])},
+                           root)
 
     def work() -> tuple[torch.Tensor, torch.Tensor]:
         out, received = ps.transport.alltoall(t, send_splits, signature)

@@ -254,11 +254,11 @@ class RingReduceGroup(dist.ProcessGroup):
             tensor = one(tensors, "reduce")
             op, pre = self._op(opts, "reduce")
             root = opts.rootRank
-            self._global(root, "reduce")
+            root_rank = self._global(root, "reduce")
             if tensor.dtype is _BOOL:
                 tensor, op = logical(tensor, op, pre, f"reduce on rank {self.rank()}")
         handle = submit(allreduce_work(tensor.contiguous(), None, name, op, pre, 1.0,
-                                       Compression.none, False, ps))
+                                       Compression.none, False, ps, root_rank))
 
         def finish(result: torch.Tensor) -> None:
             if self.rank() == root:
@@ -335,17 +335,19 @@ class RingReduceGroup(dist.ProcessGroup):
         ps, name, checks = self._call("gather")
         with checks:
             tensor, root = one(input_tensors, "gather"), opts.rootRank
-            self._global(root, "gather")
+            root_rank = self._global(root, "gather")
             outputs = one(output_tensors, "gather") if self.rank() == root else None
-        return self._gather_rows(ps, name, tensor, "gather", output_tensors, outputs)
+        return self._gather_rows(ps, name, tensor, "gather", output_tensors, outputs,
+                                 root_rank)
 
     def _gather_rows(self, ps: ProcessSet, name: str, tensor: torch.Tensor, kind: str,
-                     value: list, outputs: Optional[list]) -> CollectiveWork:
+                     value: list, outputs: Optional[list],
+                     root_rank: Optional[int] = None) -> CollectiveWork:
         """Each rank's `tensor` as one row (the signature then holds its whole shape, so a
         rank with another shape is a MismatchError everywhere); row r goes to outputs[r]
-        (None: kept nowhere)."""
+        (None: kept nowhere). `root_rank`: a gather's, global."""
         handle = submit(first(allgather_work([tensor.detach().unsqueeze(0).contiguous()], name,
-                                             ps)))
+                                             ps, root=root_rank)))
 
         def finish(rows: torch.Tensor) -> None:
             if outputs is None:
@@ -412,7 +414,7 @@ class RingReduceGroup(dist.ProcessGroup):
         ps, name, checks = self._call("scatter")
         with checks:
             output, root = one(output_tensors, "scatter"), opts.rootRank
-            self._global(root, "scatter")
+            root_rank = self._global(root, "scatter")
             shape = tuple(output.shape)
             if self.rank() == root:
                 inputs = one(input_tensors, "scatter")
@@ -421,7 +423,7 @@ class RingReduceGroup(dist.ProcessGroup):
                 splits = [1] * self.size()
             else:
                 rows, splits = output.new_empty((0, *shape)), [0] * self.size()
-            handle = submit(alltoall_work(rows, splits, name, ps))
+            handle = submit(alltoall_work(rows, splits, name, ps, root_rank))
         return CollectiveWork(handle, output_tensors,
                               lambda result: copy_flat(output, result[0]))
 

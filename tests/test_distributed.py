@@ -25,7 +25,7 @@ CASES = ("case_all_reduce", "case_all_reduce_coalesced", "case_coalesced", "case
          "case_send_recv", "case_subgroup",
          "case_threads_each_on_a_group_of_its_own", "case_errors", "case_one_rank_errs",
          "case_one_rank_refuses_its_inputs", "case_one_rank_calls_another_kind",
-         "case_sparse_all_reduce", "case_dtypes_moved_and_bool_reduced", "case_ddp",
+         "case_one_rank_names_another_root", "case_sparse_all_reduce", "case_dtypes_moved_and_bool_reduced", "case_ddp",
          "case_ddp_hooks_that_start_collectives", "case_ddp_hook_raises_on_one_rank",
          "case_ddp_bucket_fails_on_one_rank",
          "case_ddp_join_and_zero", "case_fsdp",
@@ -33,7 +33,8 @@ CASES = ("case_all_reduce", "case_all_reduce_coalesced", "case_coalesced", "case
          "case_a_group_does_not_outlive_a_restart")
 AT_TWO = ("case_lightning_ringreduce_strategy", "case_lightning_ddp", "case_stall")
 PEERS_NEEDED = ("case_send_recv", "case_subgroup", "case_errors", "case_one_rank_errs",
-                "case_one_rank_refuses_its_inputs", "case_one_rank_calls_another_kind")
+                "case_one_rank_refuses_its_inputs", "case_one_rank_calls_another_kind",
+                "case_one_rank_names_another_root")
 
 
 BACKEND = shared_script("torch.distributed backend", "distributed_check.py",

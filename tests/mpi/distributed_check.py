@@ -559,7 +559,44 @@ def case_one_rank_calls_another_kind():
           ["allgather", "allreduce"])
     mixed(lambda: dist.reduce_scatter_tensor(torch.empty(big.numel()), big.repeat(n)),
           dist.barrier, ["reducescatter", "barrier"])
+    # the calls with a root, each made of one without: rank 0 would have kept a result
+    mixed(lambda: dist.reduce(small.clone(), dst=0), lambda: dist.all_reduce(small.clone()),
+          ["'reduce'", "'allreduce'"])
+    rows = [torch.empty(4) for _ in range(n)]
+    mixed(lambda: dist.gather(small, rows, dst=0), lambda: dist.all_gather(rows, small),
+          ["'gather'", "'allgather'"])
+    mixed(lambda: dist.scatter(torch.empty(4), [small] * n, src=0),
+          lambda: dist.all_to_all_single(torch.empty(4 * n), small.repeat(n)),
+          ["'scatter'", "'alltoall'"])
     check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
+
+
+def case_one_rank_names_another_root():
+    """The last rank alone names itself the root of a reduce, gather, scatter or broadcast,
+    where the others name rank 0: a MismatchError on every rank, and no output written (a
+    reduce or gather had two roots keep a result, a scatter failed on one rank alone with a
+    shape error); then the group is usable."""
+    root = n - 1 if r == n - 1 else 0
+    x = torch.full((2,), r + 1.0)
+
+    def refused(call, output):
+        before = output.clone()
+        expect(hvd.MismatchError, ["'root_rank' differs", "rank 0: 0", f"rank {n - 1}: {n - 1}"],
+               call)
+        check_equal(output, before, "an output after a refused call")
+
+    refused(lambda: dist.reduce(x, dst=root), x)
+    rows = [torch.zeros(2) for _ in range(n)]
+    refused(lambda: dist.gather(x, rows if r == root else None, dst=root), torch.stack(rows))
+    out = torch.zeros(2)
+    sent = [torch.full((2,), k + 10.0) for k in range(n)]
+    refused(lambda: dist.scatter(out, sent if r == root else None, src=root), out)
+    refused(lambda: dist.broadcast(x, src=root), x)
+    dist.scatter(out, sent if r == 0 else None, src=0)
+    check_equal(out, torch.full((2,), r + 10.0), "scatter after them")
+    dist.reduce(x, dst=0)
+    if r == 0:
+        check_equal(x, torch.full((2,), n * (n + 1) / 2), "reduce after them")
 
 
 def sparse_entries(k, length=6):
@@ -1259,7 +1296,8 @@ cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadc
          case_strided_inputs, case_reduce_gather_scatter, case_send_recv, case_subgroup,
          case_threads_each_on_a_group_of_its_own, case_errors,
          case_one_rank_errs, case_one_rank_refuses_its_inputs,
-         case_one_rank_calls_another_kind, case_sparse_all_reduce,
+         case_one_rank_calls_another_kind, case_one_rank_names_another_root,
+         case_sparse_all_reduce,
          case_dtypes_moved_and_bool_reduced, case_ddp,
          case_ddp_hooks_that_start_collectives, case_ddp_hook_raises_on_one_rank,
          case_ddp_bucket_fails_on_one_rank, case_ddp_join_and_zero, case_fsdp,
@@ -1267,7 +1305,8 @@ cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadc
          case_a_group_does_not_outlive_a_restart]
 # Alone, a rank has no peer to send to, to make a subgroup of two with, or to disagree with.
 PEERS_NEEDED = (case_send_recv, case_subgroup, case_errors, case_one_rank_errs,
-                case_one_rank_refuses_its_inputs, case_one_rank_calls_another_kind)
+                case_one_rank_refuses_its_inputs, case_one_rank_calls_another_kind,
+                case_one_rank_names_another_root)
 cases = [case for case in cases if n > 1 or case not in PEERS_NEEDED]
 run_cases([announced(case) for case in cases + ([case_stall] if LIGHTNING else [])], r)
 dist.destroy_process_group()
