@@ -23,7 +23,7 @@ from .engine import Handle
 from .errors import ArgumentTypeError, NotContiguousError, RingReduceError, UnsupportedError
 from .kernels import ReduceOp
 from .negotiation import AGREED
-from .process_sets import ActiveSet, ProcessSet, active, global_process_set
+from .process_sets import ActiveSet, ProcessSet, active, global_process_set, refusing
 from .reduce_spec import ReduceSpec
 from .signature import digest
 
@@ -139,38 +139,6 @@ def submit(work: Work) -> Handle:
     handle = ps.engine.submit(name, fn)
     timeline.record(name, "submitted")
     return handle
-
-
-_MISTAKES = (TypeError, ValueError, NotImplementedError)   # what `refusing` makes the others see
-
-
-class refusing:
-    """Around a call's argument checks: a mistake found there (TypeError, ValueError, or
-    NotImplementedError for what is not supported), which the other ranks cannot see, still
-    meets their call of `name`, through a signature check that carries the error, so theirs
-    fails at once with a MismatchError quoting it (instead of waiting for a call never
-    made) and the automatic names stay in step. The meeting is over before the error leaves
-    the block (the name is free again). Once per error: a front end whose checks wrap these
-    calls refuses only what is new."""
-
-    __slots__ = ("ps", "name", "kind")
-
-    def __init__(self, ps: ActiveSet, name: str, kind: str) -> None:
-        self.ps, self.name, self.kind = ps, name, kind
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, _type: Any, error: Any, _traceback: Any) -> bool:
-        if isinstance(error, _MISTAKES) and not getattr(error, "refused", False):
-            error.refused = True
-            signature = {"collective": self.kind, "name": self.name, "refused": str(error)}
-            ps = self.ps
-            try:
-                run((ps, self.name, lambda: ps.transport.check(signature)))
-            except (RingReduceError, ValueError):
-                pass    # the others' calls failed (or the name is taken): `error` goes on
-        return False
 
 
 def meet_failure(ps: ActiveSet, name: str, kind: str, begun: int, error: BaseException) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from .config import Settings
 from .engine import PARENT, Engine, child_name
-from .errors import NotInitializedError, ShutDownError
+from .errors import NotInitializedError, RingReduceError, ShutDownError
 from .mpi import mpi
 from .ring import ABANDONED
 from .signature import digest
@@ -193,6 +193,38 @@ class ActiveSet:
                       if member not in departures.restarting)
 
 
+_MISTAKES = (TypeError, ValueError, NotImplementedError)   # what `refusing` makes the others see
+
+
+class refusing:
+    """Around a call's argument checks: a mistake found there (TypeError, ValueError, or
+    NotImplementedError for what is not supported), which the other ranks cannot see, still
+    meets their call of `name` on the set, through a signature check that carries the error,
+    so theirs fails at once with a MismatchError quoting it (instead of waiting for a call
+    never made) and the automatic names stay in step. The meeting is over before the error
+    leaves the block (the name is free again). Once per error: a front end whose checks wrap
+    these calls refuses only what is new."""
+
+    __slots__ = ("ps", "name", "kind")
+
+    def __init__(self, ps: ActiveSet, name: str, kind: str) -> None:
+        self.ps, self.name, self.kind = ps, name, kind
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, _type: Any, error: Any, _traceback: Any) -> bool:
+        if isinstance(error, _MISTAKES) and not getattr(error, "refused", False):
+            error.refused = True
+            signature = {"collective": self.kind, "name": self.name, "refused": str(error)}
+            ps = self.ps
+            try:
+                ps.engine.run(self.name, lambda: ps.transport.check(signature))
+            except (RingReduceError, ValueError):
+                pass    # the others' calls failed (or the name is taken): `error` goes on
+        return False
+
+
 @dataclass
 class _Job:
     """What this process knows of the running job: its global communicator and the sets."""
@@ -326,12 +358,14 @@ def _register(job: _Job, wanted: Sequence[ProcessSet], what: str) -> None:
     """Register `wanted` (collective: every rank passes the same rank lists, and communicators
     whose rank lists may differ per rank) and give each its id. Sets from communicators come
     first, every distinct one that some rank holds, then the rank lists in order, as Horovod's.
-    An entry whose ranks were registered before, or given twice, is a duplicate: ValueError."""
-    from_comm = [ps for ps in wanted if ps.ranks is None]
-    lists = [_checked_ranks(ps.ranks, job, what) for ps in wanted if ps.ranks is not None]
-    mine = {id(ps): _comm_ranks(ps.mpi_comm, job) for ps in from_comm}
-    before = set(job.sets)
+    An entry whose ranks were registered before, or given twice, is a duplicate: ValueError.
+    A mistake in this rank's arguments meets the others' call (`refusing`)."""
     glob = job.active[0]
+    with refusing(glob, what, what):
+        from_comm = [ps for ps in wanted if ps.ranks is None]
+        lists = [_checked_ranks(ps.ranks, job, what) for ps in wanted if ps.ranks is not None]
+        mine = {id(ps): _comm_ranks(ps.mpi_comm, job) for ps in from_comm}
+    before = set(job.sets)
 
     def work() -> None:
         glob.transport.check({"collective": what, "name": what, "rank lists": tuple(lists),
@@ -362,14 +396,15 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
     """Register a set, collectively on every rank of the job (each passing the same ranks, or
     its own communicator of a split), and return it ready for collectives."""
     job = _state("add_process_set()")
-    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    if ps.process_set_id is not None:
-        raise ValueError(f"ringreduce: add_process_set(): {ps} is registered already")
-    if ps.ranks is not None:
-        existing = _existing(job, _checked_ranks(ps.ranks, job, "add_process_set()"))
-        if existing is not None:
-            raise ValueError(f"ringreduce: attempted to add a duplicate process set: {ps} has "
-                             f"the ranks of process set {existing}")
+    with refusing(job.active[0], "add_process_set", "add_process_set"):
+        ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+        if ps.process_set_id is not None:
+            raise ValueError(f"ringreduce: add_process_set(): {ps} is registered already")
+        if ps.ranks is not None:
+            existing = _existing(job, _checked_ranks(ps.ranks, job, "add_process_set()"))
+            if existing is not None:
+                raise ValueError(f"ringreduce: attempted to add a duplicate process set: {ps} "
+                                 f"has the ranks of process set {existing}")
     _register(job, [ps], "add_process_set")
     return ps
 
@@ -398,16 +433,17 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
 def register_at_init(process_sets: Union[None, str, Iterable[ProcessSet]]) -> None:
     """`init(process_sets=...)`: a list of sets, or "dynamic" (sets may be added later; here
-    they always may)."""
-    if process_sets is None or (isinstance(process_sets, str) and
-                                process_sets.lower() == "dynamic"):
-        return
-    wanted = list(process_sets)
-    if any(not isinstance(ps, ProcessSet) for ps in wanted):
-        raise ValueError("ringreduce: init(process_sets=...) takes a list of ProcessSet objects "
-                         "or 'dynamic'")
-    if wanted:
-        _register(_state("init()"), wanted, "init")
+    they always may). Collective even with none, so that a rank given other sets than the
+    others (or none where they have some) meets their registration: MismatchError everywhere."""
+    job = _state("init()")
+    with refusing(job.active[0], "init", "init"):
+        dynamic = (process_sets is None or (isinstance(process_sets, str)
+                                            and process_sets.lower() == "dynamic"))
+        wanted = [] if dynamic else list(process_sets)    # type: ignore[arg-type]
+        if any(not isinstance(ps, ProcessSet) for ps in wanted):
+            raise ValueError("ringreduce: init(process_sets=...) takes a list of ProcessSet "
+                             "objects or 'dynamic'")
+    _register(job, wanted, "init")
 
 
 def registered_sets() -> list[ProcessSet]:
@@ -450,13 +486,14 @@ def _meet_members(job: _Job, ranks: Sequence[int], label: str) -> None:
     calls it (no report, no end): each member tells the others which group it opens and waits
     for theirs. Meanwhile the members still missing are named every stall check interval (at
     the stall shutdown time the job ends), a member that has shut down is a ShutDownError, and
-    a member opening another group here (members open theirs in the same order) a ValueError
-    on both."""
+    a member opening another group here (members open theirs in the same order), or this one
+    for other ranks, a ValueError on both (MPI would wait for ever inside, or pair them)."""
     others = [m for m in ranks if m != job.rank]
     if not others:
         return
     MPI, comm, watch = mpi(), job.groups_comm, job.active[0].transport.watch
-    mine = np.array([digest({"collective": "open_group", "name": label})], dtype=np.int64)
+    mine = np.array([digest({"collective": "open_group", "name": label,
+                             "ranks": tuple(ranks)})], dtype=np.int64)
     theirs = np.zeros(len(others), dtype=np.int64)
     sends = [comm.Isend(mine, dest=m, tag=_MEETING_TAG) for m in others]
     receives = {m: comm.Irecv(theirs[i:i + 1], source=m, tag=_MEETING_TAG)
@@ -488,9 +525,10 @@ def _meet_members(job: _Job, ranks: Sequence[int], label: str) -> None:
     MPI.Request.Waitall(sends)
     other = [m for m, value in zip(others, theirs.tolist()) if value != mine[0]]
     if other:
-        raise ValueError(f"ringreduce: rank {job.rank}: opening {label}, ranks {other} open "
-                         "another group at this point: every member must make its groups in "
-                         "the same order")
+        raise ValueError(f"ringreduce: rank {job.rank}: opening {label} for ranks "
+                         f"{list(ranks)}, ranks {other} open another group at this point, or "
+                         "this one for other ranks: every member must make its groups in the "
+                         "same order, each with the same ranks")
 
 
 def close_group(process_set: ProcessSet) -> None:

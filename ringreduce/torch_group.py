@@ -26,12 +26,13 @@ import torch.distributed as dist
 from . import world
 from .collective_work import (allgather_work, allreduce_work, alltoall_work, barrier_work,
                               broadcast_work, first, grouped_allreduce_work, reducescatter_work,
-                              refusing, run, sparse_allreduce_work, submit)
+                              run, sparse_allreduce_work, submit)
 from .collectives import Average, Sum
 from .compression import Compression
 from .errors import RingReduceError, UnsupportedError
 from .point_to_point import Channel
-from .process_sets import ActiveSet, ProcessSet, active, close_group, global_process_set
+from .process_sets import (ActiveSet, ProcessSet, active, close_group, global_process_set,
+                           refusing)
 from .small_way import allreduce_now, started
 from .torch_arguments import SUM, copy_flat, logical, one, reduction, same_size, worked_on
 from .torch_work import FINISHED, CollectiveWork
@@ -105,7 +106,7 @@ class RingReduceGroup(dist.ProcessGroup):
     def _call(self, kind: str) -> tuple[ProcessSet, str, refusing]:
         """A call's set to run on, its automatic name ('dist.noname.<k>', the group's k-th
         call), taken before any check so that the rank keeps its place in the group's
-        sequence, and what goes around its own argument checks (collective_work.refusing: a
+        sequence, and what goes around its own argument checks (process_sets.refusing: a
         mistake there makes the other ranks' call fail at once with a MismatchError quoting
         it)."""
         ps = self._active(kind)

@@ -294,7 +294,8 @@ def check_add_and_remove():
 
 
 def check_errors():
-    """Raised at once on the rank that made the mistake, before any traffic; the job goes on."""
+    """Raised at once on the rank that made the mistake (registering a set, after meeting
+    the others' call); the job goes on."""
     others = [ps for ps in (split, low) if ps is not None and r not in ps.ranks]
     for ps in others:
         expect(ValueError, "not in process set", hvd.allreduce, torch.ones(2), process_set=ps)
@@ -321,6 +322,46 @@ def check_errors():
         assert f"rank {split.ranks[1]}: (4,)" in message, message
     check_equal(hvd.allreduce(torch.ones(3), op=hvd.Sum), torch.full((3,), float(n)),
                 "usable after the errors")
+
+
+def check_one_rank_errs_registering():
+    """The last rank alone makes a mistake registering sets: a ValueError there, and the
+    others' call, which it meets, fails with a MismatchError quoting it (they waited for ever
+    for a registration it never joined); the job goes on. Then ranks that open a group each for
+    other ranks (torch.distributed's new_group) get a ValueError, where MPI waited inside."""
+    last = r == n - 1
+
+    def refused(call, words):
+        if last:
+            expect(ValueError, words, call)
+        else:
+            expect(hvd.MismatchError, ["'add_process_set' cannot run", f"rank {n - 1}", words],
+                   call)
+
+    refused(lambda: hvd.add_process_set([0, n] if last else [0]), "invalid rank list")
+    refused(lambda: hvd.add_process_set(list(range(n)) if last else [0]), "duplicate")
+    alone = hvd.add_process_set([0])
+    if r == 0:
+        check_equal(hvd.allreduce(torch.ones(1), process_set=alone), torch.ones(1),
+                    "a set registered after the refusals")
+    assert hvd.remove_process_set(alone)
+    if n >= 3 and r < 3:    # every member hears from every member it expects: no one waits
+        ranks = [[0, 1], [0, 1, 2], [1, 2]][r]
+        expect(ValueError, ["open another group at this point, or this one for other ranks"],
+               open_group, ranks, "group 'disputed'")
+    check_equal(hvd.allreduce(torch.ones(3), op=hvd.Sum), torch.full((3,), float(n)),
+                "usable after the mistakes")
+
+
+def check_init_with_other_sets_on_one_rank():
+    """init(process_sets=...) on the last rank alone: MismatchError on every rank (the others
+    waited for ever, or it did), and the job restarts as usual."""
+    hvd.shutdown()
+    sets = [hvd.ProcessSet([0])] if r == n - 1 else None
+    expect(hvd.MismatchError, ["'rank lists' differs", f"rank {n - 1}: ((0,),)"], hvd.init,
+           process_sets=sets)
+    hvd.shutdown()
+    start()
 
 
 def stall():
@@ -365,8 +406,10 @@ def check_all():
     check_sets_at_once()
     check_errors()
     check_add_and_remove()
+    check_one_rank_errs_registering()     # (after the split's sets, [0] among them, are gone)
     check_independence()
     check_groups()
+    check_init_with_other_sets_on_one_rank()
     hvd.barrier()
 
 
