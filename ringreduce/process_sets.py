@@ -18,7 +18,7 @@ import numpy as np
 
 from .config import Settings
 from .engine import PARENT, Engine, child_name
-from .errors import NotInitializedError, RingReduceError, ShutDownError
+from .errors import MismatchError, NotInitializedError, RingReduceError, ShutDownError
 from .mpi import mpi
 from .ring import ABANDONED
 from .signature import digest
@@ -433,17 +433,36 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
 def register_at_init(process_sets: Union[None, str, Iterable[ProcessSet]]) -> None:
     """`init(process_sets=...)`: a list of sets, or "dynamic" (sets may be added later; here
-    they always may). Collective even with none, so that a rank given other sets than the
-    others (or none where they have some) meets their registration: MismatchError everywhere."""
+    they always may). Every rank's sets are compared first, with none too, in one exchange
+    outside the set's collectives (so its first collective is still its #1): a rank given
+    other sets than the others, or none where they have some, or a mistake in them, is a
+    MismatchError on every rank (the rank that made the mistake raises it), where they would
+    wait for a registration it never joins."""
     job = _state("init()")
-    with refusing(job.active[0], "init", "init"):
-        dynamic = (process_sets is None or (isinstance(process_sets, str)
-                                            and process_sets.lower() == "dynamic"))
-        wanted = [] if dynamic else list(process_sets)    # type: ignore[arg-type]
+    dynamic = process_sets is None or (isinstance(process_sets, str)
+                                       and process_sets.lower() == "dynamic")
+    wanted = [] if dynamic else list(process_sets)      # type: ignore[arg-type]
+    try:
         if any(not isinstance(ps, ProcessSet) for ps in wanted):
             raise ValueError("ringreduce: init(process_sets=...) takes a list of ProcessSet "
                              "objects or 'dynamic'")
-    _register(job, wanted, "init")
+        mine: Any = tuple("a communicator's part" if ps.ranks is None
+                          else _checked_ranks(ps.ranks, job, "init()") for ps in wanted)
+    except ValueError as error:
+        mine = error
+    everyone = job.groups_comm.allgather(str(mine))     # (only meetings use it, by message)
+    if isinstance(mine, ValueError):
+        raise mine
+    if any(theirs != everyone[0] for theirs in everyone):
+        held: dict[str, list[int]] = {}
+        for r, theirs in enumerate(everyone):
+            held.setdefault(theirs, []).append(r)
+        each = "; ".join(f"{theirs} on ranks {ranks}" for theirs, ranks in held.items())
+        raise MismatchError(f"ringreduce: init(process_sets=...) differs between ranks "
+                            f"({each}): every rank must pass the same sets in the same order "
+                            "(from a communicator split, each rank its own part)")
+    if wanted:
+        _register(job, wanted, "init")
 
 
 def registered_sets() -> list[ProcessSet]:
