@@ -441,7 +441,8 @@ def register_at_init(process_sets: Union[None, str, Iterable[ProcessSet]]) -> No
     job = _state("init()")
     dynamic = process_sets is None or (isinstance(process_sets, str)
                                        and process_sets.lower() == "dynamic")
-    wanted = [] if dynamic else list(process_sets)      # type: ignore[arg-type]
+    wanted = ([] if dynamic else list(process_sets) if isinstance(process_sets, Iterable)
+              else [process_sets])     # (refused below, after the exchange, as any mistake)
     try:
         if any(not isinstance(ps, ProcessSet) for ps in wanted):
             raise ValueError("ringreduce: init(process_sets=...) takes a list of ProcessSet "
