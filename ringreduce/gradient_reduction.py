@@ -40,7 +40,7 @@ from .engine import Handle
 from .errors import UnsupportedError, UsageError
 from .kernels import ReduceOp
 from .objects import check_consistency
-from .process_sets import active
+from .process_sets import active, refusing
 from .reduce_spec import ReduceSpec
 from .signature import digest
 from .step_agreement import StepAgreement
@@ -57,7 +57,11 @@ class GradientReduction(WrappedOptimizer):
     def _setup(self, options: Options) -> None:
         ps = self._set = active(options.process_set, "DistributedOptimizer()")
         settings = ps.transport.settings
-        op = self._check_arguments(options, ps.ranks[ps.rank])
+        self._prefix = ps.optimizer_prefix()
+        # (a mistake in this rank's arguments meets the others' check of the plan instead)
+        mistakes = refusing(ps, f"{self._prefix}plan", "DistributedOptimizer")
+        with mistakes:
+            op = self._check_arguments(options, ps.ranks[ps.rank])
         # Average with a predivide factor f: sum(g / f) * f / size.
         factor = options.gradient_predivide_factor
         predivided = factor != 1.0
@@ -74,7 +78,6 @@ class GradientReduction(WrappedOptimizer):
             else options.fusion_threshold
         self._first_bucket = settings.first_bucket_bytes if options.first_bucket_bytes is None \
             else options.first_bucket_bytes
-        self._prefix = ps.optimizer_prefix()
         self._views = options.gradient_as_bucket_view
         self._broken: Optional[str] = None     # why this step cannot be completed
         self._in_backward = False    # a backward pass reached our hooks and has not finished
@@ -83,7 +86,9 @@ class GradientReduction(WrappedOptimizer):
         self._hooked: set[int] = set()
         self._ever_planned: set[int] = set()   # see _trainable
         weakref.finalize(self, remove_hooks, self._hooks)
-        self._plan()
+        with mistakes:
+            self._plan()
+        self._agree_on_plan()
         self._reset_step()
 
     # ------------------------------------------------------------ the plan
@@ -127,6 +132,26 @@ class GradientReduction(WrappedOptimizer):
         if self._views:
             self._point_grads_at_buckets()
         self._hook([p for _, p in trainable])
+
+    def _agree_on_plan(self) -> None:
+        """One signature check of the first plan, as every member wraps its optimizer: the
+        parameters in bucket order, how many go in each bucket, the reduction and the passes
+        per step. A rank wrapped otherwise (num_groups, groups, a fusion threshold, another
+        model, op ...) makes a MismatchError on every rank here, rather than at the first
+        step, where a rank with more buckets than the others then waited for ever for theirs.
+        (The plans made again later, at a step, change alike on every rank: a parameter
+        frozen or unfrozen on some ranks only meets the others' buckets at that step.)"""
+        if self._set.size == 1:
+            return
+        op, prescale, postscale = self._reduction
+        signature = {"collective": "DistributedOptimizer", "name": f"{self._prefix}plan",
+                     "parameters": tuple(n for b in self._buckets for n in b.names),
+                     "bucket sizes": tuple(len(b.params) for b in self._buckets),
+                     "reduction": (op.name, prescale, postscale),
+                     "backward_passes_per_step": self._passes,
+                     "sparse_as_dense": self._sparse_as_dense}
+        transport = self._set.transport
+        self._set.engine.run(signature["name"], lambda: transport.check(signature))
 
     def _hook(self, params: list[torch.Tensor]) -> None:
         # The hooks live in torch's C++ parameter objects, which the garbage collector cannot

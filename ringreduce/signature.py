@@ -96,6 +96,10 @@ def describe_mismatch(signatures: Sequence[Signature], ranks: Sequence[int]) -> 
                 f"; ... ({len(partial)} names in all)" if len(partial) > _SHOWN else "")
             if field == "parameters":
                 by_rank += ": a parameter frozen or unfrozen (requires_grad) on some ranks only"
+        elif len({len(v) for v in values}) == 1:     # the same names, in another order
+            at = next(i for i, names in enumerate(zip(*values)) if len(set(names)) > 1)
+            by_rank = f"the same names in another order; at position {at}, " + "; ".join(
+                f"rank {r}: {v[at]!r}" for r, v in zip(ranks, values))
     return (f"ringreduce: ranks disagree on {'/'.join(kinds)} of tensor "
             f"{' / '.join(repr(n) for n in names)}: '{field}' differs ({by_rank}). Collectives "
             "pair across ranks by name: every rank must submit a name with the same kind of "

@@ -275,14 +275,34 @@ if n > 1:
     assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
     assert torch.equal(hvd.allreduce_(odd.contiguous(), op=hvd.Sum),
                        torch.full((4, 3), float(n)))
-    # A different number of parameters per rank: the bucket's signature names them.
-    layers = [torch.nn.Linear(2, 2) for _ in range(1 + (r == 0))]
+    # A different number of parameters per rank, or the same ones bucketed otherwise: the
+    # plan's check names them, as the optimizer is wrapped (a rank with more buckets waited
+    # for ever at the step). A mistake in one rank's arguments meets the others' check.
+    layers = [torch.nn.Linear(2, 2) for _ in range(2)]
     model = torch.nn.Sequential(*layers)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   model.named_parameters())
-    model(torch.ones(1, 2)).sum().backward()
-    msg = expect(hvd.MismatchError, ["'bucket.0'"], opt.step)
-    assert "'shape'" in msg or "'parameters'" in msg, msg
+
+    def wrapped(mine):
+        return lambda: hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                model.named_parameters(),
+                                                **(mine if r == 0 else {}))
+    other = torch.nn.Sequential(*layers[:1 + (r == 0)])
+    expect(hvd.MismatchError, ["plan'", "'parameters' differs", "'1.weight' only on ranks [0]"],
+           lambda: hvd.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1),
+                                            other.named_parameters()))
+    expect(hvd.MismatchError, ["plan'", "the same names in another order"],
+           wrapped({"num_groups": 2}))
+    expect(hvd.MismatchError, ["plan'", "the same names in another order"],
+           wrapped({"groups": [list(layers[0].parameters()), list(layers[1].parameters())]}))
+    expect(hvd.MismatchError, ["plan'", "'bucket sizes' differs", "rank 0: (1, 3)"],
+           wrapped({"first_bucket_bytes": 8}))
+    expect(hvd.MismatchError, ["plan'", "'backward_passes_per_step' differs"],
+           wrapped({"backward_passes_per_step": 2}))
+    for mistake, words in (({"backward_passes_per_step": 0}, "backward_passes_per_step"),
+                           ({"groups": "two"}, "groups must be")):
+        if r == 0:
+            expect(ValueError, words, wrapped(mistake))
+        else:
+            expect(hvd.MismatchError, ["plan' cannot run", "rank 0", words], wrapped({}))
     handles = [hvd.allreduce_async(torch.ones(10), name="fine.0"),
                hvd.allreduce_async(torch.ones(10 + r), name="async_mm"),
                hvd.allreduce_async(torch.ones(10), name="fine.1")]
