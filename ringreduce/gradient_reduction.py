@@ -1,6 +1,8 @@
 """The life cycle of a `DistributedOptimizer` step on a member of its process set: gradients are
 reduced (averaged, by default) across the set's ranks while backward runs.
 
+  wrapping: the first plan (buckets over the trainable parameters), checked alike on every
+      member in one signature check.
   backward: the step's first gradient checks the plan (which parameters train, which have
       sparse gradients); a change re-plans the buckets, the same way on every rank. As in
       Horovod, a parameter trainable when wrapped stays in the plan when frozen (its gradient

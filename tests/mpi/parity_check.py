@@ -113,13 +113,18 @@ def check_sparse_gradients_in_the_optimizer():
                 assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), \
                     f"{what}: {name} off by {(p - q).abs().max().item()}"
         hvd.check_consistency(model)
-    if n > 1:   # sparse_as_dense on the last rank alone: reduced densely there, gathered
-        # sparse on the others; the step's agreement names the sparse gradients, so every rank
+    if n > 1:   # sparse_as_dense on the last rank alone: the wrapping's plan check says so
+        model = Embedder()
+        expect(hvd.MismatchError, ["'sparse_as_dense' differs", f"rank {n - 1}: True"],
+               hvd.DistributedOptimizer, torch.optim.SGD(model.parameters(), lr=0.1),
+               model.named_parameters(), sparse_as_dense=r == n - 1)
+        # a dense embedding on the last rank alone: gathered sparse on the others, reduced in
+        # its bucket there; the step's agreement names the sparse gradients, so every rank
         # gets a MismatchError instead of a gather waiting for ranks that never submit it
         torch.manual_seed(3)
-        model = Embedder()
+        model = Embedder(sparse=r != n - 1)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       model.named_parameters(), sparse_as_dense=r == n - 1)
+                                       model.named_parameters())
         before = [p.detach().clone() for p in model.parameters()]
         F.cross_entropy(model(torch.randint(0, 20, (4, 5))), torch.zeros(4, dtype=torch.long)
                         ).backward()
