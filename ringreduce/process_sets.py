@@ -436,8 +436,8 @@ def register_at_init(process_sets: Union[None, str, Iterable[ProcessSet]]) -> No
     they always may). Every rank's sets are compared first, with none too, in one exchange
     outside the set's collectives (so its first collective is still its #1): a rank given
     other sets than the others, or none where they have some, or a mistake in them, is a
-    MismatchError on every rank (the rank that made the mistake raises it), where they would
-    wait for a registration it never joins."""
+    MismatchError on every rank (a rank whose argument is wrong raises its ValueError), where
+    they would wait for a registration it never joins."""
     job = _state("init()")
     dynamic = process_sets is None or (isinstance(process_sets, str)
                                        and process_sets.lower() == "dynamic")
