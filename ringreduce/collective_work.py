@@ -163,8 +163,6 @@ def run(work: Work) -> Any:
     return ps.engine.run(name, fn)
 
 
-# ---------------------------------------------------------------- allreduce
-
 # The torch.distributed backend's calls with a root, each made of a collective without one.
 ROOTED = {"allreduce": "reduce", "allgather": "gather", "alltoall": "scatter"}
 
@@ -179,6 +177,8 @@ def _with_root(signature: dict, root: Optional[int]) -> dict:
         signature["root_rank"] = root
     return signature
 
+
+# ---------------------------------------------------------------- allreduce
 
 def _allreduce_spec(t: torch.Tensor, op: ReduceOp, pre: float, post: float,
                     name: str, root: Optional[int]) -> ReduceSpec:

@@ -152,8 +152,7 @@ class GradientReduction(WrappedOptimizer):
                      "reduction": (op.name, prescale, postscale),
                      "backward_passes_per_step": self._passes,
                      "sparse_as_dense": self._sparse_as_dense}
-        transport = self._set.transport
-        self._set.engine.run(signature["name"], lambda: transport.check(signature))
+        self._set.agree(signature)
 
     def _hook(self, params: list[torch.Tensor]) -> None:
         # The hooks live in torch's C++ parameter objects, which the garbage collector cannot

@@ -47,8 +47,7 @@ def _agree_on_names(ps: ActiveSet, helper: str, prefix: Optional[str],
     param_groups), every rank gets a MismatchError naming them, instead of each waiting for
     broadcasts the others never submit (Horovod's stall)."""
     name = helper if prefix is None else f"{helper}[{prefix}]"
-    signature = {"collective": helper, "name": name, "tensors": tuple(names)}
-    ps.engine.run(name, lambda: ps.transport.check(signature))
+    ps.agree({"collective": helper, "name": name, "tensors": tuple(names)})
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,

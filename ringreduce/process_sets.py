@@ -140,6 +140,11 @@ class ActiveSet:
             counter = self._names.setdefault(kind, itertools.count())
         return f"{kind}.noname.{next(counter)}"
 
+    def agree(self, signature: dict) -> None:
+        """One signature check of the members, under the name signature["name"], in order with
+        the set's collectives: MismatchError on every member where theirs differ."""
+        self.engine.run(signature["name"], lambda: self.transport.check(signature))
+
     def duplicate_comm(self, name: str) -> Any:
         """A duplicate of the set's communicator, for the caller to own and free: a channel
         whose messages never match the set's own (torch.distributed's send/recv). Collective
@@ -216,10 +221,9 @@ class refusing:
     def __exit__(self, _type: Any, error: Any, _traceback: Any) -> bool:
         if isinstance(error, _MISTAKES) and not getattr(error, "refused", False):
             error.refused = True
-            signature = {"collective": self.kind, "name": self.name, "refused": str(error)}
-            ps = self.ps
             try:
-                ps.engine.run(self.name, lambda: ps.transport.check(signature))
+                self.ps.agree({"collective": self.kind, "name": self.name,
+                               "refused": str(error)})
             except (RingReduceError, ValueError):
                 pass    # the others' calls failed (or the name is taken): `error` goes on
         return False
@@ -442,9 +446,9 @@ def register_at_init(process_sets: Union[None, str, Iterable[ProcessSet]]) -> No
     dynamic = process_sets is None or (isinstance(process_sets, str)
                                        and process_sets.lower() == "dynamic")
     wanted = ([] if dynamic else list(process_sets) if isinstance(process_sets, Iterable)
-              else [process_sets])     # (refused below, after the exchange, as any mistake)
+              else None)      # (refused below, after the exchange, as any mistake)
     try:
-        if any(not isinstance(ps, ProcessSet) for ps in wanted):
+        if wanted is None or any(not isinstance(ps, ProcessSet) for ps in wanted):
             raise ValueError("ringreduce: init(process_sets=...) takes a list of ProcessSet "
                              "objects or 'dynamic'")
         mine: Any = tuple("a communicator's part" if ps.ranks is None
