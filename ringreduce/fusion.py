@@ -97,7 +97,18 @@ def plan(named: Sequence[tuple[str, torch.Tensor]], threshold: int, first_bucket
         current_bytes += nbytes
     if current:
         groups.append(current)
+    if not groups:
+        return [_empty_bucket(prefix)]
     return [_make_bucket(i, group, wire, prefix, direct) for i, group in enumerate(groups)]
+
+
+def _empty_bucket(prefix: str) -> Bucket:
+    """The first bucket of a plan without parameters (all frozen, or all with sparse
+    gradients): a plan always has one, which every rank reduces at each step, so that a rank
+    whose plan has parameters (one unfrozen there alone) meets the others' first bucket."""
+    signature = {"collective": "allreduce", "name": f"{prefix}bucket.0", "parameters": (),
+                 "dtype": "float32", "shape": (0,)}
+    return Bucket(0, [], [], torch.zeros(0), [], signature)
 
 
 def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire, prefix: str,

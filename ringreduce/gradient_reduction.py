@@ -39,7 +39,7 @@ from .collectives import submit
 from .compile_boundary import in_compiled_backward
 from .compression import custom
 from .engine import Handle
-from .errors import UnsupportedError, UsageError
+from .errors import MismatchError, UnsupportedError, UsageError
 from .kernels import ReduceOp
 from .objects import check_consistency
 from .process_sets import active, refusing
@@ -118,6 +118,8 @@ class GradientReduction(WrappedOptimizer):
         op, prescale, postscale = self._reduction
         for b in self._buckets:     # (a rank given another op or factor: MismatchError)
             b.signature.update(op=op.name, prescale=prescale, postscale=postscale)
+        if self._buckets:   # the first bucket carries the whole plan: see _submit_bucket
+            self._buckets[0].signature.update(self._plan_fields())
         self._specs = [ReduceSpec(b.buffer.dtype, op, prescale, postscale, digest(b.signature),
                                   b.signature, [p.numel() for p in b.params])
                        for b in self._buckets]
@@ -142,17 +144,23 @@ class GradientReduction(WrappedOptimizer):
         model, op ...) makes a MismatchError on every rank here, rather than at the first
         step, where a rank with more buckets than the others then waited for ever for theirs.
         (The plans made again later, at a step, change alike on every rank: a parameter
-        frozen or unfrozen on some ranks only meets the others' buckets at that step.)"""
+        frozen or unfrozen on some ranks only meets the others' first bucket at that step,
+        which carries the plan, see _submit_bucket.)"""
         if self._set.size == 1:
             return
         op, prescale, postscale = self._reduction
         signature = {"collective": "DistributedOptimizer", "name": f"{self._prefix}plan",
-                     "parameters": tuple(n for b in self._buckets for n in b.names),
-                     "bucket sizes": tuple(len(b.params) for b in self._buckets),
+                     **self._plan_fields(),
                      "reduction": (op.name, prescale, postscale),
                      "backward_passes_per_step": self._passes,
                      "sparse_as_dense": self._sparse_as_dense}
         self._set.agree(signature)
+
+    def _plan_fields(self) -> dict:
+        """What makes two ranks' plans the same: the parameters in bucket order, and how many
+        go in each bucket."""
+        return {"plan": tuple(n for b in self._buckets for n in b.names),
+                "bucket sizes": tuple(len(b.params) for b in self._buckets)}
 
     def _hook(self, params: list[torch.Tensor]) -> None:
         # The hooks live in torch's C++ parameter objects, which the garbage collector cannot
@@ -212,6 +220,7 @@ class GradientReduction(WrappedOptimizer):
         self._found_sparse: set[int] = set()   # parameters with sparse gradients this step
         self._densified: set[int] = set()      # sparse gradients this step, sparse_as_dense
         self._agreement.clear()
+        self._first_bucket_failed: Optional[MismatchError] = None    # see _submit_bucket
         self._synchronized = False
         self._first_gradient_at: dict[int, float] = {}  # bucket index -> time (timeline only)
 
@@ -329,9 +338,28 @@ class GradientReduction(WrappedOptimizer):
                     gradient = self._direct_gradient(bucket)
                 else:
                     ready = self._pack(bucket)
-            self._handles.append(submit(
-                (self._set, bucket.name, self._reduce_work(bucket, ready, gradient))))
+            self._submit_bucket(bucket, self._reduce_work(bucket, ready, gradient))
             self._next_bucket += 1
+
+    def _submit_bucket(self, bucket: fusion.Bucket, work: Callable[[], Any]) -> Handle:
+        """Queue a bucket's reduction. Where the step's first bucket failed its signature check
+        (a MismatchError, which every rank gets for it), the later ones fail without meeting
+        the others: the first bucket carries the whole plan, and plans that differ (a
+        parameter unfrozen on one rank only) may differ in how many buckets they have, where a
+        rank's extra ones would wait for ever."""
+        def guarded() -> Any:
+            if self._first_bucket_failed is not None:
+                raise self._first_bucket_failed
+            try:
+                return work()
+            except MismatchError as exc:
+                if bucket.index == 0:
+                    self._first_bucket_failed = exc
+                raise
+
+        handle = submit((self._set, bucket.name, guarded))
+        self._handles.append(handle)
+        return handle
 
     def _submit_custom(self, bucket: fusion.Bucket) -> None:
         """A bucket under a compressor of the user's own, as Horovod runs one: each gradient
@@ -358,6 +386,8 @@ class GradientReduction(WrappedOptimizer):
                          "compressed": True, "dtype": str(wire.dtype).removeprefix("torch."),
                          "shape": tuple(wire.shape), "op": op.name, "prescale": prescale,
                          "postscale": postscale}
+            if bucket.index == 0 and not specs:     # the whole plan: see _submit_bucket
+                signature.update(self._plan_fields())
             specs.append(ReduceSpec(wire.dtype, op, prescale, postscale, digest(signature),
                                     signature))
         transport = self._set.transport
@@ -367,8 +397,7 @@ class GradientReduction(WrappedOptimizer):
                 transport.allreduce(wire, wire, spec)
             return wires
 
-        handle = submit((self._set, bucket.name, work))
-        self._handles.append(handle)
+        handle = self._submit_bucket(bucket, work)
         self._compressed.append((bucket.params, handle, contexts))
 
     def _decompress(self) -> None:

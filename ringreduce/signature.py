@@ -94,7 +94,7 @@ def describe_mismatch(signatures: Sequence[Signature], ranks: Sequence[int]) -> 
         if partial:
             by_rank = "; ".join(partial[:_SHOWN]) + (
                 f"; ... ({len(partial)} names in all)" if len(partial) > _SHOWN else "")
-            if field == "parameters":
+            if field in ("parameters", "plan"):     # (a bucket's, an optimizer's)
                 by_rank += ": a parameter frozen or unfrozen (requires_grad) on some ranks only"
         elif len({len(v) for v in values}) == 1:     # the same names, in another order
             at = next(i for i, names in enumerate(zip(*values)) if len(set(names)) > 1)

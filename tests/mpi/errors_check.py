@@ -286,7 +286,7 @@ if n > 1:
                                                 model.named_parameters(),
                                                 **(mine if r == 0 else {}))
     other = torch.nn.Sequential(*layers[:1 + (r == 0)])
-    expect(hvd.MismatchError, ["plan'", "'parameters' differs", "'1.weight' only on ranks [0]"],
+    expect(hvd.MismatchError, ["plan'", "'plan' differs", "'1.weight' only on ranks [0]"],
            lambda: hvd.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1),
                                             other.named_parameters()))
     expect(hvd.MismatchError, ["plan'", "the same names in another order"],
@@ -303,6 +303,38 @@ if n > 1:
             expect(ValueError, words, wrapped(mistake))
         else:
             expect(hvd.MismatchError, ["plan' cannot run", "rank 0", words], wrapped({}))
+    # Later, at a step: a parameter unfrozen on the last rank only gives it a bucket more (the
+    # others' first buckets match its own); that rank waited for ever for the others' third
+    # bucket. Now every rank's step fails, step after step, until every rank unfreezes it.
+    frozen = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    frozen[0].weight.requires_grad_(False)
+    hvd.broadcast_parameters(frozen.state_dict(), 0)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(frozen.parameters(), lr=0.1), frozen.named_parameters(),
+        groups=[[frozen[1].weight, frozen[1].bias], [frozen[0].bias], [frozen[0].weight]])
+
+    def frozen_step(model, opt):
+        opt.zero_grad()
+        model(torch.ones(2, 2, requires_grad=True) * (r + 1)).sum().backward()
+        opt.step()
+    frozen_step(frozen, opt)
+    frozen[0].weight.requires_grad_(last)
+    for _ in range(2):
+        expect(hvd.MismatchError, ["bucket.0'", "'plan' differs",
+                                   f"'0.weight' only on ranks [{n - 1}]"], frozen_step, frozen, opt)
+    assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
+    frozen[0].weight.requires_grad_(True)
+    frozen_step(frozen, opt)
+    hvd.check_consistency(frozen, name="unfrozen everywhere")
+    # The same where every parameter was frozen at wrapping: the empty plan's first bucket, of
+    # no parameters, meets the last rank's (it waited for ever for the others' first bucket).
+    all_frozen = torch.nn.Linear(2, 1).requires_grad_(False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(all_frozen.parameters(), lr=0.1),
+                                   all_frozen.named_parameters())
+    frozen_step(all_frozen, opt)
+    all_frozen.weight.requires_grad_(last)
+    expect(hvd.MismatchError, ["bucket.0'", f"'weight' only on ranks [{n - 1}]"],
+           frozen_step, all_frozen, opt)
     handles = [hvd.allreduce_async(torch.ones(10), name="fine.0"),
                hvd.allreduce_async(torch.ones(10 + r), name="async_mm"),
                hvd.allreduce_async(torch.ones(10), name="fine.1")]
