@@ -4,8 +4,11 @@
 then renamed over the old checkpoint (and the directory fsynced), so a crash mid-write leaves
 the previous checkpoint whole. `load` reads on rank 0 with `weights_only=True` (no arbitrary
 code from a file) and broadcasts, so every rank resumes from identical state. Both are
-collective: a failure on rank 0 (a missing file, a full disk, a file weights_only refuses)
-raises the same CheckpointError on every rank, never a hang.
+collective, and every rank learns of a failure on any one, never a hang: the ranks check first
+that they name the same path (a MismatchError where one names another, e.g. a path made per
+rank) and, saving, that each one's `extra` can be read back; a failure on rank 0 (a missing
+file, a full disk, a file weights_only refuses) raises the same CheckpointError on every rank,
+and so does a rank whose model or optimizer cannot take the loaded state.
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from typing import Any, Optional
 import torch
 
 from .errors import CheckpointError
-from .objects import broadcast_object
+from .objects import allgather_object, broadcast_object
+from .process_sets import ActiveSet, active, global_process_set, refusing
 from .world import rank
 
 
@@ -25,7 +29,10 @@ def save(path: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Opti
          extra: Any = None) -> None:
     """Write model, optimizer and `extra` (plain data: numbers, strings, lists, dicts, tensors)
     to `path` atomically; returns on every rank once the file is complete."""
-    _check_loadable(extra)
+    members = active(global_process_set, "checkpoint.save")
+    with refusing(members, "checkpoint.save", "checkpoint.save"):
+        _check_loadable(extra)
+    _agree_on_path(members, "checkpoint.save", path)
     failure = None
     if rank() == 0:
         state = {"model": model.state_dict(),
@@ -44,6 +51,7 @@ def save(path: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Opti
 def load(path: str, model: torch.nn.Module,
          optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
     """Restore model and optimizer from rank 0's `path` on every rank; returns `extra`."""
+    _agree_on_path(active(global_process_set, "checkpoint.load"), "checkpoint.load", path)
     loaded: Any = None
     if rank() == 0:
         try:
@@ -55,10 +63,27 @@ def load(path: str, model: torch.nn.Module,
         raise CheckpointError(f"ringreduce: checkpoint.load({path!r}) failed on rank 0: "
                               f"{loaded['failure']}")
     state = loaded["state"]
-    model.load_state_dict(state["model"])
-    if optimizer is not None and state["optimizer"] is not None:
-        optimizer.load_state_dict(state["optimizer"])
+    failure = None
+    try:
+        model.load_state_dict(state["model"])
+        if optimizer is not None and state["optimizer"] is not None:
+            optimizer.load_state_dict(state["optimizer"])
+    except Exception as exc:
+        failure = f"{type(exc).__name__}: {exc}"
+    failures = allgather_object(failure, name=f"checkpoint.load {path} restored")
+    failed = [(r, f) for r, f in enumerate(failures) if f is not None]
+    if failed:
+        raise CheckpointError(
+            f"ringreduce: checkpoint.load({path!r}): ranks {[r for r, _ in failed]} could not "
+            "restore it (" + "; ".join(f"rank {r}: {f}" for r, f in failed) + "); the model "
+            "and optimizer differ from the checkpoint's there")
     return state["extra"]
+
+
+def _agree_on_path(members: ActiveSet, what: str, path: str) -> None:
+    """Every rank names the same checkpoint (rank 0 alone reads or writes it): a path made
+    per rank is a MismatchError on every rank, where the ranks would wait for each other."""
+    members.agree({"collective": what, "name": what, "path": str(path)})
 
 
 def _check_loadable(extra: Any) -> None:

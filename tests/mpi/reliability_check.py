@@ -310,6 +310,26 @@ def checkpoint():
     good = os.path.join(directory, "good.pt")
     hvd.checkpoint.save(good, model, extra={"step": 3, "rng": torch.get_rng_state()})
     assert hvd.checkpoint.load(good, model)["step"] == 3
+    # Mistakes of the last rank alone (they waited for ever on the other ranks, or failed
+    # there alone): a path of its own, an extra that cannot be read back, another model.
+    last = r == n - 1
+    mine = os.path.join(directory, f"rank{r}.pt" if last else "good.pt")
+    for call in (lambda: hvd.checkpoint.save(mine, model),
+                 lambda: hvd.checkpoint.load(mine, model)):
+        expect(hvd.MismatchError, ["'path' differs", f"rank{n - 1}.pt"], call)
+    unread = os.path.join(directory, "unread.pt")
+    extra = {"numpy": np.random.get_state()} if last else {"step": 4}
+    if last:
+        expect(ValueError, "Store plain data", lambda: hvd.checkpoint.save(unread, model,
+                                                                         extra=extra))
+    else:
+        expect(hvd.MismatchError, ["cannot run", f"rank {n - 1}", "Store plain data"],
+               lambda: hvd.checkpoint.save(unread, model, extra=extra))
+    assert not os.path.exists(unread), "a checkpoint refused on one rank was written"
+    other = nn.Linear(2, 3) if last else model
+    expect(hvd.CheckpointError, [f"ranks [{n - 1}] could not restore it", "size mismatch"],
+           lambda: hvd.checkpoint.load(good, other))
+    assert hvd.checkpoint.load(good, model)["step"] == 3
     # the job is still usable after the failures
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == n
 
