@@ -66,7 +66,8 @@ class Bucket:
 def plan(named: Sequence[tuple[str, torch.Tensor]], threshold: int, first_bucket: int,
          wire_dtype=None, explicit_groups: Optional[Sequence[Sequence[torch.Tensor]]] = None,
          prefix: str = "", direct: bool = True) -> list[Bucket]:
-    """Buckets over the given parameters, in reverse registration order.
+    """Buckets over the given parameters, in reverse registration order (none given: one
+    empty bucket, see _empty_bucket).
 
     `wire_dtype(dtype)` gives the buffer dtype for a parameter dtype (for compression);
     `explicit_groups` (lists of parameters) each become one bucket, before the rest; bucket
