@@ -2,7 +2,6 @@
 hangs, inputs are untouched, and the job is still usable afterwards. Then check_consistency
 and the optimizer's per-step consistency check."""
 import threading
-
 import time
 
 import torch
@@ -121,8 +120,6 @@ expect(ValueError, ["'reducescatter.rs0'", "at least one dimension"], hvd.reduce
 
 # A name reused while the first collective is still in flight (the engine is held on an
 # event so that "in flight" is certain, not a race).
-import threading
-
 from ringreduce.process_sets import global_set
 
 release = threading.Event()
