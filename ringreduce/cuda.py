@@ -61,12 +61,22 @@ def cupy_module() -> Any:
 
 def as_device_array(tensor: torch.Tensor) -> Any:
     """A flat CuPy view of a contiguous CUDA tensor's memory (no copy); bfloat16, which CuPy
-    lacks, as uint16 storage, as on the CPU side."""
+    lacks, as uint16 storage, as on the CPU side. Made with the tensor's device current:
+    CuPy views only memory of the current device, and copies any other's to it."""
     cp = cupy_module()
     flat = tensor.detach().reshape(-1)
-    if tensor.dtype == torch.bfloat16:
-        return cp.asarray(flat.view(torch.int16)).view(cp.uint16)
-    return cp.asarray(flat)
+    with on_device(tensor.device.index):
+        if tensor.dtype == torch.bfloat16:
+            return cp.asarray(flat.view(torch.int16)).view(cp.uint16)
+        return cp.asarray(flat)
+
+
+def on_device(index: int) -> torch.cuda.device:
+    """Device `index` current on this thread for a block. torch's guard rather than CuPy's
+    Device: leaving, it goes back to the previous device only where that one has a CUDA
+    context already. CuPy's would make one there: on a thread that never chose a device (the
+    engine's), device 0, some hundred MiB of another rank's GPU."""
+    return torch.cuda.device(index)
 
 
 def device_tensor(tensor: torch.Tensor, what: str, where: str) -> torch.Tensor:
@@ -127,9 +137,8 @@ def pack(bucket: Any) -> torch.cuda.Event:
     """Copy a bucket's gradients into its buffer in one launch on torch's current stream (where
     backward produced them) and return the event the reduction waits for."""
     stream = torch.cuda.current_stream(bucket.buffer.device)
-    moves = [(p.grad, view) for p, view in zip(bucket.params, bucket.views)
-             if p.grad is None or p.grad.data_ptr() != view.data_ptr()]
-    if not _batched_copy(moves, stream):
+    moves = _moves(bucket, to_buffer=True)
+    if moves is None or not _batched_copy(moves, stream):
         bucket.pack()
     return stream.record_event()
 
@@ -138,13 +147,26 @@ def unpack(bucket: Any) -> None:
     """Copy the reduced buffer back into the gradients, in one launch where it can, and wait
     for it: the gradients are complete when the optimizer's synchronize() returns."""
     device = bucket.buffer.device
-    moves = [(view, p.grad) for p, view in zip(bucket.params, bucket.views)
-             if p.grad is None or p.grad.data_ptr() != view.data_ptr()]
-    if _batched_copy(moves, _stream(device.index)):
+    moves = _moves(bucket, to_buffer=False)
+    if moves is not None and _batched_copy(moves, _stream(device.index)):
         _stream(device.index).synchronize()
     else:   # missing gradients are allocated, so on torch's stream like any tensor of theirs
         bucket.unpack()
         torch.cuda.current_stream(device).synchronize()
+
+
+def _moves(bucket: Any, to_buffer: bool) -> Optional[list[tuple[Any, Any]]]:
+    """The (source, target) pairs between a bucket's gradients and their views in its buffer,
+    but for gradients that are the views already; None where a gradient is sparse (the bucket
+    holds zeros for it, as Bucket.pack and unpack do)."""
+    pairs = []
+    for p, view in zip(bucket.params, bucket.views):
+        grad = p.grad
+        if grad is not None and grad.layout != torch.strided:
+            return None
+        if grad is None or grad.data_ptr() != view.data_ptr():
+            pairs.append((grad, view) if to_buffer else (view, grad))
+    return pairs
 
 
 def _batched_copy(moves: Sequence[tuple[Any, Any]], stream: torch.cuda.Stream) -> bool:
@@ -159,11 +181,12 @@ def _batched_copy(moves: Sequence[tuple[Any, Any]], stream: torch.cuda.Stream) -
     cp = cupy_module()
     table = np.array([[s.data_ptr() for s, _ in moves], [t.data_ptr() for _, t in moves],
                       [s.numel() for s, _ in moves]], dtype=np.int64)
-    kernel = _kernel("batched_copy", f"batched_copy_{moves[0][0].element_size()}")
-    with cp.cuda.Device(stream.device.index), _cupy_stream(stream):
-        on_device = cp.asarray(table)
-        _launch(kernel, max(s.numel() for s, _ in moves),
-                (on_device[0], on_device[1], on_device[2]), rows=len(moves))
+    with on_device(stream.device.index), _cupy_stream(stream):
+        # (the module loads on the current device: this one, not the thread's)
+        kernel = _kernel("batched_copy", f"batched_copy_{moves[0][0].element_size()}")
+        rows = cp.asarray(table)
+        _launch(kernel, max(s.numel() for s, _ in moves), (rows[0], rows[1], rows[2]),
+                rows=len(moves))
     return True
 
 
@@ -256,7 +279,7 @@ def _device_reducer(dtype: torch.dtype, op: ReduceOp,
 # ---------------------------------------------------------------- device memory we keep
 
 def _device_block(device: int, nbytes: int) -> Any:
-    with cupy_module().cuda.Device(device):
+    with on_device(device):
         return cupy_module().empty(nbytes, dtype=np.uint8)
 
 
@@ -389,13 +412,12 @@ def staged_allreduce(copies: Any, length: int, piece: int,
 def _on_our_stream(array: Any) -> Iterator[torch.cuda.Stream]:
     """Our stream on the array's device, CuPy queuing on it, started after the event set by
     `after`, or else after torch's current stream of this thread."""
-    cp = cupy_module()
     device = array.device.id
     stream = _stream(device)
     ready = getattr(_ready, "event", None)
     stream.wait_event(ready if ready is not None
                       else torch.cuda.current_stream(device).record_event())
-    with cp.cuda.Device(device), _cupy_stream(stream):
+    with on_device(device), _cupy_stream(stream):
         yield stream
 
 

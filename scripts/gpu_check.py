@@ -111,7 +111,10 @@ def train(model, batches, distributed, **options):
 
 
 def check_training(path, device):
-    """Each rank trains on its half of every batch; one process trains on whole batches."""
+    """Each rank trains on its half of every batch; one process trains on whole batches. In
+    full float32 (no TF32) with deterministic cuDNN, so that only the reduction differs."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(32, 1, 16, 16, generator=g), torch.randint(0, 10, (32,), generator=g))
                for _ in range(5)]

@@ -9,19 +9,34 @@
 # library: the MPICH wheel is carried in .whl/ (git-ignored) and installed into /tmp/site.
 # Fill .whl/ once, on a machine with network, from the repository root:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl mpich==5.0.2
-# Then: bash scripts/gpu_check.sh   (ringreduce itself is used from this checkout, no install)
+# Then: bash scripts/gpu_check.sh   (ringreduce itself is used from this checkout, no install;
+# its C extension is built here for this python3 where the checkout has none that imports)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# The C extension: *.so is git-ignored, and one built elsewhere is for another Python. Built
+# with the C compiler alone, as pyproject.toml's ext-modules entry builds it (no setuptools).
+suffix=$(python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+if [ ! -f "ringreduce/_native$suffix" ]; then
+    include=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+    "${CC:-cc}" -O3 -shared -fPIC -I"$include" native/module.c native/kernels.c native/node.c \
+        native/p2p.c -ldl -o "ringreduce/_native$suffix"
+fi
+if [ ! -d .whl ] && ! command -v mpiexec > /dev/null; then
+    echo "gpu_check: no MPI here: carry the MPICH wheel in .whl/ (see the top of $0)" >&2
+    exit 2
+fi
 
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl
     # pip's --target keeps the wheel's bin/ but drops its lib/ (libmpi): take that from the wheel
-    rm -rf /tmp/mpich-wheel && python3 -m zipfile -e .whl/mpich-*.whl /tmp/mpich-wheel
+    mpich=(.whl/mpich-*.whl)      # (one MPICH wheel: the first if there are more)
+    rm -rf /tmp/mpich-wheel && python3 -m zipfile -e "${mpich[0]}" /tmp/mpich-wheel
     mkdir -p /tmp/site/lib && cp -r /tmp/mpich-wheel/mpich-*.data/data/lib/. /tmp/site/lib/
     export PATH="/tmp/site/bin:$PATH"
     export LD_LIBRARY_PATH="/tmp/site/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    export PYTHONPATH=/tmp/site
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1

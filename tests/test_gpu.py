@@ -321,6 +321,22 @@ def test_batched_copy_declines_pairs_it_cannot_copy_in_one_launch():
         assert not cuda._batched_copy(moves, None)
 
 
+def test_a_sparse_gradient_leaves_packing_to_the_bucket():
+    """pack/unpack's pairs: every gradient that is not its view already, and none at all where
+    one is sparse (its data pointer cannot be read; Bucket.pack writes zeros for it)."""
+    dense, viewed, sparse = (torch.nn.Parameter(torch.zeros(3)) for _ in range(3))
+    (bucket,) = fusion.plan([("dense", dense), ("viewed", viewed), ("sparse", sparse)],
+                            threshold=1 << 20, first_bucket=1 << 20, direct=False)
+    views = dict(zip(bucket.params, bucket.views))
+    dense.grad, viewed.grad = torch.ones(3), views[viewed]
+    assert cuda._moves(bucket, to_buffer=True) == [(None, views[sparse]),
+                                                   (dense.grad, views[dense])]
+    assert cuda._moves(bucket, to_buffer=False)[1] == (views[dense], dense.grad)
+    sparse.grad = torch.ones(3).to_sparse()
+    assert cuda._moves(bucket, to_buffer=True) is None
+    assert cuda._moves(bucket, to_buffer=False) is None
+
+
 def test_after_sets_the_event_for_this_thread_only_inside_the_block():
     with cuda.after("outer"):
         with cuda.after(None):

@@ -4,10 +4,11 @@ under a real mpiexec, without a GPU.
 No CUDA array, stream or event can exist on a machine without a device, so NumPy stands in:
 a "device array" is a NumPy array that has `__cuda_array_interface__`, `device` and `data.ptr`;
 a fake `cupy` runs ufuncs with NumPy, our half kernels with torch, and stream copies with
-memmove; torch's streams and events become no-ops. Everything else is real: the ring over
-MPI, the staging pipeline with its slots and pieces, the host path it calls, the finishing
-arithmetic. From 3 ranks on, two process sets (the world and {0, 1}) also reduce on the one
-"device" from two threads at once, each with its own DeviceScratch, and the results are exact.
+memmove; torch's streams, events and device guard become no-ops. Everything else is real:
+the ring over MPI, the staging pipeline with its slots and pieces, the host path it calls,
+the finishing arithmetic. From 3 ranks on, two process sets (the world and {0, 1}) also
+reduce on the one "device" from two threads at once, each with its own DeviceScratch, and
+the results are exact.
 Usage: gpu_paths_check.py AWARE[,AWARE...] [STAGING_PIECE_BYTES]   (AWARE 1: CUDA-aware MPI,
 0: staged; each in turn, init to shutdown, in one launch)
 """
@@ -107,7 +108,7 @@ cupy.cuda = types.SimpleNamespace(Device=Context, Stream=Stream, runtime=types.S
 cupyx = types.ModuleType("cupyx")
 cupyx.empty_pinned = lambda shape, dtype: np.empty(shape, dtype)
 sys.modules.update(cupy=cupy, cupyx=cupyx)
-torch.cuda.Stream, torch.cuda.Event = TorchStream, TorchEvent
+torch.cuda.Stream, torch.cuda.Event, torch.cuda.device = TorchStream, TorchEvent, Context
 torch.cuda.current_stream = lambda device=None: TorchStream()
 
 import ringreduce as hvd  # noqa: E402
