@@ -226,7 +226,7 @@ def allreduce_work(tensor: torch.Tensor, average: Optional[bool], name: Optional
                 tensor.copy_(out)
         return tensor
 
-    return ps, name, work
+    return ps, name, cuda.after_caller(work, t.device) if t.is_cuda else work
 
 
 def grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str], op: Any,
@@ -280,7 +280,8 @@ def grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str],
                     original.copy_(result)
         return list(tensors)
 
-    return ps, name, work
+    cuda_tensor = next((t for t in checked if t.is_cuda), None)
+    return ps, name, work if cuda_tensor is None else cuda.after_caller(work, cuda_tensor.device)
 
 
 def _reduce_fused(ps: ActiveSet, tensors: Sequence[torch.Tensor], op: ReduceOp,

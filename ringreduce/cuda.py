@@ -106,6 +106,21 @@ def device_tensor(tensor: torch.Tensor, what: str, where: str) -> torch.Tensor:
 _ready = threading.local()
 
 
+def after_caller(work: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
+    """`work`, a collective of tensors on `device` that may run on another thread (the
+    engine's), made to start after what torch's current stream of this, the calling, thread
+    has queued so far: the caller's tensors may come from a side stream (torch.cuda.stream),
+    where the other thread's current stream would not wait for them. As Horovod records a
+    ready event when a collective is enqueued."""
+    event = torch.cuda.current_stream(device).record_event()
+
+    def ordered() -> Any:
+        torch.cuda.current_stream(device).wait_event(event)
+        return work()
+
+    return ordered
+
+
 @contextlib.contextmanager
 def after(event: Optional[Any]) -> Iterator[None]:
     """Inside this block, reductions on this thread wait for `event` (recorded where the data
