@@ -306,6 +306,8 @@ def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
     Blocks until every rank has joined; returns the rank that joined last, on every rank.
     `device`: where to make the zeros for GPU allreduces (-1: the current CUDA device)."""
     ps = active(process_set, "join()")
+    if device < 0 and torch.cuda.is_available() and torch.cuda.is_initialized():
+        device = torch.cuda.current_device()    # (this thread's: the engine's may be another)
     where = torch.device("cuda", device) if device >= 0 else None
     return ps.engine.run(ps.auto_name("join"), lambda: ps.join(where))
 
