@@ -111,12 +111,17 @@ def after_caller(work: Callable[[], Any], device: torch.device) -> Callable[[], 
     engine's), made to start after what torch's current stream of this, the calling, thread
     has queued so far: the caller's tensors may come from a side stream (torch.cuda.stream),
     where the other thread's current stream would not wait for them. As Horovod records a
-    ready event when a collective is enqueued."""
+    ready event when a collective is enqueued. And it ends once what it queued on that
+    thread's stream is done (an in-place copy back, a decompression): the caller's stream
+    would not wait for those either."""
     event = torch.cuda.current_stream(device).record_event()
 
     def ordered() -> Any:
-        torch.cuda.current_stream(device).wait_event(event)
-        return work()
+        stream = torch.cuda.current_stream(device)
+        stream.wait_event(event)
+        result = work()
+        stream.synchronize()
+        return result
 
     return ordered
 
@@ -144,7 +149,10 @@ def _cupy_stream(stream: torch.cuda.Stream) -> Any:
     Stream.from_external, earlier versions ExternalStream)."""
     cp = cupy_module()
     if hasattr(cp.cuda.Stream, "from_external"):
-        return cp.cuda.Stream.from_external(stream)
+        try:
+            return cp.cuda.Stream.from_external(stream)
+        except TypeError:       # a torch stream without __cuda_stream__ (older torch)
+            pass
     return cp.cuda.ExternalStream(stream.cuda_stream, stream.device.index)
 
 

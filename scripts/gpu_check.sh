@@ -10,17 +10,19 @@
 # Fill .whl/ once, on a machine with network, from the repository root:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl mpich==5.0.2
 # Then: bash scripts/gpu_check.sh   (ringreduce itself is used from this checkout, no install;
-# its C extension is built here for this python3 where the checkout has none that imports)
+# its C extension is built here for this python3 where the checkout has none, or an old one)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # The C extension: *.so is git-ignored, and one built elsewhere is for another Python. Built
-# with the C compiler alone, as pyproject.toml's ext-modules entry builds it (no setuptools).
+# with the C compiler alone, as pyproject.toml's ext-modules entry builds it (no setuptools),
+# where there is none for this python3 or the sources are newer.
 suffix=$(python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-if [ ! -f "ringreduce/_native$suffix" ]; then
+built="ringreduce/_native$suffix"
+if [ ! -f "$built" ] || [ -n "$(find native -newer "$built")" ]; then
     include=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")
     "${CC:-cc}" -O3 -shared -fPIC -I"$include" native/module.c native/kernels.c native/node.c \
-        native/p2p.c -ldl -o "ringreduce/_native$suffix"
+        native/p2p.c -ldl -o "$built"
 fi
 if [ ! -d .whl ] && ! command -v mpiexec > /dev/null; then
     echo "gpu_check: no MPI here: carry the MPICH wheel in .whl/ (see the top of $0)" >&2
