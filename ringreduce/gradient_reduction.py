@@ -118,8 +118,9 @@ class GradientReduction(WrappedOptimizer):
         op, prescale, postscale = self._reduction
         for b in self._buckets:     # (a rank given another op or factor: MismatchError)
             b.signature.update(op=op.name, prescale=prescale, postscale=postscale)
-        if self._buckets:   # the first bucket carries the whole plan: see _submit_bucket
-            self._buckets[0].signature.update(self._plan_fields())
+        # The first bucket (a plan has one, maybe empty) carries the plan: see _submit_bucket.
+        self._plan_signed = self._plan_fields()
+        self._buckets[0].signature.update(self._plan_signed)
         self._specs = [ReduceSpec(b.buffer.dtype, op, prescale, postscale, digest(b.signature),
                                   b.signature, [p.numel() for p in b.params])
                        for b in self._buckets]
@@ -150,7 +151,7 @@ class GradientReduction(WrappedOptimizer):
             return
         op, prescale, postscale = self._reduction
         signature = {"collective": "DistributedOptimizer", "name": f"{self._prefix}plan",
-                     **self._plan_fields(),
+                     **self._plan_signed,
                      "reduction": (op.name, prescale, postscale),
                      "backward_passes_per_step": self._passes,
                      "sparse_as_dense": self._sparse_as_dense}
@@ -387,7 +388,7 @@ class GradientReduction(WrappedOptimizer):
                          "shape": tuple(wire.shape), "op": op.name, "prescale": prescale,
                          "postscale": postscale}
             if bucket.index == 0 and not specs:     # the whole plan: see _submit_bucket
-                signature.update(self._plan_fields())
+                signature.update(self._plan_signed)
             specs.append(ReduceSpec(wire.dtype, op, prescale, postscale, digest(signature),
                                     signature))
         transport = self._set.transport
