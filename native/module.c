@@ -175,6 +175,31 @@ static PyObject *small_end(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyLong_FromLong(status == RR_MISMATCH ? -1 : 0);
 }
 
+/* small_now(node, spin_seconds, address, nbytes, count, dtype, op, divisor, scale, digest)
+ * -> True, False or None: small_begin in place, and where every flag came up within the
+ * spin, small_end too, in one call (an asynchronous small allreduce on the caller's thread):
+ * True done, False when the digests differ (nothing written), None when published and the
+ * peers are still to come (node_wait, then small_end, finish it). */
+static PyObject *small_now(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 10, "small_now")) return NULL;
+    rr_node *node = node_of(args[0]);
+    double spin = PyFloat_AsDouble(args[1]);
+    void *address = PyLong_AsVoidPtr(args[2]);
+    size_t nbytes = PyLong_AsSize_t(args[3]), count = PyLong_AsSize_t(args[4]);
+    int dtype = PyLong_AsLong(args[5]), op = PyLong_AsLong(args[6]);
+    double divisor = PyFloat_AsDouble(args[7]), scale = PyFloat_AsDouble(args[8]);
+    int64_t digest = PyLong_AsLongLong(args[9]);
+    if (node == NULL || PyErr_Occurred()) return NULL;
+    rr_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = rr_small_begin(node, address, nbytes, digest, spin);
+    if (status == RR_OK) status = rr_small_end(node, address, count, dtype, op, divisor, scale);
+    Py_END_ALLOW_THREADS
+    if (status == RR_WAITING) Py_RETURN_NONE;
+    if (RR_FAILED(status)) return raise_status(status, "small_now");
+    return PyBool_FromLong(status != RR_MISMATCH);
+}
+
 /* large_begin(node, src, dst, count, dtype, op, divisor, scale, digest, between_nodes);
  * ValueError for an unknown dtype or op, before anything is published. */
 static PyObject *large_begin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -436,6 +461,7 @@ static PyMethodDef methods[] = {
     FAST(headers_read, "Every rank's digest and per-rank word of the last exchange."),
     FAST(small_begin, "Publish data and header, raise the flag, spin a while for the peers."),
     FAST(small_end, "Check the digests and reduce every slot in rank order."),
+    FAST(small_now, "small_begin in place, then small_end if every flag came up."),
     FAST(large_begin, "Set up a block-by-block allreduce of a large buffer."),
     FAST(large_run, "Run it until done, a mismatch, or a long wait."),
     {"large_chunk", large_chunk, METH_O, "Where our chunk of the current block lies."},

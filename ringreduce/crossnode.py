@@ -167,7 +167,7 @@ class BetweenNodes:
         if node is None:
             own = self._own
             own[0], own[1] = digest, 0
-        elif not node.small_publish(address, nbytes, count, dtype, op, divisor, scale, digest):
+        elif not node.small_publish(address, nbytes, digest):
             self._status = None         # the node's part comes first
             return False
         else:

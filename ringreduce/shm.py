@@ -9,6 +9,7 @@ comes back here and waits in the stall watch, which reports stalls and lets othe
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -40,6 +41,9 @@ class NodeWindow:
         self.win.Sync()
         local.Barrier()
         self._headers = np.zeros((2, local.size), dtype=np.int64)   # digests, per-rank words
+        # `small` in place, begun without waiting (ways.Way.begin), in one call to C: an
+        # asynchronous small allreduce takes it on the caller's thread, where every frame shows
+        self.small_now = partial(_native.small_now, self.node, PUBLISH_SPIN_SECONDS)
 
     def free(self) -> None:
         _native.node_detach(self.node)
@@ -85,11 +89,9 @@ class NodeWindow:
         ready = _native.small_begin(self.node, src, nbytes, digest, -1.0)
         return self.small_complete(ready, output(), count, dtype, op, divisor, scale)
 
-    def small_publish(self, src: int, nbytes: int, count: int, dtype: int, op: int,
-                      divisor: float, scale: float, digest: int) -> bool:
+    def small_publish(self, src: int, nbytes: int, digest: int) -> bool:
         """`small`'s first half, which hardly waits: our slot and flag up, the peers' flags
-        polled a few microseconds. True when every peer's is up. (The reduction's arguments
-        are `small_complete`'s: taken for the ways' common signature, ways.Way.publish.)"""
+        polled a few microseconds. True when every peer's is up."""
         return _native.small_begin(self.node, src, nbytes, digest, PUBLISH_SPIN_SECONDS)
 
     def small_complete(self, ready: bool, dst: int, count: int, dtype: int, op: int,

@@ -42,8 +42,8 @@ class SmallWay:
     def __init__(self, way: Way, watch: StallWatch, size: int, after_joins: AfterJoins) -> None:
         self.limit = way.limit
         self._exchange, self._explain = way.exchange, way.explain
-        self._publish, self._complete = way.publish, way.complete
-        self.begins = way.publish is not None     # see begin()
+        self._begin, self._complete = way.begin, way.complete
+        self.begins = way.begin is not None     # see begin()
         self._watch, self._after_joins = watch, after_joins
         self._average_divisor = float(size)
 
@@ -71,32 +71,45 @@ class SmallWay:
         """An in-place allreduce begun on this thread, where the way `begins`: our part posted
         without waiting, and completed at once if every member's part is there already.
         Returns (done, result or rest, whole) for `Engine.begin_now`; the common case, done,
-        makes no closure (at a few microseconds a call, each shows)."""
-        digest, make_spec = _signed(tensor, name, case, postscale)
-        code, op = case[1][0], case[0][1]
+        makes nothing but the digest (at a few microseconds a call, each object shows)."""
+        (op_name, op), (code, dtype) = case
+        shape = tensor.shape
+        digest = _native.allreduce_digest(name, op_name, dtype, shape, 1.0, float(postscale))
         self._watch.begin(f"allreduce '{name}'")     # (signature.label, without a dict)
         address, count = tensor.data_ptr(), tensor.numel()
         divisor = self._average_divisor if op is _AVERAGE else 1.0
-        if self._publish(address, tensor.nbytes, count, code, op, divisor, postscale, digest):
-            try:
-                return True, self._rest(True, tensor, address, count, code, op, divisor,
-                                        postscale, make_spec), None
-            except OutOfOrder:
-                rest = None         # the engine settles the order, then runs it whole
-        else:
-            rest = partial(self._rest, False, tensor, address, count, code, op, divisor,
-                           postscale, make_spec)
-        allreduce = self.allreduce
-        return False, rest, lambda: allreduce(tensor, True, code, op, postscale, digest,
-                                              make_spec, name)
-
-    def _rest(self, ready: bool, tensor: torch.Tensor, address: int, count: int, code: int,
-              op: ReduceOp, divisor: float, postscale: float,
-              make_spec: Callable[[], ReduceSpec]) -> torch.Tensor:
-        """`begin`'s collective after our part is posted: the peers' parts (there already
-        where `ready`), reduced into `tensor`."""
         try:
-            if not self._complete(ready, address, count, code, op, divisor, postscale):
+            agreed = self._begin(address, tensor.nbytes, count, code, op, divisor, postscale,
+                                 digest)
+        except AGREED:
+            raise
+        except BaseException as error:      # the peers may wait on us: tell them (transport.py)
+            self._watch.failed(error)
+            raise
+        if agreed:
+            return True, tensor, None
+        make_spec = partial(_spec, tensor.dtype, op, postscale, digest, name, op_name, dtype,
+                            shape)
+        allreduce = self.allreduce
+
+        def whole() -> torch.Tensor:
+            return allreduce(tensor, True, code, op, postscale, digest, make_spec, name)
+
+        if agreed is None:          # the peers are still to come: the rest waits for them
+            complete = partial(self._complete, address, count, code, op, divisor, postscale)
+            return False, partial(self._settled, complete, tensor, make_spec), whole
+        try:
+            return True, self._settled(lambda: False, tensor, make_spec), None    # differed
+        except OutOfOrder:
+            return False, None, whole   # the engine settles the order, then runs it whole
+
+    def _settled(self, finish: Callable[[], bool], tensor: torch.Tensor,
+                 make_spec: Callable[[], ReduceSpec]) -> torch.Tensor:
+        """`begin`'s collective, ended by `finish()` (True: the digests agreed, and the result
+        is in `tensor`); where they differ, the way's explanation (MismatchError, OutOfOrder)
+        or the allreduce with joined members."""
+        try:
+            if not finish():
                 self._explain(lambda: make_spec().describe())
         except PeersJoined:
             self._after_joins(tensor, tensor, make_spec())

@@ -28,6 +28,7 @@ carries the signature with the data (`carries_signature`) also serves the small 
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -126,11 +127,12 @@ class Way:
     writing `dst` only once the signatures agree."""
 
     carries_signature = False   # its one exchange carries the signature with the data
-    # A way whose exchange can begin without waiting, in place: `publish(address, nbytes,
-    # count, dtype, op, divisor, scale, digest)` posts ours and says whether every peer's is
-    # there; `complete(ready, address, count, dtype, op, divisor, scale)` finishes it (the
-    # small way begins asynchronous calls with these).
-    publish: Optional[Callable[..., bool]] = None
+    # A way whose exchange can begin without waiting, in place (the small way begins
+    # asynchronous calls with these): `begin(address, nbytes, count, dtype, op, divisor,
+    # scale, digest)` posts ours and, where every peer's is there already, finishes: True
+    # (done) or False (the digests differ, nothing written); None when the peers are still
+    # to come, and `complete(address, count, dtype, op, divisor, scale)` then finishes it.
+    begin: Optional[Callable[..., Optional[bool]]] = None
     complete: Optional[Callable[..., bool]] = None
 
     def __init__(self, parts: SetParts) -> None:
@@ -225,16 +227,13 @@ class Alone(Way):
             dst = output()
         if dst != src:
             _native.copy_stream(dst, src, nbytes)
-        return self.complete(True, dst, count, code, op, divisor, factor)
+        return self.begin(dst, nbytes, count, code, op, divisor, factor, digest)
 
-    def publish(self, address: int, nbytes: int, count: int, code: int, op: ReduceOp,
-                divisor: float, factor: float, digest: int) -> bool:
-        return True     # every member's part is here: this one's
-
-    def complete(self, ready: bool, dst: int, count: int, code: int, op: ReduceOp,
-                 divisor: float, factor: float) -> bool:
+    def begin(self, address: int, nbytes: int, count: int, code: int, op: ReduceOp,
+              divisor: float, factor: float, digest: int) -> bool:
+        """Done at once: every member's part is here, this one's."""
         if divisor != 1.0 or factor != 1.0:
-            _native.finish(code, dst, count, divisor, factor)
+            _native.finish(code, address, count, divisor, factor)
         return True
 
     def explain(self, describe: Callable[[], Signature]) -> None:
@@ -257,7 +256,14 @@ class BetweenNodesSmall(Way):
         self.limit = min(parts.settings.small_message_bytes,
                          node.small_bytes if node is not None else 1 << 62)
         self.exchange = between.small
-        self.publish, self.complete = between.small_publish, between.small_complete
+        self.complete = partial(between.small_complete, False)
+
+    def begin(self, address: int, nbytes: int, count: int, code: int, op: ReduceOp,
+              divisor: float, factor: float, digest: int) -> Optional[bool]:
+        between = self.parts.between
+        if not between.small_publish(address, nbytes, count, code, op, divisor, factor, digest):
+            return None
+        return between.small_complete(True, address, count, code, op, divisor, factor)
 
     def applies(self, src: torch.Tensor, spec: ReduceSpec) -> bool:
         return src.nbytes <= self.limit
@@ -317,7 +323,8 @@ class NodeSlots(_OnNode):
         self.exchange = parts.node.small
         self.carries_signature = parts.one_node
         if parts.one_node:
-            self.publish, self.complete = parts.node.small_publish, parts.node.small_complete
+            self.begin = parts.node.small_now
+            self.complete = partial(parts.node.small_complete, False)
 
     def applies(self, src: torch.Tensor, spec: ReduceSpec) -> bool:
         return src.nbytes <= self.limit
