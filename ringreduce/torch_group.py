@@ -190,6 +190,10 @@ class RingReduceGroup(dist.ProcessGroup):
         # (ReduceOp == RedOpType: the cheapest test torch's bindings offer)
         if len(tensors) == 1 and (opts is None or opts.reduceOp == SUM):
             tensor, op, pre = tensors[0], Sum, 1.0
+            if opts is None or getattr(opts, "asyncOp", True):     # (torch >= 2.8 has it)
+                handle = started(ps, tensor, name, Sum, 1.0)    # small: it checks the tensor
+                if handle is not None:
+                    return CollectiveWork(handle, tensors)
         else:
             with refusing(ps, name, "allreduce"):
                 tensor = one(tensors, "allreduce")

@@ -113,7 +113,10 @@ class CollectiveWork(dist.Work):
         """Block until the collective is done and the outputs are written; raises its error
         (MismatchError, ShutDownError ...). torch's timeout is not used: a stalled peer gets
         ringreduce's stall report (RINGREDUCE_STALL_CHECK_TIME) instead."""
-        self._settle()
+        if self._finishing is None:     # (nothing to write: one frame less, for small calls)
+            self._handle.wait()
+        else:
+            self._settle()
         return True
 
     def get_future(self) -> Future:
