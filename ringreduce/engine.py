@@ -12,7 +12,10 @@ whole story. When they do not, the collective's signature check says so on every
 other members: rounds of exchanging the names each member has pending (`agreement`), until
 some are pending on every member; those run, in the same order everywhere, and the rest
 return to the queue. A name may be pending only once per rank: a second submission while the
-first is in flight is Horovod's `ValueError`.
+first is in flight is Horovod's `ValueError`. Where none is pending everywhere and none can
+come, since on every member each thread that has submitted to the set waits for one of its
+pending collectives (`Engine._stuck`), the program has deadlocked: every member fails its
+first (negotiation.py), where Horovod waits for ever.
 
 Any exception raised while running a collective (ours, MPI's, a bug, even KeyboardInterrupt)
 is stored on its handle and re-raised by `wait()` in the caller's thread, as a RingReduceError
@@ -51,12 +54,13 @@ _CALLBACKS = threading.Lock()     # a handle's callbacks are added and taken und
 _FIRST_PAUSE, _LONGEST_PAUSE = 0.0002, 0.01   # between settling rounds that found no agreement
 _ENDED_KEPT = 16     # an engine's most recent children_end marks, the ones its settlings tell
 
-# One settling of the order: takes this rank's pending names, oldest first, and its
-# `children_end` marks (collective name -> (the first child that will not come, the error));
-# returns the names to run now, in the order every member runs them (empty: none is pending
-# everywhere yet; None: leave the settling with nothing run, on every member alike). It may
-# raise, on every member whose first name then fails with that error.
-Agreement = Callable[[list[str], dict[str, tuple[int, str]]], Optional[list[str]]]
+# One settling of the order: takes this rank's pending names, oldest first, its
+# `children_end` marks (collective name -> (the first child that will not come, the error)),
+# and whether nothing more can be submitted here (`Engine._stuck`); returns the names to run
+# now, in the order every member runs them (empty: none is pending everywhere yet; None: leave
+# the settling with nothing run, on every member alike). It may raise, on every member whose
+# first name then fails with that error.
+Agreement = Callable[[list[str], dict[str, tuple[int, str]], bool], Optional[list[str]]]
 
 
 class OutOfOrder(Exception):
@@ -92,10 +96,15 @@ class Handle:
         """The result. A caller that finds the engine idle runs the queue up to this handle
         itself instead of waiting for the engine thread to wake (tens of microseconds)."""
         if not self._finished:
-            if self._engine is not None:
-                self._engine._run_up_to(self)
-            with self._pending:     # until done
-                pass
+            engine = self._engine
+            if engine is None:
+                with self._pending:     # until done
+                    pass
+            else:
+                with engine.waiting_for(self):
+                    engine._run_up_to(self)
+                    with self._pending:
+                        pass
         if self._error is not None:
             raise self._error
         return self._result
@@ -154,6 +163,27 @@ def _call_back(handle: Handle, callbacks: list[Callable[[Handle], Any]]) -> None
         except Exception as exc:
             warnings.warn(f"ringreduce: a done-callback of collective '{handle.name}' raised "
                           f"{type(exc).__name__}: {exc}")
+
+
+class _Waiting:
+    """While a thread waits for `handle`: marked so in its engine's `_waiting` (a wait inside
+    another's done-callback restores the outer one after)."""
+
+    __slots__ = ("waiting", "handle", "me", "outer")
+
+    def __init__(self, waiting: dict[int, Handle], handle: Handle) -> None:
+        self.waiting, self.handle = waiting, handle
+
+    def __enter__(self) -> None:
+        self.me = me = threading.get_ident()
+        self.outer = self.waiting.get(me)
+        self.waiting[me] = self.handle
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.outer is None:
+            del self.waiting[self.me]
+        else:
+            self.waiting[self.me] = self.outer
 
 
 class _Parent(threading.local):
@@ -264,6 +294,10 @@ class Engine:
         self._due: collections.deque[tuple[Handle, list]] = collections.deque()
         self._driver_in_callbacks = False
         self._ended: collections.OrderedDict[str, tuple[int, str]] = collections.OrderedDict()
+        # Who could still submit (`_stuck`): the threads that have submitted to the set, and
+        # the collective each thread waits for, while it waits
+        self._submitters: dict[int, threading.Thread] = {}
+        self._waiting: dict[int, Handle] = {}
         with self._cv:
             self._start_driver(thread_name)
 
@@ -283,6 +317,7 @@ class Engine:
         """Under the condition's lock: queue `work` and wake the engine thread."""
         handle = Handle(name, work, self)
         self._claim_name(name)
+        self._submitted_here()
         self._queue.append(handle)
         self._queued()
         return handle
@@ -307,6 +342,7 @@ class Engine:
                 except BaseException:
                     self._running.release()
                     raise
+                self._submitted_here()
             else:
                 handle = self._enqueue(name, work)
         if handle is not None:
@@ -335,7 +371,38 @@ class Engine:
         if self._queue or self._stopping:
             self.release_idle()
             return False
+        if threading.get_ident() not in self._submitters:     # (the lookup, without a frame)
+            self._submitted_here()
         return True
+
+    def _submitted_here(self) -> None:
+        """Count this thread among the set's submitters (`_stuck`)."""
+        me = threading.get_ident()
+        if me not in self._submitters:
+            self._submitters[me] = threading.current_thread()
+
+    def waiting_for(self, handle: Handle) -> "_Waiting":
+        """Around this thread's wait for `handle`, one of the set's collectives (`_stuck`)."""
+        return _Waiting(self._waiting, handle)
+
+    def _stuck(self) -> bool:
+        """(Under the condition's lock.) Whether nothing more can be submitted to the set on
+        this rank: every thread that has submitted to it, and lives, waits for one of its
+        collectives that is still pending, and no done-callback (which may submit) is due. A
+        settling that finds every member so, and nothing pending on all of them, is a
+        deadlock of the program (negotiation.py), not a slow rank. A thread that never
+        submitted, or one that waits in another way (a C++ future, a sleep), is not counted
+        as stuck: then the settling waits, with stall reports."""
+        if self._due or not self._submitters:
+            return False
+        for ident, thread in list(self._submitters.items()):
+            if not thread.is_alive():
+                del self._submitters[ident]
+                continue
+            handle = self._waiting.get(ident)
+            if handle is None or handle.done():
+                return False
+        return bool(self._submitters)
 
     def release_idle(self) -> None:
         """After a claim. The engine thread, if it waits, waits for the lock itself. (As
@@ -407,7 +474,9 @@ class Engine:
         handle = Handle(name, work, self)
         with self._cv:
             self._in_flight.add(name)
-        if not self._settled(handle):
+        with self.waiting_for(handle):      # (this thread settles for it)
+            settled = self._settled(handle)
+        if not settled:
             with self._cv:
                 self._queue.appendleft(handle)
                 self._queued()
@@ -505,7 +574,8 @@ class Engine:
         while True:
             with self._cv:
                 pending, ended = [first, *self._queue], dict(self._ended)
-            agreed = agree([h.name for h in pending], ended)
+                stuck = self._stuck()
+            agreed = agree([h.name for h in pending], ended, stuck)
             if agreed is None:
                 return
             if agreed:

@@ -20,7 +20,7 @@ import hashlib
 import logging
 import pickle
 import time
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, NoReturn, Optional, Sequence, Union
 
 import numpy as np
 
@@ -149,7 +149,10 @@ def _name_hash(name: str) -> int:
 
 
 _RESET_HASH = _name_hash(RESET)
-_ENDED_FLAG = 4     # in a settling round's header beside the stall flags: this member has marks
+# In a settling round's header, beside the stall flags (1: report, 2: shut down): this member
+# has `children_end` marks; this member has been stuck (engine.Engine._stuck) this long.
+_ENDED_FLAG, _STUCK_FLAG = 4, 8
+_STUCK_SECONDS = 1.0    # (a thread that never submitted to the set may yet: a grace period)
 
 
 def _ended_by(member: int, first: Optional[str], everyone: list
@@ -176,7 +179,11 @@ class _Settling:
     ends the settling everywhere: a member whose first name is the RESET keeps it pending, the
     others fail their first. Where some members carry `children_end` marks (engine.py) and a
     member's first is a child collective that another's mark says will not come, the round
-    ends it too: that member fails its first, the others keep theirs (`_children_ended`)."""
+    ends it too: that member fails its first, the others keep theirs (`_children_ended`).
+    Where every member has been stuck for a while (nothing more can be submitted there:
+    engine.Engine._stuck) and nothing is pending on all, no collective can ever pair: every
+    member fails its first with the names each has pending (`_deadlocked`), at once rather
+    than after stall reports."""
 
     def __init__(self, negotiator: Negotiator) -> None:
         self.negotiator, self.watch = negotiator, negotiator.watch
@@ -186,17 +193,24 @@ class _Settling:
                             if self.watch.check_time > 0 else never)
         self.shutdown_at = (self.started + self.watch.shutdown_time
                             if self.watch.shutdown_time > 0 else never)
+        self.stuck_since: Optional[float] = None
 
-    def round(self, names: list[str], ended: dict[str, tuple[int, str]]
+    def round(self, names: list[str], ended: dict[str, tuple[int, str]], stuck: bool
               ) -> Optional[list[str]]:
         n, watch = self.negotiator, self.watch
         now = time.monotonic()
         due = 2 if now >= self.shutdown_at else 1 if now >= self.next_report else 0
+        if not stuck:
+            self.stuck_since = None
+        elif self.stuck_since is None:
+            self.stuck_since = now
+        long_stuck = stuck and now - self.stuck_since >= _STUCK_SECONDS
         hashes = np.array([_name_hash(name) for name in names], dtype=np.int64)
-        n._header[:] = (len(names), due | (_ENDED_FLAG if ended else 0))
+        n._header[:] = (len(names), due | (_ENDED_FLAG if ended else 0)
+                        | (_STUCK_FLAG if long_stuck else 0))
         watch.wait(n.comm.Iallgather(n._header, n._headers).Test)
         counts, flags = n._headers[:, 0].tolist(), n._headers[:, 1]
-        dues = flags & ~_ENDED_FLAG
+        dues = flags & ~(_ENDED_FLAG | _STUCK_FLAG)
         everyone = np.empty(sum(counts), dtype=np.int64)
         watch.wait(n.comm.Iallgatherv(hashes, [everyone, counts]).Test)
         lists = np.split(everyone, np.cumsum(counts)[:-1])
@@ -215,10 +229,13 @@ class _Settling:
             return [mine[h] for h in lists[0].tolist() if h in common]
         if (flags & _ENDED_FLAG).any() and self._children_ended(names, ended):
             return None
-        if dues.max() > 0:
+        deadlocked = bool((flags & _STUCK_FLAG).all())
+        if dues.max() > 0 or deadlocked:
             pending = n.gather(names)
             if self._kinds_apart(pending, now - self.started):
                 return None
+            if deadlocked:
+                self._deadlocked(pending, now - self.started)
             message = self._describe(pending, now - self.started)
             if watch.check_time > 0:        # every interval from the start
                 self.next_report += watch.check_time * (1 + (now - self.next_report)
@@ -253,15 +270,30 @@ class _Settling:
                 "next collective")
         return True
 
+    def _deadlocked(self, pending: list[list[str]], waited: float) -> NoReturn:
+        """(Collective: every member's `pending`, as gathered, where every member is stuck.)
+        Every member fails its first collective with MismatchError, saying what each has."""
+        me, ranks = self.negotiator.comm.rank, self.watch.ranks
+        where = "; ".join(f"rank {ranks[m]}: {', '.join(repr(x) for x in names)}"
+                          for m, names in enumerate(pending))
+        raise MismatchError(
+            f"ringreduce: rank {ranks[me]}: collective '{pending[me][0]}' cannot run: no "
+            f"collective is pending on every rank{self.watch.where}, and none can come, since "
+            "on every rank each thread that submits collectives waits for one of those it "
+            f"has pending ({where}; after {waited:.1f} s). The ranks' programs call "
+            "different collectives here: a barrier where others allreduce, a name that "
+            "differs between ranks, a collective some ranks skip. Every rank fails the first "
+            "collective it has pending.")
+
     def _kinds_apart(self, pending: list[list[str]], waited: float) -> bool:
         """(Collective: every member's `pending`, as gathered.) A name the callers gave to
         collectives of different kinds on different members ('allreduce.w' pending on some
         and not 'allgather.w', 'allgather.w' on others and not 'allreduce.w'), with nothing
-        pending everywhere for a stall check's time, is one program's mistake, not a slow rank
-        (members that have both, or neither, are not told apart by it): a member whose first
-        collective is such a one fails it with MismatchError (raised here), and the others
-        leave the settling (True), so that every member goes on to its next collective.
-        False: no such name."""
+        pending everywhere for a stall check's time (or every member stuck), is one program's
+        mistake, not a slow rank (members that have both, or neither, are not told apart by
+        it): a member whose first collective is such a one fails it with MismatchError (raised
+        here), and the others leave the settling (True), so that every member goes on to its
+        next collective. False: no such name."""
         held: dict[str, list[set[str]]] = {}     # a given name -> each member's kinds of it
         for member, names in enumerate(pending):
             for kind, given in filter(None, map(given_name, names)):

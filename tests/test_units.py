@@ -667,7 +667,7 @@ def test_settling_runs_the_agreed_names_first_and_requeues_the_rest():
     order, rounds = [], []
 
     def agreement():
-        def agree(names, ended):
+        def agree(names, ended, stuck):
             rounds.append(list(names))
             return [] if len(rounds) == 1 else ["c", "b"]     # nothing common at first
         return agree

@@ -309,8 +309,19 @@ CASES = [barrier_against_async, async_in_any_order, kinds_share_a_name,
 
 def stall():
     """Rank 0 waits in 'n0', rank 1 in 'n1', the others in both: no name is pending
-    everywhere. The stall report names each name and where it is pending."""
+    everywhere. The stall report names each name and where it is pending. (Each rank also has
+    a thread that has submitted a collective and sleeps, which may yet submit one: so this is
+    a stall, not a deadlock, which errors_check.py shows.)"""
     hvd.init()
+    submitted = threading.Event()
+
+    def sleeper() -> None:
+        hvd.allreduce(torch.ones(1), name="awake")
+        submitted.set()
+        time.sleep(60)
+
+    threading.Thread(target=sleeper, daemon=True).start()
+    submitted.wait()
     names = ["n0"] if r == 0 else ["n1"] if r == 1 else ["n0", "n1"]
     handles = [hvd.allreduce_async(torch.ones(2), name=name) for name in names]
     for handle in handles:

@@ -622,4 +622,46 @@ if n > 1:
             break
     else:
         raise AssertionError("the per-step consistency check never fired")
+
+# Deadlocks of the program: the last rank alone calls something else, and then every thread
+# that submits collectives, on every rank, waits for one that no other rank has pending (a
+# name of its own, SyncBatchNorm in eval mode, a barrier against an allreduce): after a second
+# of that, not after stall reports, every rank fails the collective it waits in with
+# MismatchError saying what each rank has pending, and the job goes on. Not a deadlock: a rank
+# whose other thread, one that has submitted before, is still to submit the others' one.
+if n > 1:
+    last, stuck = r == n - 1, "none can come"
+    expect(hvd.MismatchError, [f"rank {r}: collective 'allreduce.{'b' if last else 'a'}_dl'",
+                               stuck, f"rank {n - 1}: 'allreduce.b_dl'",
+                               "rank 0: 'allreduce.a_dl'"],
+           hvd.allreduce, torch.ones(2), name="b_dl" if last else "a_dl")
+    norm = hvd.SyncBatchNorm(3)
+    norm.train(not last)
+    expect(hvd.MismatchError, [stuck, f"rank {n - 1}: 'allreduce.loss_dl'",
+                               "rank 0: 'allgather.sync_batch_norm"],
+           lambda: hvd.allreduce(norm(torch.randn(4, 3)).sum().detach(), name="loss_dl"))
+    norm.train()
+    assert torch.equal(hvd.allreduce(torch.ones(2), name="after_dl", op=hvd.Sum),
+                       torch.full((2,), float(n)))
+    late = {}
+
+    def later() -> None:
+        hvd.allreduce(torch.ones(1), name="warm_dl")    # a submitter of the set from now on
+        if last:
+            time.sleep(2.5)
+            late["a"] = hvd.allreduce(torch.ones(2), name="late_a_dl", op=hvd.Sum)
+
+    thread = threading.Thread(target=later)
+    thread.start()
+    if last:
+        late["b"] = hvd.allreduce(torch.ones(2), name="late_b_dl", op=hvd.Sum)
+    else:
+        late["a"] = hvd.allreduce(torch.ones(2), name="late_a_dl", op=hvd.Sum)
+        late["b"] = hvd.allreduce(torch.ones(2), name="late_b_dl", op=hvd.Sum)
+    thread.join()
+    assert all(torch.equal(late[k], torch.full((2,), float(n))) for k in "ab"), late
+    # (last: automatic names count per kind, so the last rank's and the others' drift apart)
+    expect(hvd.MismatchError, [stuck, f"rank {n - 1}: 'barrier.noname.",
+                               "rank 0: 'allreduce.noname."],
+           lambda: hvd.barrier() if last else hvd.allreduce(torch.ones(2)))
 print(f"OK rank {r}", flush=True)
