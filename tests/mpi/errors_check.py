@@ -660,6 +660,31 @@ if n > 1:
         late["b"] = hvd.allreduce(torch.ones(2), name="late_b_dl", op=hvd.Sum)
     thread.join()
     assert all(torch.equal(late[k], torch.full((2,), float(n))) for k in "ab"), late
+    # Two optimizers (a GAN's) stepped in the other order on the last rank: each step's
+    # agreement waits for the other optimizer's on the others. Both steps fail on every rank,
+    # and the next steps, in one order, train the ranks alike.
+    torch.manual_seed(5)
+    nets = [torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)]
+    optimizers = [hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                           [(f"net{i}.{k}", p)
+                                            for k, p in net.named_parameters()])
+                  for i, net in enumerate(nets)]
+
+    def gan_step(order: list, fails: bool) -> None:
+        for net, opt in zip(nets, optimizers):
+            opt.zero_grad()
+            net(torch.randn(4, 3)).sum().backward()
+        for i in order:
+            if fails:
+                expect(hvd.MismatchError, [stuck, "agreement'"], optimizers[i].step)
+            else:
+                optimizers[i].step()
+
+    gan_step([1, 0] if last else [0, 1], fails=True)
+    gan_step([0, 1], fails=False)
+    for net in nets:
+        for p in net.parameters():
+            assert torch.equal(hvd.allreduce(p.detach(), name="dl_p", op=hvd.Max), p.detach())
     # (last: automatic names count per kind, so the last rank's and the others' drift apart)
     expect(hvd.MismatchError, [stuck, f"rank {n - 1}: 'barrier.noname.",
                                "rank 0: 'allreduce.noname."],
