@@ -53,6 +53,7 @@ _LONGEST_PICKUP = 0.0032   # (which costs more than a small allreduce); but each
 _CALLBACKS = threading.Lock()     # a handle's callbacks are added and taken under it
 _FIRST_PAUSE, _LONGEST_PAUSE = 0.0002, 0.01   # between settling rounds that found no agreement
 _ENDED_KEPT = 16     # an engine's most recent children_end marks, the ones its settlings tell
+_SUBMITTERS_KEPT = 64   # threads known to have submitted, before those that ended are forgotten
 
 # One settling of the order: takes this rank's pending names, oldest first, its
 # `children_end` marks (collective name -> (the first child that will not come, the error)),
@@ -376,10 +377,15 @@ class Engine:
         return True
 
     def _submitted_here(self) -> None:
-        """Count this thread among the set's submitters (`_stuck`)."""
-        me = threading.get_ident()
-        if me not in self._submitters:
-            self._submitters[me] = threading.current_thread()
+        """Count this thread among the set's submitters (`_stuck`); forget those that ended
+        once there are many (a program may start a thread per request)."""
+        me, submitters = threading.get_ident(), self._submitters
+        if me not in submitters:
+            if len(submitters) >= _SUBMITTERS_KEPT:
+                for ident, thread in list(submitters.items()):
+                    if not thread.is_alive():
+                        submitters.pop(ident, None)
+            submitters[me] = threading.current_thread()
 
     def waiting_for(self, handle: Handle) -> "_Waiting":
         """Around this thread's wait for `handle`, one of the set's collectives (`_stuck`)."""
@@ -397,7 +403,7 @@ class Engine:
             return False
         for ident, thread in list(self._submitters.items()):
             if not thread.is_alive():
-                del self._submitters[ident]
+                self._submitters.pop(ident, None)
                 continue
             handle = self._waiting.get(ident)
             if handle is None or handle.done():

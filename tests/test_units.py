@@ -548,6 +548,45 @@ def test_a_handle_is_done_only_once_its_name_is_free():
         e.shutdown()
 
 
+def test_an_engine_is_stuck_only_while_every_thread_that_submitted_waits_in_it():
+    """Engine._stuck, what tells a deadlock of the program from a slow rank: every live
+    thread that has submitted to the set waits for one of its collectives still pending."""
+    gate, later = threading.Event(), threading.Event()
+    e = engine.Engine("test-engine", 0, lambda: None, _no_settling)
+
+    def stuck() -> bool:
+        with e._cv:
+            return e._stuck()
+
+    def until(condition) -> None:
+        deadline = time.monotonic() + 10
+        while not condition():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.001)
+
+    try:
+        assert not stuck()      # nobody has submitted
+        waiter = threading.Thread(target=lambda: e.submit("blocked", gate.wait).wait())
+        waiter.start()
+        until(lambda: e._waiting)
+        assert stuck()          # its one submitter waits for a collective not done
+        sleeper = threading.Thread(target=lambda: (e.submit("queued", lambda: 1),
+                                                   later.wait()))
+        sleeper.start()
+        until(lambda: sleeper.ident in e._submitters)
+        assert not stuck()      # a submitter that does not wait may submit more
+        later.set()
+        sleeper.join()
+        assert stuck()          # (one that ended will not)
+        gate.set()
+        waiter.join()
+        assert not stuck() and not e._waiting
+    finally:
+        gate.set()
+        later.set()
+        e.shutdown()
+
+
 def test_a_synchronous_claim_never_overtakes_queued_work():
     """claim_idle() (the small allreduce's inline path) succeeds only when nothing runs and
     nothing is queued: work submitted before it has run by then."""
