@@ -9,6 +9,7 @@ import torch
 import ringreduce as hvd
 from checks import expect
 from ringreduce import collective_work
+from ringreduce.process_sets import active
 from ringreduce.transport import Transport
 from ringreduce.ways import SetParts
 
@@ -622,6 +623,27 @@ if n > 1:
             break
     else:
         raise AssertionError("the per-step consistency check never fired")
+
+# A small asynchronous allreduce that one rank begins late: the others post theirs and find
+# the peers missing (the way's begin says None), so the rest waits in the queue and completes
+# in synchronize(); with a shape of its own on the late rank, a MismatchError everywhere.
+small = active(hvd.global_process_set, "late").transport.small
+if n > 1 and small is not None and small.begins:
+    outcomes, begin = [], small._begin
+    small._begin = lambda *args: outcomes.append(begin(*args)) or outcomes[-1]
+    try:
+        for late in range(n):
+            if r == late:
+                time.sleep(0.05)
+            handle = hvd.allreduce_async_(torch.full((4,), float(r + 1)), op=hvd.Sum)
+            assert torch.equal(hvd.synchronize(handle), torch.full((4,), n * (n + 1) / 2))
+        if r == 0:
+            time.sleep(0.05)
+        expect(hvd.MismatchError, ["'allreduce.late_mm'", "'shape' differs"], hvd.synchronize,
+               hvd.allreduce_async_(torch.ones(4 + (r == n - 1)), name="late_mm"))
+    finally:
+        small._begin = begin
+    assert None in outcomes, outcomes       # (each rank was early n - 1 times)
 
 # Deadlocks of the program: the last rank alone calls something else, and then every thread
 # that submits collectives, on every rank, waits for one that no other rank has pending (a
