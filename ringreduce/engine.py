@@ -399,7 +399,7 @@ class Engine:
         deadlock of the program (negotiation.py), not a slow rank. A thread that never
         submitted, or one that waits in another way (a C++ future, a sleep), is not counted
         as stuck: then the settling waits, with stall reports."""
-        if self._due or not self._submitters:
+        if self._due:
             return False
         for ident, thread in list(self._submitters.items()):
             if not thread.is_alive():

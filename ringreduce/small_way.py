@@ -88,8 +88,7 @@ class SmallWay:
             raise
         if agreed:
             return True, tensor, None
-        make_spec = partial(_spec, tensor.dtype, op, postscale, digest, name, op_name, dtype,
-                            shape)
+        make_spec = _spec_maker(tensor, name, case, postscale, digest)
         allreduce = self.allreduce
 
         def whole() -> torch.Tensor:
@@ -158,10 +157,16 @@ def _signed(tensor: torch.Tensor, name: str, case: tuple,
     """The call's signature digest, and what makes its ReduceSpec: only where one is needed (a
     mismatch, a join, a stall report), keeping no reference to the tensor. (A partial, not a
     closure: it is made on every call, and costs half as much.)"""
+    (op_name, _), (_, dtype) = case
+    digest = _native.allreduce_digest(name, op_name, dtype, tensor.shape, 1.0, float(postscale))
+    return digest, _spec_maker(tensor, name, case, postscale, digest)
+
+
+def _spec_maker(tensor: torch.Tensor, name: str, case: tuple, postscale: float,
+                digest: int) -> Callable[[], ReduceSpec]:
     (op_name, op), (_, dtype) = case
-    torch_dtype, shape = tensor.dtype, tensor.shape
-    digest = _native.allreduce_digest(name, op_name, dtype, shape, 1.0, float(postscale))
-    return digest, partial(_spec, torch_dtype, op, postscale, digest, name, op_name, dtype, shape)
+    return partial(_spec, tensor.dtype, op, postscale, digest, name, op_name, dtype,
+                   tensor.shape)
 
 
 def _spec(torch_dtype: torch.dtype, op: ReduceOp, postscale: float, digest: int, name: str,

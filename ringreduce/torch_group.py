@@ -216,7 +216,9 @@ class RingReduceGroup(dist.ProcessGroup):
             if write_back is not None:
                 write_back(None)
             return CollectiveWork(FINISHED, tensors)
-        handle = started(ps, tensor, name, op, 1.0) if pre == 1.0 else None    # small
+        # small (unless the first try above was this very call: the same tensor and op)
+        retry = pre == 1.0 and (op is not Sum or tensor is not tensors[0])
+        handle = started(ps, tensor, name, op, 1.0) if retry else None
         if handle is None:
             handle = submit(allreduce_work(tensor, None, name, op, pre, 1.0, Compression.none,
                                            True, self._process_set))
