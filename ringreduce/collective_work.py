@@ -39,12 +39,12 @@ _MOVED_AS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def _tensor(tensor: Any, what: str, name: str, ps: ActiveSet,
             moves_only: bool = False) -> torch.Tensor:
-    """The caller's tensor to work on (detached, never copied: a dense, contiguous CPU one),
-    or a clear error naming tensor and rank, of Horovod's type: a layout or dtype it does not
-    take is ArgumentTypeError (Horovod's ValueError "Tensor type ... is not supported.", a
-    TypeError as ours was), a non-contiguous tensor NotContiguousError (a ValueError, as
-    Horovod's), checked in that order. `moves_only`: for a collective that only moves data
-    (`_MOVED_AS`)."""
+    """The caller's tensor to work on (detached, never copied: a dense, contiguous CPU one; a
+    CUDA one: cuda.device_tensor), or a clear error naming tensor and rank, of Horovod's type:
+    a layout or dtype it does not take is ArgumentTypeError (Horovod's ValueError "Tensor type
+    ... is not supported.", a TypeError as ours was), a non-contiguous tensor
+    NotContiguousError (a ValueError, as Horovod's), checked in that order. `moves_only`: for
+    a collective that only moves data (`_MOVED_AS`)."""
     if (tensor.__class__ is torch.Tensor and tensor.layout is torch.strided
             and tensor.dtype in CODES and tensor.device.type == "cpu"
             and tensor.is_contiguous()):
@@ -85,9 +85,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return NAMES.get(dtype) or str(dtype).removeprefix("torch.")
 
 
-def _as(result: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A moved result as the caller's dtype again (see `_MOVED_AS`)."""
-    return result if result.dtype == dtype else result.view(dtype)
+def _as(result: torch.Tensor, caller: torch.Tensor) -> torch.Tensor:
+    """A moved result as the caller's tensor's dtype again (see `_MOVED_AS`), and on its
+    device: a CUDA tensor's collective other than an allreduce works on a host copy
+    (cuda.device_tensor)."""
+    result = result if result.dtype == caller.dtype else result.view(caller.dtype)
+    return result.to(caller.device) if caller.is_cuda else result
 
 
 def reduce_op(op: Any, average: Optional[bool], what: str,
@@ -333,8 +336,8 @@ def allgather_work(tensors: Sequence[torch.Tensor], name: Optional[str],
         signature = _with_root({"collective": "allgather", "name": each,
                                 "tensors": len(tensors), "dtype": _dtype_name(tensor.dtype),
                                 "trailing shape": tuple(t.shape[1:])}, root)
-        gathers.append((functools.partial(ps.transport.allgather, t, signature), tensor.dtype))
-    return ps, names[0], lambda: [_as(gather(), dtype) for gather, dtype in gathers]
+        gathers.append((functools.partial(ps.transport.allgather, t, signature), tensor))
+    return ps, names[0], lambda: [_as(gather(), tensor) for gather, tensor in gathers]
 
 
 def first(work: Work) -> Work:
@@ -368,9 +371,9 @@ def broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
         if in_place:
             if not _same_memory(out, tensor):
                 with torch.no_grad():
-                    tensor.copy_(_as(out, tensor.dtype))
+                    tensor.copy_(_as(out, tensor))
             return tensor
-        return _as(out.clone() if _same_memory(out, tensor) else out, tensor.dtype)
+        return _as(out.clone() if _same_memory(out, tensor) else out, tensor)
 
     return ps, name, work
 
@@ -385,14 +388,13 @@ def alltoall_work(tensor: torch.Tensor, splits: Any, name: Optional[str],
         t = _tensor(tensor, "alltoall", name, ps, moves_only=True)
         send_splits = _send_splits(t, splits, ps, name)
     t = t.narrow(0, 0, int(send_splits.sum()))
-    dtype = tensor.dtype
     signature = _with_root({"collective": "alltoall", "name": name,
-                            "dtype": _dtype_name(dtype), "trailing shape": tuple(t.shape[1:])},
-                           root)
+                            "dtype": _dtype_name(tensor.dtype),
+                            "trailing shape": tuple(t.shape[1:])}, root)
 
     def work() -> tuple[torch.Tensor, torch.Tensor]:
         out, received = ps.transport.alltoall(t, send_splits, signature)
-        return _as(out, dtype), torch.from_numpy(received).to(torch.int32)
+        return _as(out, tensor), torch.from_numpy(received).to(torch.int32)
 
     return ps, name, work
 
@@ -435,16 +437,18 @@ def reducescatter_work(tensors: Sequence[torch.Tensor], name: Optional[str], op:
                                  f"{ps.ranks[ps.rank]}: needs a tensor with at least one "
                                  "dimension")
     scatters = []
-    for t, each in zip(checked, names):
+    for tensor, t, each in zip(tensors, checked, names):
         wire, context = compression.compress(t)
         scatters.append(_reducescatter_one(ps, wire.clone(), context, compression, each, op,
-                                           prescale_factor, postscale_factor, len(tensors)))
+                                           prescale_factor, postscale_factor, len(tensors),
+                                           tensor))
     return ps, names[0], lambda: [scatter() for scatter in scatters]
 
 
 def _reducescatter_one(ps: ActiveSet, work_tensor: torch.Tensor, context: Any,
                        compression: type[Compressor], name: str, op: ReduceOp, pre: float,
-                       post: float, count: int) -> Callable[[], torch.Tensor]:
+                       post: float, count: int,
+                       caller: torch.Tensor) -> Callable[[], torch.Tensor]:
     dtype, shape = _describe(work_tensor)
     signature = {"collective": "reducescatter", "name": name, "tensors": count, "op": op.name,
                  "dtype": dtype, "shape": shape, "prescale": pre, "postscale": post}
@@ -456,7 +460,7 @@ def _reducescatter_one(ps: ActiveSet, work_tensor: torch.Tensor, context: Any,
     def scatter() -> torch.Tensor:
         ps.transport.reducescatter(as_array(work_tensor), bounds, spec)
         mine = work_tensor[start:start + rows[ps.rank]].clone()
-        return compression.decompress(mine, context)
+        return _as(compression.decompress(mine, context), caller)
 
     return scatter
 
@@ -501,6 +505,8 @@ def sparse_allreduce_work(tensor: torch.Tensor, name: Optional[str], op: Any,
         indices, values = [gather() for gather in gathers]
         if op == ReduceOp.Average:
             values = values / ps.size
-        return torch.sparse_coo_tensor(indices.t(), values, dense_shape, check_invariants=False)
+        result = torch.sparse_coo_tensor(indices.t(), values, dense_shape,
+                                         check_invariants=False)
+        return result.to(tensor.device) if tensor.is_cuda else result
 
     return ps, name, work

@@ -82,9 +82,13 @@ def on_device(index: int) -> torch.cuda.device:
 def device_tensor(tensor: torch.Tensor, what: str, where: str) -> torch.Tensor:
     """The tensor collective `what` works on for a CUDA `tensor`, or a clear error.
 
-    Reductions run on the device. broadcast_ (and so broadcast_parameters) goes through a
-    host copy, written back in place. The other collectives take CPU tensors only.
+    Reductions run on the device, on this rank's current device. The other collectives
+    (allgather, broadcast, alltoall, reducescatter) work on a host copy made here, on the
+    caller's thread after what its stream has queued; collective_work moves their results
+    back to the tensor's device, as Horovod returns them.
     """
+    if what not in REDUCTIONS:
+        return tensor.detach().cpu()
     cupy_module()
     current = torch.cuda.current_device()
     if tensor.device.index != current:
@@ -92,13 +96,7 @@ def device_tensor(tensor: torch.Tensor, what: str, where: str) -> torch.Tensor:
             f"{where}: tensor is on {tensor.device} but this rank's current device is "
             f"cuda:{current}; call torch.cuda.set_device(ringreduce.local_rank()) right after "
             "init(), before creating the model, and keep its tensors on that device")
-    if what in REDUCTIONS:
-        return tensor.detach()      # (contiguous: collective_work checked it)
-    if what == "broadcast_":
-        return tensor.detach().cpu()
-    raise ValueError(f"{where}: CUDA tensors are supported by allreduce, grouped_allreduce and "
-                     "broadcast_ (broadcast_parameters); pass tensor.cpu() here and move the "
-                     "result back")
+    return tensor.detach()      # (contiguous: collective_work checked it)
 
 
 # ---------------------------------------------------------------- streams and events

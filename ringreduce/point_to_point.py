@@ -249,9 +249,9 @@ class Channel:
         where = f"ringreduce: {what} on {self.label}, rank {self.comm.rank}"
         if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
             raise TypeError(f"{where}: expected a dense torch.Tensor")
-        if tensor.device.type != "cpu":
-            raise ValueError(f"{where}: send and recv take CPU tensors, not {tensor.device}; "
-                             "pass tensor.cpu() and copy the result back")
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{where}: send and recv take CPU and CUDA tensors, not "
+                             f"{tensor.device}")
         if peer is not None and not 0 <= peer < self.comm.size:
             raise ValueError(f"{where}: peer rank {peer} is not in this group of "
                              f"{self.comm.size}")
@@ -262,7 +262,7 @@ class Channel:
         """Start sending `tensor` to group rank `peer`."""
         what = f"send to rank {peer} (tag {tag})"
         self._check(what, tensor, peer, tag)
-        data = _bytes(tensor.detach().contiguous())
+        data = _bytes(tensor.detach().contiguous().cpu())     # (a CUDA tensor: a host copy)
         request = self.comm.Isend([as_array(data), mpi().BYTE], dest=peer, tag=tag)
         return MessageWork(self, request, f"{what} on {self.label}", peer, tensor=tensor)
 
@@ -270,9 +270,9 @@ class Channel:
         """Start receiving into `tensor` from group rank `peer` (None: any)."""
         what = f"recv from {'any rank' if peer is None else f'rank {peer}'} (tag {tag})"
         self._check(what, tensor, peer, tag)
-        direct = tensor.is_contiguous()
+        direct = tensor.is_contiguous() and not tensor.is_cuda     # (else: lands on the host)
         landing = (tensor.detach() if direct
-                   else torch.empty_like(tensor, memory_format=torch.contiguous_format))
+                   else torch.empty(tensor.shape, dtype=tensor.dtype))
         data = _bytes(landing)
         expected = data.numel()
         source = mpi().ANY_SOURCE if peer is None else peer

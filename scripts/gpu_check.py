@@ -5,17 +5,24 @@
    bitwise identical across ranks; grouped, in-place, async, scaled and compressed variants;
 2. a few DistributedOptimizer steps of a small model against one process on the whole batch;
 3. busbw of allreduce from 1 MiB to 256 MiB on each path, next to the device-to-device copy
-   bandwidth of the same GPU.
-Every rank prints 'OK rank <r>' at the end.
+   bandwidth of the same GPU;
+4. the torch.distributed backend on CUDA tensors: each collective DDP and FSDP call, against
+   a reference built from every rank's inputs (exact), and DDP training against one process.
+   Each case reports on its own, so that one failing does not hide the others.
+On 2 ranks (sharing GPU 0) the MPI moves the data; on 1 rank (a set of one) the reductions
+run in device memory, by our CUDA kernels. Every rank prints 'OK rank <r>' at the end.
 """
 import argparse
 import hashlib
 import time
 
 import torch
+import torch.distributed as dist
 from mpi4py import MPI
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ringreduce as hvd
+import ringreduce.distributed as rrd
 from ringreduce import cuda_aware
 
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
@@ -67,7 +74,7 @@ def check_allreduce(path, device):
                 check(got, reference(length, dtype, op, n), what)
                 same_everywhere(got, what)
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        t = inputs(hvd.rank(), 40_001, dtype, hvd.Sum, device)
+        t = inputs(hvd.rank(), 40_001, dtype, hvd.Average, device)
         hvd.allreduce_(t, op=hvd.Average, prescale_factor=2.0, postscale_factor=0.5)
         check(t, reference(40_001, dtype, hvd.Average, n, 2.0, 0.5), f"{path} scaled {dtype}")
     group = [inputs(hvd.rank(), k, d, hvd.Sum, device)
@@ -82,7 +89,7 @@ def check_allreduce(path, device):
         g = [torch.Generator().manual_seed(k) for k in range(n)]
         xs = [torch.randn(300_007, generator=gk).to(dtype) for gk in g]
         got = hvd.allreduce(xs[hvd.rank()].to(device), op=hvd.Sum)
-        check(got, xs[0] + xs[1], f"{path} rounding {dtype}")
+        check(got, xs[0] if n == 1 else xs[0] + xs[1], f"{path} rounding {dtype}")
     print(f"rank {hvd.rank()}: {path}: allreduce of every dtype and op matches", flush=True)
 
 
@@ -138,6 +145,126 @@ def check_training(path, device):
     print(f"rank {r}: {path}: 5 optimizer steps match the single-process run", flush=True)
 
 
+def check_backend(device):
+    """The torch.distributed backend with CUDA tensors (on the staging path with an MPI that
+    cannot take device pointers); returns the names of the cases that failed."""
+    rrd.init_process_group()
+    r, n = dist.get_rank(), dist.get_world_size()
+    failed = []
+
+    def ints(rank, length, dtype=torch.int64):
+        g = torch.Generator().manual_seed(101 * rank + length)
+        return torch.randint(-8, 9, (length,), generator=g).to(dtype)
+
+    def mine(length, dtype=torch.int64):
+        return ints(r, length, dtype).to(device)
+
+    def every(length, dtype=torch.int64):
+        return torch.stack([ints(k, length, dtype) for k in range(n)])
+
+    def case_allreduce():
+        for dtype in (torch.int64, torch.float32, torch.bfloat16):
+            for op, want in ((dist.ReduceOp.SUM, lambda x: x.sum(0)),
+                             (dist.ReduceOp.MAX, lambda x: x.amax(0)),
+                             (dist.ReduceOp.MIN, lambda x: x.amin(0))):
+                for length in (3, 1000, 300_001):
+                    t = mine(length, dtype)
+                    dist.all_reduce(t, op=op)
+                    check(t, want(every(length, dtype).double()).to(dtype),
+                          f"dist.all_reduce {dtype} {op} {length}")
+                    same_everywhere(t, f"dist.all_reduce {dtype} {op} {length}")
+        t = mine(5000, torch.float32)
+        dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True).wait()
+        check(t, (every(5000, torch.float32).double().sum(0) / n).float(), "AVG async")
+
+    def case_async_future():
+        works = [dist.all_reduce(mine(k, torch.float32), async_op=True) for k in (7, 70_001)]
+        for k, work in zip((7, 70_001), works):
+            got = work.get_future().wait()[0]
+            check(got, every(k, torch.float32).sum(0), f"future of {k}")
+
+    def case_broadcast():
+        t = mine(40_000)
+        dist.broadcast(t, src=n - 1)
+        check(t, ints(n - 1, 40_000), "broadcast")
+
+    def case_all_gather():
+        out = torch.empty(n * 1000, dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(out, mine(1000))
+        check(out, every(1000).reshape(-1), "all_gather_into_tensor")
+        outs = [torch.empty(10, dtype=torch.int64, device=device) for _ in range(n)]
+        dist.all_gather(outs, mine(10))
+        check(torch.cat(outs), every(10).reshape(-1), "all_gather")
+
+    def case_reduce_scatter():
+        out = torch.empty(1000, dtype=torch.int64, device=device)
+        dist.reduce_scatter_tensor(out, mine(n * 1000))
+        check(out, every(n * 1000).sum(0).reshape(n, -1)[r], "reduce_scatter_tensor")
+
+    def case_all_to_all():
+        out = torch.empty(n * 6, dtype=torch.int64, device=device)
+        dist.all_to_all_single(out, mine(n * 6))
+        check(out, every(n * 6).reshape(n, n, 6)[:, r].reshape(-1), "all_to_all_single")
+
+    def case_send_recv():
+        if r == 0 and n > 1:
+            dist.send(mine(4097), dst=1)
+        elif r == 1:
+            got = torch.empty(4097, dtype=torch.int64, device=device)
+            dist.recv(got, src=0)
+            check(got, ints(0, 4097), "send/recv")
+        dist.barrier()
+
+    def case_ddp():
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        g = torch.Generator().manual_seed(0)
+        batches = [(torch.randn(32, 1, 16, 16, generator=g),
+                    torch.randint(0, 10, (32,), generator=g)) for _ in range(5)]
+        torch.manual_seed(1)
+        single, model = Net().to(device), Net().to(device)
+        model.load_state_dict(single.state_dict())
+        train(single, [(x.to(device), y.to(device)) for x, y in batches], False)
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                  bucket_cap_mb=0.01)
+        train(ddp, [(x.chunk(n)[r].to(device), y.chunk(n)[r].to(device))
+                    for x, y in batches], False)
+        for (name, a), b in zip(model.named_parameters(), single.parameters()):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), \
+                f"DDP: '{name}' differs from one process by {(a - b).abs().max().item():.3g}"
+            same_everywhere(a.detach(), f"DDP '{name}'")
+
+    def case_horovod_moves():
+        """The Horovod API's collectives that move data: results on the input's device."""
+        rows = torch.full((r + 1, 3), r, dtype=torch.int64, device=device)
+        got = hvd.allgather(rows)
+        want = torch.cat([torch.full((k + 1, 3), k) for k in range(n)])
+        assert got.device == device, f"allgather result on {got.device}"
+        check(got, want, "hvd.allgather")
+        got = hvd.broadcast(mine(333), root_rank=n - 1)
+        assert got.device == device, f"broadcast result on {got.device}"
+        check(got, ints(n - 1, 333), "hvd.broadcast")
+        got, received = hvd.alltoall(mine(n * 4), splits=[4] * n)
+        assert got.device == device, f"alltoall result on {got.device}"
+        check(got, every(n * 4).reshape(n, n, 4)[:, r].reshape(-1), "hvd.alltoall")
+        got = hvd.reducescatter(mine(n * 10).reshape(n * 5, 2), op=hvd.Sum)
+        assert got.device == device, f"reducescatter result on {got.device}"
+        check(got, every(n * 10).sum(0).reshape(n, 5, 2)[r], "hvd.reducescatter")
+
+    for case in (case_horovod_moves, case_allreduce, case_async_future, case_broadcast,
+                 case_all_gather, case_reduce_scatter, case_all_to_all, case_send_recv,
+                 case_ddp):
+        try:
+            case()
+            print(f"rank {r}: dist {case.__name__[5:]} ok", flush=True)
+        except Exception as error:      # (reported; the next case still runs)
+            failed.append(case.__name__[5:])
+            print(f"rank {r}: dist {case.__name__[5:]} FAILED: {type(error).__name__}: "
+                  f"{error}", flush=True)
+    dist.destroy_process_group()
+    return failed
+
+
 def busbw(mib, device, repeats):
     """Allreduce bus bandwidth in GB/s: bytes * 2(n-1)/n per second, the best of `repeats`."""
     t = torch.ones(mib << 18, dtype=torch.float32, device=device)
@@ -172,12 +299,13 @@ def main():
     parser.add_argument("--no-bench", action="store_true", help="skip the bandwidth table")
     args = parser.parse_args()
     hvd.init()
-    assert hvd.size() == 2, "run on 2 ranks: mpiexec -n 2 python3 scripts/gpu_check.py"
+    assert hvd.size() <= 2, "run on 1 or 2 ranks: mpiexec -n 2 python3 scripts/gpu_check.py"
     torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())
     aware, how = cuda_aware.query_cuda_support(MPI, world)
     hvd.shutdown()
-    paths = {"staging": False, **({"cuda-aware": True} if aware else {})}
+    paths = ({"device (a set of one)": False} if world.size == 1 else
+             {"staging": False, **({"cuda-aware": True} if aware else {})})
     if world.rank == 0:
         print(f"{MPI.Get_library_version().splitlines()[0]}; {torch.cuda.get_device_name()}; "
               f"CUDA-aware: {aware} ({how})", flush=True)
@@ -201,6 +329,8 @@ def main():
             print(f"{str(mib) + ' MiB':>8}{row}{copy:16.1f}")
         if not aware:
             print(f"(no CUDA-aware row: {how} says the MPI cannot take device pointers)")
+    failed = check_backend(device)
+    assert not failed, f"rank {world.rank}: the backend's cases {failed} failed"
     print(f"OK rank {world.rank}", flush=True)
 
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The GPU check of ringreduce: 2 ranks sharing one GPU (scripts/gpu_check.py says what it checks:
-# allreduce of every dtype and op against a reference on the staging path and, where the MPI
+# The GPU check of ringreduce: 1 rank, then 2 sharing one GPU (scripts/gpu_check.py says what
+# it checks: allreduce of every dtype and op against a reference on the staging path and, where the MPI
 # supports it, the CUDA-aware path; a few optimizer steps against a single-process run; and a
 # busbw table from 1 MiB to 256 MiB next to the device-to-device copy bandwidth). About 1-3
-# minutes; killed after 280 s.
+# minutes; killed after 200 s (1 rank) and 280 s (2 ranks).
 #
 # Needs one GPU and python3 with torch (CUDA build), CuPy and mpi4py; no network and no MPI
 # library: the MPICH wheel is carried in .whl/ (git-ignored) and installed into /tmp/site.
@@ -49,4 +49,5 @@ assert torch.cuda.is_available(), "no GPU visible to torch"
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), CuPy {cupy.__version__}, "
       f"mpi4py {mpi4py.__version__}, {torch.cuda.device_count()} GPU(s)")
 PY
+timeout 200 mpiexec -n 1 python3 scripts/gpu_check.py --no-bench
 timeout 280 mpiexec -n 2 python3 scripts/gpu_check.py "$@"

@@ -297,15 +297,23 @@ def test_init_logs_the_choice_once():
 
 # ---------------------------------------------------------------- placement, without a device
 
-def test_tensor_on_another_gpu_is_refused_clearly(monkeypatch):
+def test_a_reduction_refuses_a_tensor_on_another_gpu_and_the_rest_take_a_host_copy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", ModuleType("cupy"))  # CuPy present or not
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    elsewhere = SimpleNamespace(device=torch.device("cuda", 1))   # no CUDA tensor can exist here
+    host = torch.arange(3)
+
+    class OnGpu(SimpleNamespace):           # no CUDA tensor can exist here
+        def detach(self):
+            return self
+
+        def cpu(self):
+            return host
+
+    elsewhere = OnGpu(device=torch.device("cuda", 1))
     with pytest.raises(ValueError, match=r"cuda:1 .*set_device\(ringreduce.local_rank\(\)\)"):
         cuda.device_tensor(elsewhere, "allreduce", "ringreduce: allreduce of tensor 'w'")
-    here = SimpleNamespace(device=torch.device("cuda", 0))
-    with pytest.raises(ValueError, match=r"allgather .*tensor.cpu\(\)"):
-        cuda.device_tensor(here, "allgather", "ringreduce: allgather of tensor 'w'")
+    for what in ("allgather", "broadcast", "alltoall", "reducescatter"):
+        assert cuda.device_tensor(elsewhere, what, f"ringreduce: {what} of tensor 'w'") is host
 
 
 def test_without_cupy_the_error_says_what_to_install(monkeypatch):
