@@ -380,21 +380,23 @@ def broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
 
 def alltoall_work(tensor: torch.Tensor, splits: Any, name: Optional[str],
                   process_set: ProcessSet, root: Optional[int] = None) -> Work:
-    """The result is (output, received splits), as Horovod's handle gives. Rows past the sum
-    of the splits are not sent. `root`: see _with_root."""
+    """The result is (output, received splits), as Horovod's handle gives: the received splits
+    int32, on the device of a `splits` tensor (as Horovod's `splits.new()`), else the CPU.
+    Rows past the sum of the splits are not sent. `root`: see _with_root."""
     ps = active(process_set, "alltoall()")
     name = ps.auto_name("alltoall") if name is None else name
     with refusing(ps, name, "alltoall"):
         t = _tensor(tensor, "alltoall", name, ps, moves_only=True)
         send_splits = _send_splits(t, splits, ps, name)
     t = t.narrow(0, 0, int(send_splits.sum()))
+    splits_device = splits.device if isinstance(splits, torch.Tensor) else torch.device("cpu")
     signature = _with_root({"collective": "alltoall", "name": name,
                             "dtype": _dtype_name(tensor.dtype),
                             "trailing shape": tuple(t.shape[1:])}, root)
 
     def work() -> tuple[torch.Tensor, torch.Tensor]:
         out, received = ps.transport.alltoall(t, send_splits, signature)
-        return _as(out, tensor), torch.from_numpy(received).to(torch.int32)
+        return _as(out, tensor), torch.from_numpy(received).to(splits_device, torch.int32)
 
     return ps, name, work
 

@@ -244,8 +244,12 @@ def check_backend(device):
         got = hvd.broadcast(mine(333), root_rank=n - 1)
         assert got.device == device, f"broadcast result on {got.device}"
         check(got, ints(n - 1, 333), "hvd.broadcast")
-        got, received = hvd.alltoall(mine(n * 4), splits=[4] * n)
+        got, received = hvd.alltoall(mine(n * 4), splits=torch.full((n,), 4, dtype=torch.int32,
+                                                                     device=device))
         assert got.device == device, f"alltoall result on {got.device}"
+        assert received.device == device, f"received splits on {received.device} (Horovod: " \
+                                          "the splits' device)"
+        check(received, torch.full((n,), 4, dtype=torch.int32), "hvd.alltoall received splits")
         check(got, every(n * 4).reshape(n, n, 4)[:, r].reshape(-1), "hvd.alltoall")
         got = hvd.reducescatter(mine(n * 10).reshape(n * 5, 2), op=hvd.Sum)
         assert got.device == device, f"reducescatter result on {got.device}"
