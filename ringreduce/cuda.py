@@ -80,9 +80,11 @@ def on_device(index: int) -> torch.cuda.device:
 
 
 def device_tensor(tensor: torch.Tensor, what: str, where: str) -> torch.Tensor:
-    """The tensor collective `what` works on for a CUDA `tensor`, or a clear error.
+    """The tensor collective `what` works on for a CUDA `tensor` (`where` names it in errors).
 
-    Reductions run on the device, on this rank's current device. The other collectives
+    Reductions run in the tensor's own device memory, whichever device is current (as
+    Horovod's and NCCL's: `model.to(local_rank)` without `set_device` works): every view,
+    stream, event and scratch block is taken on `tensor.device`. The other collectives
     (allgather, broadcast, alltoall, reducescatter) work on a host copy made here, on the
     caller's thread after what its stream has queued; collective_work moves their results
     back to the tensor's device, as Horovod returns them.
@@ -90,12 +92,6 @@ def device_tensor(tensor: torch.Tensor, what: str, where: str) -> torch.Tensor:
     if what not in REDUCTIONS:
         return tensor.detach().cpu()
     cupy_module()
-    current = torch.cuda.current_device()
-    if tensor.device.index != current:
-        raise ValueError(
-            f"{where}: tensor is on {tensor.device} but this rank's current device is "
-            f"cuda:{current}; call torch.cuda.set_device(ringreduce.local_rank()) right after "
-            "init(), before creating the model, and keep its tensors on that device")
     return tensor.detach()      # (contiguous: collective_work checked it)
 
 
