@@ -24,6 +24,7 @@ from typing import Any, Callable, NoReturn, Optional, Sequence, Union
 
 import numpy as np
 
+from .auto_names import AutoNames
 from .crossnode import BetweenNodes
 from .engine import Agreement, OutOfOrder
 from .errors import JoinedError, MismatchError, ShutDownError
@@ -64,11 +65,13 @@ AGREED = (MismatchError, JoinedError, ShutDownError, PeersJoined, OutOfOrder)
 
 class Negotiator:
     def __init__(self, comm: Any, watch: StallWatch, ranks: Sequence[int],
-                 node: Optional[NodeWindow], between: Optional[BetweenNodes] = None) -> None:
+                 node: Optional[NodeWindow], between: Optional[BetweenNodes] = None,
+                 names: Optional[AutoNames] = None) -> None:
         """`node`: the set's window when all its members share one node, else None;
-        `between`: the exchanges between nodes, where the set spans several that way."""
+        `between`: the exchanges between nodes, where the set spans several that way;
+        `names`: the set's automatic names (realigned after a deadlock, `_Settling`)."""
         self.comm, self.watch, self.ranks, self.node = comm, watch, list(ranks), node
-        self.between = between
+        self.between, self.names = between, names
         self._header = np.zeros(2, dtype=np.int64)
         self._headers = np.zeros((comm.size, 2), dtype=np.int64)
 
@@ -272,8 +275,13 @@ class _Settling:
 
     def _deadlocked(self, pending: list[list[str]], waited: float) -> NoReturn:
         """(Collective: every member's `pending`, as gathered, where every member is stuck.)
-        Every member fails its first collective with MismatchError, saying what each has."""
+        Every member fails its first collective with MismatchError, saying what each has.
+        Each failed a collective of another kind, so their counts of automatic names differ
+        now: realigned, so that the members' unnamed collectives pair again once their
+        programs go on alike (as after a join)."""
         me, ranks = self.negotiator.comm.rank, self.watch.ranks
+        if self.negotiator.names is not None:
+            self.negotiator.names.realign(self.negotiator.gather)
         where = "; ".join(f"rank {ranks[m]}: {', '.join(repr(x) for x in names)}"
                           for m, names in enumerate(pending))
         raise MismatchError(

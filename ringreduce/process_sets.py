@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
+from .auto_names import AutoNames
 from .config import Settings
 from .engine import PARENT, Engine, child_name
 from .errors import MismatchError, NotInitializedError, RingReduceError, ShutDownError
@@ -108,11 +109,11 @@ class ActiveSet:
                  if isinstance(set_id, str) else f" on process set {set_id} (ranks {self.ranks})")
         watch = StallWatch(comm, settings.stall_check_time, settings.stall_shutdown_time, abort,
                            self.ranks, where)
+        self.names = AutoNames()     # see auto_name
         self.transport = Transport(comm, self.local, self.cross, settings, watch, self.ranks,
-                                   self.homogeneous)
+                                   self.homogeneous, self.names)
         self.engine = Engine(f"ringreduce-set{set_id}", self.ranks[comm.rank], comm.Iprobe,
                              self.transport.negotiator.agreement)
-        self._names: dict[str, itertools.count] = {}   # per kind: see auto_name
         self._optimizers = itertools.count()
         self.closed = False     # shut down: what holds it must find the set's new one (active)
 
@@ -134,11 +135,7 @@ class ActiveSet:
         from that collective instead (engine.children_of)."""
         if PARENT.handle is not None:
             return child_name()
-        kind = kind.rstrip("_")
-        counter = self._names.get(kind)
-        if counter is None:
-            counter = self._names.setdefault(kind, itertools.count())
-        return f"{kind}.noname.{next(counter)}"
+        return self.names.name(kind.rstrip("_"))
 
     def agree(self, signature: dict) -> None:
         """One signature check of the members, under the name signature["name"], in order with
@@ -162,11 +159,8 @@ class ActiveSet:
         counter of automatic names restarts from the highest among the members afterwards, and
         members agree again."""
         last = self.transport.join(device)
-        mine = {kind: next(counter) for kind, counter in list(self._names.items())}
-        everyone = self.transport.allgather_object(mine, {"collective": "join",
-                                                          "name": "join.names"})
-        for kind in {kind for counters in everyone for kind in counters}:
-            self._names[kind] = itertools.count(max(c.get(kind, 0) for c in everyone))
+        self.names.realign(lambda mine: self.transport.allgather_object(
+            mine, {"collective": "join", "name": "join.names"}))
         return self.ranks[last]
 
     def root(self, root_rank: Any, what: str, name: str) -> int:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from . import crossnode, cuda, kernels, ring
+from .auto_names import AutoNames
 from .buffers import as_array, as_tensor, fresh
 from .config import Settings
 from .errors import MismatchError, RingReduceError
@@ -63,9 +64,11 @@ class Transport:
     `cross` those with the same local rank; `ranks` are the members' global ranks."""
 
     def __init__(self, comm: Any, local: Any, cross: Any, settings: Settings,
-                 watch: StallWatch, ranks: Sequence[int], homogeneous: bool) -> None:
+                 watch: StallWatch, ranks: Sequence[int], homogeneous: bool,
+                 names: Optional[AutoNames] = None) -> None:
         """`homogeneous`: every node holds as many members. Shared memory needs it, so that
-        each local rank's chunk has the same size as its peers' on the other nodes."""
+        each local rank's chunk has the same size as its peers' on the other nodes. `names`:
+        the set's automatic names, realigned when a deadlock fails collectives (negotiation)."""
         self.comm, self.settings, self.watch, self.size = comm, settings, watch, comm.size
         self.node = (NodeWindow(local, settings.shared_small_bytes, settings.block_bytes, watch)
                      if settings.shared_memory and local.size > 1 and homogeneous else None)
@@ -79,7 +82,7 @@ class Transport:
                    if crossnode.applies(cross, homogeneous)
                    and (self.node is not None or local.size == 1) else None)
         self.negotiator = Negotiator(comm, watch, ranks, self.node if self.one_node else None,
-                                     between)
+                                     between, names)
         self.parts = SetParts(comm, cross, self.node, between, self.negotiator, settings,
                               self.scratch, self.device_scratch)
         self.ways: list[Way] = allreduce_ways(self.parts, self.host_pieces)

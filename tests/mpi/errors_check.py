@@ -649,7 +649,8 @@ if n > 1 and small is not None and small.begins:
 # that submits collectives, on every rank, waits for one that no other rank has pending (a
 # name of its own, SyncBatchNorm in eval mode, a barrier against an allreduce): after a second
 # of that, not after stall reports, every rank fails the collective it waits in with
-# MismatchError saying what each rank has pending, and the job goes on. Not a deadlock: a rank
+# MismatchError saying what each rank has pending, and the job goes on (its unnamed
+# collectives too: their counts of automatic names are realigned). Not a deadlock: a rank
 # whose other thread, one that has submitted before, is still to submit the others' one.
 if n > 1:
     last, stuck = r == n - 1, "none can come"
@@ -707,8 +708,14 @@ if n > 1:
     for net in nets:
         for p in net.parameters():
             assert torch.equal(hvd.allreduce(p.detach(), name="dl_p", op=hvd.Max), p.detach())
-    # (last: automatic names count per kind, so the last rank's and the others' drift apart)
+    # A barrier against an allreduce: automatic names count per kind, so each rank failed one
+    # of another kind; the counts are realigned, so the unnamed collectives after it pair.
     expect(hvd.MismatchError, [stuck, f"rank {n - 1}: 'barrier.noname.",
                                "rank 0: 'allreduce.noname."],
            lambda: hvd.barrier() if last else hvd.allreduce(torch.ones(2)))
+    for k in range(3):
+        assert torch.equal(hvd.allreduce(torch.full((2,), float(r + k)), op=hvd.Sum),
+                           torch.full((2,), float(n * k + n * (n - 1) // 2)))
+        hvd.barrier()
+    assert hvd.allgather_object(r) == list(range(n))
 print(f"OK rank {r}", flush=True)
