@@ -6,8 +6,9 @@
 2. a few DistributedOptimizer steps of a small model against one process on the whole batch;
 3. busbw of allreduce from 1 MiB to 256 MiB on each path, next to the device-to-device copy
    bandwidth of the same GPU;
-4. the torch.distributed backend on CUDA tensors: each collective DDP and FSDP call, against
-   a reference built from every rank's inputs (exact), and DDP training against one process.
+4. the collectives that move data (Horovod's, SyncBatchNorm) and the torch.distributed
+   backend on CUDA tensors: each collective DDP and FSDP call, against a reference built from
+   every rank's inputs (exact), and DDP training against one process.
    Each case reports on its own, so that one failing does not hide the others.
 On 2 ranks (sharing GPU 0) the MPI moves the data; on 1 rank (a set of one) the reductions
 run in device memory, by our CUDA kernels. Every rank prints 'OK rank <r>' at the end.
@@ -255,9 +256,27 @@ def check_backend(device):
         assert got.device == device, f"reducescatter result on {got.device}"
         check(got, every(n * 10).sum(0).reshape(n, 5, 2)[r], "hvd.reducescatter")
 
-    for case in (case_horovod_moves, case_allreduce, case_async_future, case_broadcast,
-                 case_all_gather, case_reduce_scatter, case_all_to_all, case_send_recv,
-                 case_ddp):
+    def case_sync_batch_norm():
+        """hvd.SyncBatchNorm on each rank's part of a batch against BatchNorm on all of it:
+        outputs, input gradients and running statistics."""
+        x = torch.randn(4 * n, 3, 5, generator=torch.Generator().manual_seed(3))
+        plain, synced = torch.nn.BatchNorm1d(3).to(device), hvd.SyncBatchNorm(3).to(device)
+        whole = x.to(device, copy=True).requires_grad_()
+        want = plain(whole)
+        want.pow(2).sum().backward()
+        part = x.chunk(n)[r].to(device, copy=True).requires_grad_()
+        got = synced(part)
+        got.pow(2).sum().backward()
+        for what, a, b in (("output", got, want.chunk(n)[r]),
+                           ("input gradient", part.grad, whole.grad.chunk(n)[r]),
+                           ("running mean", synced.running_mean, plain.running_mean),
+                           ("running var", synced.running_var, plain.running_var)):
+            assert a.device == device and torch.allclose(a, b, rtol=1e-4, atol=1e-5), \
+                f"SyncBatchNorm {what}: differs by {(a - b).abs().max().item():.3g}"
+
+    for case in (case_horovod_moves, case_sync_batch_norm, case_allreduce, case_async_future,
+                 case_broadcast, case_all_gather, case_reduce_scatter, case_all_to_all,
+                 case_send_recv, case_ddp):
         try:
             case()
             print(f"rank {r}: dist {case.__name__[5:]} ok", flush=True)
