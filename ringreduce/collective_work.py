@@ -74,7 +74,7 @@ def _tensor(tensor: Any, what: str, name: str, ps: ActiveSet,
             "contiguous.'); pass tensor.contiguous() (for an in-place call, copy the result "
             "back)")
     if tensor.device.type == "cuda":
-        return cuda.device_tensor(tensor, what, where)
+        return cuda.device_tensor(tensor, what)
     if tensor.device.type != "cpu":
         raise ValueError(f"{where}: tensor is on {tensor.device}; ringreduce reduces CPU and "
                          "CUDA tensors")

@@ -79,8 +79,8 @@ def on_device(index: int) -> torch.cuda.device:
     return torch.cuda.device(index)
 
 
-def device_tensor(tensor: torch.Tensor, what: str, where: str) -> torch.Tensor:
-    """The tensor collective `what` works on for a CUDA `tensor` (`where` names it in errors).
+def device_tensor(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """The tensor collective `what` works on for a CUDA `tensor`.
 
     Reductions run in the tensor's own device memory, whichever device is current (as
     Horovod's and NCCL's: `model.to(local_rank)` without `set_device` works): every view,

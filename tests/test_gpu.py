@@ -312,15 +312,15 @@ def test_reductions_take_the_tensor_on_its_device_and_the_rest_a_host_copy(monke
             return host
 
     elsewhere = OnGpu(device=torch.device("cuda", 1))
-    assert cuda.device_tensor(elsewhere, "allreduce", "ringreduce: allreduce of 'w'") is elsewhere
+    assert cuda.device_tensor(elsewhere, "allreduce") is elsewhere
     for what in ("allgather", "broadcast", "alltoall", "reducescatter"):
-        assert cuda.device_tensor(elsewhere, what, f"ringreduce: {what} of tensor 'w'") is host
+        assert cuda.device_tensor(elsewhere, what) is host
 
 
 def test_without_cupy_the_error_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)   # makes `import cupy` fail
     with pytest.raises(hvd.RingReduceError, match=r"ringreduce\[cuda12\]"):
-        cuda.device_tensor(SimpleNamespace(device=torch.device("cuda", 0)), "allreduce", "w")
+        cuda.device_tensor(SimpleNamespace(device=torch.device("cuda", 0)), "allreduce")
 
 
 def test_batched_copy_declines_pairs_it_cannot_copy_in_one_launch():
