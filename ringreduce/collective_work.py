@@ -25,7 +25,7 @@ from .kernels import ReduceOp
 from .negotiation import AGREED
 from .process_sets import ActiveSet, ProcessSet, active, global_process_set, refusing
 from .reduce_spec import ReduceSpec
-from .signature import digest
+from .signature import digest, with_device
 
 Work = tuple[ActiveSet, str, Callable[[], Any]]   # the set, the collective's name, what runs
 
@@ -186,9 +186,9 @@ def _with_root(signature: dict, root: Optional[int]) -> dict:
 def _allreduce_spec(t: torch.Tensor, op: ReduceOp, pre: float, post: float,
                     name: str, root: Optional[int]) -> ReduceSpec:
     dtype, shape = _describe(t)
-    signature = _with_root({"collective": "allreduce", "name": name, "op": op.name,
-                            "prescale": pre, "postscale": post, "dtype": dtype,
-                            "shape": shape}, root)
+    signature = with_device(_with_root({"collective": "allreduce", "name": name, "op": op.name,
+                                        "prescale": pre, "postscale": post, "dtype": dtype,
+                                        "shape": shape}, root), t.is_cuda)
     return ReduceSpec(t.dtype, op, pre, post, digest(signature), signature)
 
 
@@ -256,6 +256,7 @@ def grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str],
         signature["dtype"], signature["shape"] = _describe(wires[0])
     else:
         signature["tensors (dtype, shape)"] = tuple(_describe(t) for t in wires)
+    with_device(signature, any(w.is_cuda for w in wires))
     signed = digest(signature)
 
     def work() -> list[torch.Tensor]:

@@ -12,6 +12,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .signature import with_device
+
 
 @dataclass
 class Bucket:
@@ -121,9 +123,10 @@ def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire, pref
         raise ValueError(f"ringreduce: bucket {index} (parameters {[n for n, _ in members]}) "
                          "spans several devices; each group must hold parameters of one device")
     names = [n for n, _ in members]
-    signature = {"collective": "allreduce", "name": f"{prefix}bucket.{index}",    # parameters
-                 "parameters": tuple(names), "dtype": str(dtype).removeprefix("torch."),
-                 "shape": (total,)}     # before shape: a mismatch names the parameters
+    signature = with_device({"collective": "allreduce", "name": f"{prefix}bucket.{index}",
+                             "parameters": tuple(names),    # before shape: a mismatch names
+                             "dtype": str(dtype).removeprefix("torch."),    # the parameters
+                             "shape": (total,)}, device.type == "cuda")
     params = [p for _, p in members]
     if direct and len(members) == 1 and device.type == "cpu" and dtype == params[0].dtype:
         return Bucket(index, names, params, torch.empty(0, dtype=dtype), [], signature,

@@ -44,7 +44,7 @@ from .kernels import ReduceOp
 from .objects import check_consistency
 from .process_sets import active, refusing
 from .reduce_spec import ReduceSpec
-from .signature import digest
+from .signature import digest, with_device
 from .step_agreement import StepAgreement
 from .wrapped_optimizer import (STEP_AFTER_SYNCHRONIZE, Options, WrappedOptimizer,
                                 explicit_groups, remove_hooks)
@@ -383,10 +383,11 @@ class GradientReduction(WrappedOptimizer):
         op, prescale, postscale = self._reduction
         specs = []
         for wire, name in zip(wires, bucket.names):
-            signature = {"collective": "allreduce", "name": bucket.name, "parameter": name,
-                         "compressed": True, "dtype": str(wire.dtype).removeprefix("torch."),
-                         "shape": tuple(wire.shape), "op": op.name, "prescale": prescale,
-                         "postscale": postscale}
+            signature = with_device({
+                "collective": "allreduce", "name": bucket.name, "parameter": name,
+                "compressed": True, "dtype": str(wire.dtype).removeprefix("torch."),
+                "shape": tuple(wire.shape), "op": op.name, "prescale": prescale,
+                "postscale": postscale}, wire.is_cuda)
             if bucket.index == 0 and not specs:     # the whole plan: see _submit_bucket
                 signature.update(self._plan_signed)
             specs.append(ReduceSpec(wire.dtype, op, prescale, postscale, digest(signature),

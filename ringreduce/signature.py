@@ -17,6 +17,7 @@ KINDS = frozenset(("allreduce", "grouped_allreduce", "sparse_allreduce", "allgat
                    "grouped_reducescatter", "barrier", "broadcast_object", "allgather_object",
                    "check_consistency"))
 _SHOWN = 10     # names a mismatch of two lists of names shows (then how many differ)
+_UNSAID = {"device": "cpu"}     # what a signature without the field stands for, in messages
 
 
 def qualified(kind: str, name: Optional[str]) -> Optional[str]:
@@ -32,6 +33,18 @@ def given_name(name: str) -> Optional[tuple[str, str]]:
     if kind in KINDS and given and not given.startswith("noname."):
         return kind, given
     return None
+
+
+def with_device(signature: dict, cuda: bool) -> dict:
+    """`signature`, with "device" set for a reduction of CUDA tensors (`cuda`). A CUDA tensor and a
+    CPU one take different ways (where MPI cannot read device memory, the staged GPU way checks
+    the signature first and then reduces pieces; the small CPU way sends its signature with its
+    data), which must not pair: a rank passing a CPU tensor where the others pass CUDA ones
+    gets MismatchError on every rank, as Horovod's "Mismatched CPU/GPU device selection". CPU
+    signatures carry no device, as the small way's digest (made in C) has none."""
+    if cuda:
+        signature["device"] = "cuda"
+    return signature
 
 
 def digest(signature: Signature) -> int:
@@ -78,7 +91,7 @@ def describe_mismatch(signatures: Sequence[Signature], ranks: Sequence[int]) -> 
     fields = list(signatures[0])
     fields += [k for s in signatures[1:] for k in s if k not in fields]
     for field in fields:
-        values = [s.get(field) for s in signatures]
+        values = [s.get(field, _UNSAID.get(field)) for s in signatures]
         if any(v != values[0] for v in values):
             break
     names = sorted({str(s.get("name")) for s in signatures})

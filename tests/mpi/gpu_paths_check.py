@@ -6,7 +6,8 @@ a "device array" is a NumPy array that has `__cuda_array_interface__`, `device` 
 a fake `cupy` runs ufuncs with NumPy, our half kernels with torch, and stream copies with
 memmove; torch's streams, events and device guard become no-ops. Everything else is real:
 the ring over MPI, the staging pipeline with its slots and pieces, the host path it calls,
-the finishing arithmetic. From 3 ranks on, two process sets (the world and {0, 1}) also
+the finishing arithmetic. A rank passing a CPU tensor where the others pass CUDA ones is a
+MismatchError on every rank. From 3 ranks on, two process sets (the world and {0, 1}) also
 reduce on the one "device" from two threads at once, each with its own DeviceScratch, and
 the results are exact.
 Usage: gpu_paths_check.py AWARE[,AWARE...] [STAGING_PIECE_BYTES]   (AWARE 1: CUDA-aware MPI,
@@ -114,6 +115,7 @@ torch.cuda.current_stream = lambda device=None: TorchStream()
 import ringreduce as hvd  # noqa: E402
 from ringreduce import cuda  # noqa: E402
 from ringreduce.buffers import as_array, as_tensor  # noqa: E402
+from ringreduce.collective_work import _allreduce_spec  # noqa: E402
 from ringreduce.process_sets import active, global_set  # noqa: E402
 from ringreduce.reduce_spec import ReduceSpec  # noqa: E402
 from checks import horovod_scaled  # noqa: E402
@@ -196,6 +198,36 @@ def reduce_on(held, label, failures, aware):
         failures.append(f"{label}: {exc!r}")
 
 
+def check_a_cpu_tensor_among_cuda_ones(aware):
+    """The last rank passes a CPU tensor where the others pass CUDA ones (their GPU way runs on
+    "device" memory under the signature production gives a CUDA tensor): MismatchError saying
+    that the device differs, on every rank, at the small way's size and the large ways' (the
+    digests agreed before, and the CPU rank took slot memory no GPU rank had written for its
+    sum), and the set goes on."""
+    glob = global_set("test")
+    for length in (300, 300_000):
+        x = torch.full((length,), float(r + 1))
+        name = f"mixed{int(aware)}.{length}"
+        try:
+            if r == n - 1:
+                hvd.allreduce(x, name=name, op=hvd.Sum)
+            else:
+                cuda_like = types.SimpleNamespace(dtype=x.dtype, shape=x.shape, is_cuda=True)
+                spec = _allreduce_spec(cuda_like, hvd.Sum, 1.0, 1.0, f"allreduce.{name}", None)
+                array = on_device(as_array(x))
+
+                def gpu_way():
+                    glob.transport.parts.check(spec)    # as both GPU ways begin (ways.py)
+                    reduce_device(glob.transport, array, spec, aware)
+
+                glob.engine.run(f"allreduce.{name}", gpu_way)
+        except hvd.MismatchError as error:
+            assert all(s in str(error) for s in ("'device' differs", "'cuda'", "'cpu'")), error
+        else:
+            raise AssertionError(f"cuda_aware={aware}, length {length}: no MismatchError")
+    assert torch.equal(hvd.allreduce(torch.ones(3), op=hvd.Sum), torch.full((3,), float(n)))
+
+
 def check_two_sets_at_once(aware):
     pair = hvd.add_process_set([0, 1])
     sets = [global_set("test")] + ([active(pair, "test")] if r < 2 else [])
@@ -217,6 +249,8 @@ def check_two_sets_at_once(aware):
 for aware in [word == "1" for word in sys.argv[1].split(",")]:
     hvd.init(cuda_aware=aware)
     check_every_op_and_dtype(aware)
+    if n > 1:
+        check_a_cpu_tensor_among_cuda_ones(aware)
     if n >= 3:
         check_two_sets_at_once(aware)
     hvd.shutdown()
