@@ -122,6 +122,13 @@ class Settings:
         "file per rank ('{rank}' in the path, else '.rank<r>' before the extension); empty = off",
         horovod="HOROVOD_TIMELINE")
 
+    # What every rank must set alike: how a collective's bytes move (the ways and their sizes,
+    # the topology, device pointers to MPI) and which collectives run (the optimizer's checks).
+    # Ranks that differ would pair one collective under one signature and move its bytes two
+    # ways (wrong sums, or a hang); init() compares them.
+    AGREED = ("small_message_bytes", "shared_small_bytes", "segment_bytes", "shared_memory",
+              "block_bytes", "simulated_nodes", "cuda_aware", "consistency_check_steps")
+
     @staticmethod
     def env_name(name: str) -> str:
         return "RINGREDUCE_" + name.upper()

@@ -58,6 +58,7 @@ def init(comm: Any = None, process_sets: Union[None, str, Iterable[ProcessSet]] 
         ours = _duplicate(MPI.COMM_WORLD if comm is None else comm, resolved)
         aware, how = resolve_cuda_aware(resolved.cuda_aware, MPI, ours)
         resolved = dataclasses.replace(resolved, cuda_aware=aware)
+        _agree_on_settings(ours, resolved)
         log.info("ringreduce: rank %d: CUDA-aware MPI: %s (%s)", ours.rank,
                  "yes, device buffers go straight to MPI" if aware
                  else "no, GPU buffers are staged through pinned host memory", how)
@@ -100,6 +101,32 @@ def _duplicate(comm: Any, settings: Settings) -> Any:
                    lambda seconds: abort(f"{waited(seconds)} Shutting the job down after "
                                          f"{limit:g} s (RINGREDUCE_STALL_SHUTDOWN_TIME)."))
     return ours
+
+
+def _agree_on_settings(comm: Any, settings: Settings) -> None:
+    """Every rank of `comm` has the same Settings.AGREED, or every rank raises, naming each
+    setting that differs and which ranks have which value (one rank's environment lacking a
+    variable, an init() argument computed per rank); `comm` is freed then."""
+    mine, rank = tuple(getattr(settings, name) for name in Settings.AGREED), comm.rank
+    everyone = comm.allgather(mine)
+    differ = [i for i, name in enumerate(Settings.AGREED)
+              if any(values[i] != mine[i] for values in everyone)]
+    if not differ:
+        return
+    comm.Free()
+    told = []
+    for i in differ:
+        held: dict[Any, list[int]] = {}
+        for member, values in enumerate(everyone):
+            held.setdefault(values[i], []).append(member)
+        name = Settings.AGREED[i]
+        told.append(f"{name} ({Settings.env_name(name)}): " + ", ".join(
+            f"{value!r} on ranks {ranks}" for value, ranks in held.items()))
+    raise RingReduceError(
+        f"ringreduce: init() on rank {rank}: settings that every rank must share differ "
+        f"({'; '.join(told)}): ranks that moved a collective's bytes different ways would pair "
+        "it anyway. Set them alike on every rank (export the variables to every rank, e.g. "
+        "mpiexec -genv, or pass the same init() arguments).")
 
 
 def shutdown() -> None:

@@ -718,4 +718,16 @@ if n > 1:
                            torch.full((2,), float(n * k + n * (n - 1) // 2)))
         hvd.barrier()
     assert hvd.allgather_object(r) == list(range(n))
+# A setting that decides how bytes move, set otherwise on the last rank alone (an init()
+# argument computed per rank): init() fails on every rank, naming it and who has which value,
+# before any collective could pair two ways; init() with it alike works.
+if n > 1:
+    hvd.shutdown()
+    expect(hvd.RingReduceError, [f"init() on rank {r}", "small_message_bytes "
+                                 "(RINGREDUCE_SMALL_MESSAGE_BYTES): 65536 on ranks "
+                                 f"{list(range(n - 1))}, 4096 on ranks [{n - 1}]"],
+           hvd.init, small_message_bytes=4096 if r == n - 1 else 65536)
+    assert not hvd.is_initialized()
+    hvd.init()
+    assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
 print(f"OK rank {r}", flush=True)
