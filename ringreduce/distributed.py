@@ -24,6 +24,7 @@ import os
 import socket
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from . import world
@@ -68,7 +69,10 @@ def _create(options: Any, backend_options: Any = None) -> RingReduceGroup:
 
 def _store(timeout: datetime.timedelta) -> dist.Store:
     """A TCPStore on rank 0 (a free port it picks), its address told to the others over MPI;
-    the env:// variables are set to match, for libraries that read them."""
+    the env:// variables are set to match, for libraries that read them. Every rank has
+    connected before any returns: a rank whose init_process_group then fails (torch refusing
+    an argument) drops its store, and rank 0's, the server, must outlive the others' connects,
+    or they would wait in them until the timeout, and a retry with them."""
     hosts = allgather_object(socket.gethostname(), name="dist.init.hosts")
     host = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
     rank, size = world.rank(), world.size()
@@ -79,6 +83,7 @@ def _store(timeout: datetime.timedelta) -> dist.Store:
     port = broadcast_object(port, 0, name="dist.init.port")
     if rank != 0:
         store = dist.TCPStore(host, port, size, False, timeout=timeout)
+    allgather_object(True, name="dist.init.connected")
     _EXPORTED.update(MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(rank),
                      WORLD_SIZE=str(size), LOCAL_RANK=str(world.local_rank()),
                      LOCAL_WORLD_SIZE=str(world.local_size()))
@@ -87,15 +92,16 @@ def _store(timeout: datetime.timedelta) -> dist.Store:
 
 
 def init_process_group(timeout: Optional[datetime.timedelta] = None,
-                       **settings: Any) -> None:
+                       device_id: Optional[torch.device] = None, **settings: Any) -> None:
     """Start torch.distributed's default group on the ringreduce backend, with MPI's ranks:
     `ringreduce.init(**settings)` if it is not running, then
     `torch.distributed.init_process_group("ringreduce")`. Under mpiexec nothing else is needed:
     with MASTER_ADDR and MASTER_PORT set, torch's env:// rendezvous is used; otherwise rank 0
     opens torch's store on a free port and tells the others over MPI (and sets the env://
-    variables to match; set again by a later call, they are not taken for the user's). Does
-    nothing if torch.distributed is initialised already on this backend; another backend
-    there is an error."""
+    variables to match; set again by a later call, they are not taken for the user's).
+    `device_id`: torch's (this rank's accelerator, `torch.device("cuda", local_rank)`), passed
+    on where given. Does nothing if torch.distributed is initialised already on this backend;
+    another backend there is an error."""
     world.init(**settings)
     if dist.is_initialized():
         if dist.get_backend() != BACKEND:
@@ -103,13 +109,14 @@ def init_process_group(timeout: Optional[datetime.timedelta] = None,
                                   f"{dist.get_backend()}; destroy_process_group() first")
         return
     timeout = timeout or datetime.timedelta(minutes=30)
+    device = {} if device_id is None else {"device_id": device_id}
     if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT") and any(
             os.environ[name] != _EXPORTED.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")):
         dist.init_process_group(BACKEND, init_method="env://", rank=world.rank(),
-                                world_size=world.size(), timeout=timeout)
+                                world_size=world.size(), timeout=timeout, **device)
     else:
         dist.init_process_group(BACKEND, store=_store(timeout), rank=world.rank(),
-                                world_size=world.size(), timeout=timeout)
+                                world_size=world.size(), timeout=timeout, **device)
 
 
 dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=list(DEVICES))

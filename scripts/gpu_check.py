@@ -285,6 +285,18 @@ def check_backend(device):
             print(f"rank {r}: dist {case.__name__[5:]} FAILED: {type(error).__name__}: "
                   f"{error}", flush=True)
     dist.destroy_process_group()
+    try:        # torch's device_id (an accelerator only), through our init_process_group
+        rrd.init_process_group(device_id=device)
+        t = mine(1000, torch.float32)
+        dist.all_reduce(t)
+        check(t, every(1000, torch.float32).sum(0), "all_reduce after device_id=")
+        print(f"rank {r}: dist device_id ok", flush=True)
+    except Exception as error:
+        failed.append("device_id")
+        print(f"rank {r}: dist device_id FAILED: {type(error).__name__}: {error}", flush=True)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return failed
 
 

@@ -1260,6 +1260,20 @@ def case_a_group_does_not_outlive_a_restart():
     dist.destroy_process_group(after)
 
 
+def case_init_that_torch_refuses_then_again():
+    """torch refusing an argument of our init_process_group (a CPU device_id, on every rank)
+    after the store is up: every rank raises torch's ValueError at once (rank 0's store, the
+    server, outlives the others' connects, which waited out the timeout before), and the
+    next call starts the default group."""
+    global GLOO
+    dist.destroy_process_group()
+    expect(ValueError, "device_id", rrd.init_process_group, device_id=torch.device("cpu"))
+    assert not dist.is_initialized()
+    rrd.init_process_group()
+    check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "the default group again")
+    GLOO = dist.new_group(backend="gloo")
+
+
 def case_stall():
     """A rank that comes 2.5 s late to an all_reduce on a group of its own: the other logs our
     stall report naming that group's first call (the test reads it)."""
@@ -1302,7 +1316,7 @@ cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadc
          case_ddp_hooks_that_start_collectives, case_ddp_hook_raises_on_one_rank,
          case_ddp_bucket_fails_on_one_rank, case_ddp_join_and_zero, case_fsdp,
          case_torchmetrics, case_accelerate, case_pipelining, case_tensor_parallel,
-         case_a_group_does_not_outlive_a_restart]
+         case_a_group_does_not_outlive_a_restart, case_init_that_torch_refuses_then_again]
 # Alone, a rank has no peer to send to, to make a subgroup of two with, or to disagree with.
 PEERS_NEEDED = (case_send_recv, case_subgroup, case_errors, case_one_rank_errs,
                 case_one_rank_refuses_its_inputs, case_one_rank_calls_another_kind,
