@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check of ringreduce: 1 rank, then 2 sharing one GPU (scripts/gpu_check.py says what
-# it checks: allreduce of every dtype and op against a reference on the staging path and, where the MPI
-# supports it, the CUDA-aware path; a few optimizer steps against a single-process run; and a
-# busbw table from 1 MiB to 256 MiB next to the device-to-device copy bandwidth). About 1-3
-# minutes; killed after 200 s (1 rank) and 280 s (2 ranks).
+# it checks: allreduce of every dtype and op against a reference on the staging path and,
+# where the MPI supports it, the CUDA-aware path; a few optimizer steps against a
+# single-process run; the other collectives and the torch.distributed backend on CUDA tensors;
+# and a busbw table from 1 MiB to 256 MiB next to the device-to-device copy bandwidth), then
+# the device kernels against torch (tests/test_gpu.py). About 1-3 minutes; killed after 200 s
+# (1 rank), 280 s (2 ranks) and 120 s (the kernels).
 #
 # Needs one GPU and python3 with torch (CUDA build), CuPy and mpi4py; no network and no MPI
 # library: the MPICH wheel is carried in .whl/ (git-ignored) and installed into /tmp/site.
@@ -51,3 +53,5 @@ print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), CuPy {cupy.__vers
 PY
 timeout 200 mpiexec -n 1 python3 scripts/gpu_check.py --no-bench
 timeout 280 mpiexec -n 2 python3 scripts/gpu_check.py "$@"
+# The device kernels a CUDA-aware ring runs (this MPI may not reach them), against torch's.
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k device_kernels

@@ -392,3 +392,35 @@ def test_two_process_sets_reduce_on_one_gpu_at_once():
     """The world and {0, 1} from two threads on 3 ranks sharing the GPU, each set with its own
     device scratch: exact results."""
     run_ok(3, "gpu_sets_check.py", timeout=240)
+
+
+@pytest.mark.skipif(bool(GPU_MISSING), reason=GPU_MISSING)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.int32])
+def test_device_kernels_reduce_and_scale_as_torch_does(dtype):
+    """The reduction and scaling a CUDA-aware ring runs on the GPU (our half kernels, CuPy's
+    ufuncs for the rest), which MPI without CUDA support never reaches: bit for bit as torch
+    computes `a op b` and `x * factor` on the device (one rounding, from float32 math, for
+    the 16-bit floats)."""
+    g = torch.Generator().manual_seed(0)
+    if dtype.is_floating_point:
+        a, b = (torch.randn(100_003, generator=g).to(dtype).cuda() for _ in range(2))
+    else:
+        a, b = (torch.randint(-50, 50, (100_003,), generator=g).to(dtype).cuda()
+                for _ in range(2))
+    stream = torch.cuda.current_stream()
+    ops = {hvd.Sum: torch.add, hvd.Min: torch.minimum, hvd.Max: torch.maximum,
+           hvd.Product: torch.mul}
+    for op, torch_op in ops.items():
+        target = a.clone()
+        cuda._device_reducer(dtype, op, stream)(cuda.as_device_array(target),
+                                                cuda.as_device_array(b))
+        assert torch.equal(target, torch_op(a, b)), f"{dtype} {op.name}"
+    x = a.clone()
+    cuda._scale(cuda.as_device_array(x), dtype, 0.37)
+    torch.cuda.synchronize()
+    if dtype.is_floating_point:
+        want = (a.float() * 0.37).to(dtype) if dtype in (torch.float16, torch.bfloat16) \
+            else a * torch.tensor(0.37, dtype=dtype)
+    else:
+        want = (a.double() * 0.37).to(torch.int64).to(dtype)
+    assert torch.equal(x, want), f"{dtype} scale"
