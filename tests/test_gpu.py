@@ -412,10 +412,13 @@ def test_device_kernels_reduce_and_scale_as_torch_does(dtype):
            hvd.Product: torch.mul}
     for op, torch_op in ops.items():
         target = a.clone()
+        torch.cuda.synchronize()    # (CuPy launches on its current stream, maybe not torch's)
         cuda._device_reducer(dtype, op, stream)(cuda.as_device_array(target),
                                                 cuda.as_device_array(b))
+        torch.cuda.synchronize()
         assert torch.equal(target, torch_op(a, b)), f"{dtype} {op.name}"
     x = a.clone()
+    torch.cuda.synchronize()
     cuda._scale(cuda.as_device_array(x), dtype, 0.37)
     torch.cuda.synchronize()
     if dtype.is_floating_point:
