@@ -5,7 +5,7 @@
    bitwise identical across ranks; grouped, in-place, async, scaled and compressed variants;
 2. a few DistributedOptimizer steps of a small model against one process on the whole batch;
 3. busbw of allreduce from 1 MiB to 256 MiB on each path, next to the device-to-device copy
-   bandwidth of the same GPU;
+   bandwidth of the same GPU (`--json FILE`: that table, with the run's metadata);
 4. the collectives that move data (Horovod's, SyncBatchNorm) and the torch.distributed
    backend on CUDA tensors: each collective DDP and FSDP call, against a reference built from
    every rank's inputs (exact), and DDP training against one process.
@@ -15,6 +15,7 @@ run in device memory, by our CUDA kernels. Every rank prints 'OK rank <r>' at th
 """
 import argparse
 import hashlib
+import json
 import time
 
 import torch
@@ -24,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ringreduce as hvd
 import ringreduce.distributed as rrd
+from bench_common import metadata
 from ringreduce import cuda_aware
 
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
@@ -332,6 +334,8 @@ def copy_bandwidth(device):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-bench", action="store_true", help="skip the bandwidth table")
+    parser.add_argument("--json", help="write the bandwidth table here (rank 0), for "
+                                       "scripts/docs_figures.py (docs/figures/gpu-2ranks.json)")
     args = parser.parse_args()
     hvd.init()
     assert hvd.size() <= 2, "run on 1 or 2 ranks: mpiexec -n 2 python3 scripts/gpu_check.py"
@@ -355,8 +359,14 @@ def main():
         if not args.no_bench:
             table[path] = [busbw(mib, device, 5 if mib < 256 else 3) for mib in SIZES_MIB]
         hvd.shutdown()
+    run = (metadata(world, gpu=torch.cuda.get_device_name(), torch_cuda=torch.version.cuda,
+                    cuda_aware=f"{aware} ({how})") if args.json else None)   # (collective)
     if table and world.rank == 0:
         copy = copy_bandwidth(device)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"meta": run, "sizes_mib": SIZES_MIB, "busbw_GBps": table,
+                           "device_copy_GBps": copy}, f, indent=2)
         header = "".join(f"{p + ' busbw':>22}" for p in table)
         print(f"\n{'size':>8}{header}{'device copy':>16}   (GB/s, {world.size} ranks, one GPU)")
         for i, mib in enumerate(SIZES_MIB):

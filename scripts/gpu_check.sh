@@ -11,7 +11,8 @@
 # library: the MPICH wheel is carried in .whl/ (git-ignored) and installed into /tmp/site.
 # Fill .whl/ once, on a machine with network, from the repository root:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl mpich==5.0.2
-# Then: bash scripts/gpu_check.sh   (ringreduce itself is used from this checkout, no install;
+# Then: bash scripts/gpu_check.sh [--json FILE]   (the busbw table as JSON: docs_figures.py;
+# ringreduce itself is used from this checkout, no install;
 # its C extension is built here for this python3 where the checkout has none, or an old one)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -229,3 +229,20 @@ def test_readme_is_the_front_door():
     assert "<!-- figures:start -->" in readme and "<!-- figures:end -->" in readme
     for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", readme):
         assert (ROOT / target).exists(), f"README links to a missing file: {target}"
+
+
+def test_a_gpu_check_run_renders_against_the_gpus_own_copy(tmp_path):
+    """scripts/gpu_check.py --json (made up here: no GPU on this machine): a table per size
+    and path, each busbw with its ratio to the device-to-device copy, and the Run line."""
+    figures = _load(ROOT / "scripts" / "docs_figures.py", "_docs_figures_for_test")
+    run = {"meta": {"ranks": 2, "hostname": "gpu", "hosts": ["gpu"], "gpu": "NVIDIA H200",
+                    "cuda_aware": "False (MPIX_Query_cuda_support())", "environment": {},
+                    "date": "2026-12-04T12:20:00+00:00"},
+           "sizes_mib": [1, 256], "busbw_GBps": {"staging": [1.59, 4.46]},
+           "device_copy_GBps": 2083.6}
+    (tmp_path / "gpu-2ranks.json").write_text(json.dumps(run))
+    assert figures.main(["--dir", str(tmp_path)]) == 0
+    text = (tmp_path / "gpu-2ranks.md").read_text()
+    assert "| 256 MiB | 4.46 GB/s (0.0021 × copy) |" in text, text
+    assert "2,084 GB/s" in text and "NVIDIA H200" in text and "2 ranks on one GPU" in text
+    assert text.count("Run: 2026-12-04 12:20:00+00:00, on `gpu`") == 1
