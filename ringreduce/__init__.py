@@ -29,7 +29,7 @@ from .world import (ccl_built, check_extension, cross_rank, cross_size, cuda_bui
                     mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size,
                     split_list, start_timeline, stop_timeline)
 
-__version__ = "0.1.0"
+from .version import __version__
 
 compile_boundary.install()      # torch.compile runs our code eagerly rather than tracing it
 

@@ -21,7 +21,8 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
-from . import __version__, world
+from . import world
+from .version import __version__
 
 HYDRA, OPEN_MPI = "MPICH Hydra", "Open MPI"
 

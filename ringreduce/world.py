@@ -28,6 +28,7 @@ from .mpi import mpi
 from .process_sets import (ProcessSet, global_set, is_running, register_at_init,
                            registered_sets, start, stop)
 from .stall import wait_reporting
+from .version import __version__
 
 log = logging.getLogger("ringreduce")
 _init_lock = threading.Lock()
@@ -104,13 +105,14 @@ def _duplicate(comm: Any, settings: Settings) -> Any:
 
 
 def _agree_on_settings(comm: Any, settings: Settings) -> None:
-    """Every rank of `comm` has the same Settings.AGREED, or every rank raises, naming each
-    setting that differs and which ranks have which value (one rank's environment lacking a
-    variable, an init() argument computed per rank); `comm` is freed then."""
-    mine, rank = tuple(getattr(settings, name) for name in Settings.AGREED), comm.rank
-    everyone = comm.allgather(mine)
-    differ = [i for i, name in enumerate(Settings.AGREED)
-              if any(values[i] != mine[i] for values in everyone)]
+    """Every rank of `comm` runs the same ringreduce release with the same Settings.AGREED, or
+    every rank raises, naming what differs and which ranks have which value (one rank's
+    environment lacking a variable, an init() argument computed per rank, another install on
+    some node); `comm` is freed then."""
+    names = ("version", *Settings.AGREED)
+    mine = (__version__, *(getattr(settings, name) for name in Settings.AGREED))
+    rank, everyone = comm.rank, comm.allgather(mine)
+    differ = [i for i in range(len(names)) if any(values[i] != mine[i] for values in everyone)]
     if not differ:
         return
     comm.Free()
@@ -119,14 +121,17 @@ def _agree_on_settings(comm: Any, settings: Settings) -> None:
         held: dict[Any, list[int]] = {}
         for member, values in enumerate(everyone):
             held.setdefault(values[i], []).append(member)
-        name = Settings.AGREED[i]
-        told.append(f"{name} ({Settings.env_name(name)}): " + ", ".join(
-            f"{value!r} on ranks {ranks}" for value, ranks in held.items()))
+        name = names[i]
+        what = "ringreduce's version" if name == "version" else \
+            f"{name} ({Settings.env_name(name)})"
+        told.append(f"{what}: " + ", ".join(f"{value!r} on ranks {ranks}"
+                                            for value, ranks in held.items()))
     raise RingReduceError(
-        f"ringreduce: init() on rank {rank}: settings that every rank must share differ "
+        f"ringreduce: init() on rank {rank}: what every rank must share differs "
         f"({'; '.join(told)}): ranks that moved a collective's bytes different ways would pair "
-        "it anyway. Set them alike on every rank (export the variables to every rank, e.g. "
-        "mpiexec -genv, or pass the same init() arguments).")
+        "it anyway. Set the settings alike on every rank (export the variables to every rank, "
+        "e.g. mpiexec -genv, or pass the same init() arguments), and install one ringreduce "
+        "release everywhere.")
 
 
 def shutdown() -> None:

@@ -8,7 +8,7 @@ import torch
 
 import ringreduce as hvd
 from checks import expect
-from ringreduce import collective_work
+from ringreduce import collective_work, world
 from ringreduce.process_sets import active
 from ringreduce.transport import Transport
 from ringreduce.ways import SetParts
@@ -719,8 +719,9 @@ if n > 1:
         hvd.barrier()
     assert hvd.allgather_object(r) == list(range(n))
 # A setting that decides how bytes move, set otherwise on the last rank alone (an init()
-# argument computed per rank): init() fails on every rank, naming it and who has which value,
-# before any collective could pair two ways; init() with it alike works.
+# argument computed per rank), then another ringreduce release there: init() fails on every
+# rank, naming it and who has which value, before any collective could pair two ways; init()
+# with them alike works.
 if n > 1:
     hvd.shutdown()
     expect(hvd.RingReduceError, [f"init() on rank {r}", "small_message_bytes "
@@ -728,6 +729,12 @@ if n > 1:
                                  f"{list(range(n - 1))}, 4096 on ranks [{n - 1}]"],
            hvd.init, small_message_bytes=4096 if r == n - 1 else 65536)
     assert not hvd.is_initialized()
+    release = world.__version__         # another install of ringreduce on the last rank
+    world.__version__ = "0.0.1" if r == n - 1 else release
+    expect(hvd.RingReduceError, [f"init() on rank {r}", f"ringreduce's version: {release!r} on "
+                                 f"ranks {list(range(n - 1))}, '0.0.1' on ranks [{n - 1}]"],
+           hvd.init)
+    world.__version__ = release
     hvd.init()
     assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
 print(f"OK rank {r}", flush=True)
