@@ -370,7 +370,7 @@ def broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
             meet_failure(ps, name, kind, begun, error)
             raise
         if in_place:
-            if not _same_memory(out, tensor):
+            if ps.rank != root and not _same_memory(out, tensor):   # (the root's is unchanged)
                 with torch.no_grad():
                     tensor.copy_(_as(out, tensor))
             return tensor
@@ -442,7 +442,9 @@ def reducescatter_work(tensors: Sequence[torch.Tensor], name: Optional[str], op:
     scatters = []
     for tensor, t, each in zip(tensors, checked, names):
         wire, context = compression.compress(t)
-        scatters.append(_reducescatter_one(ps, wire.clone(), context, compression, each, op,
+        shares = wire.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+        work_tensor = wire.clone() if shares else wire      # (reduced in place: not the input)
+        scatters.append(_reducescatter_one(ps, work_tensor, context, compression, each, op,
                                            prescale_factor, postscale_factor, len(tensors),
                                            tensor))
     return ps, names[0], lambda: [scatter() for scatter in scatters]

@@ -313,6 +313,13 @@ def check_reducescatter():
                 start = sum(counts[:r])
                 check_equal(got, want_full[start:start + counts[r]],
                             f"reducescatter rows={rows} {op.name} {dtype}")
+                check_equal(full, inputs(r, rows * 3, dtype, op).reshape(rows, 3),
+                            f"reducescatter rows={rows} {op.name} {dtype}: the input")
+    x = torch.arange(4.0 * n).reshape(2 * n, 2)     # reduced in a copy, compressed or not
+    for compression in (hvd.Compression.none, hvd.Compression.fp16):
+        hvd.reducescatter(x, op=hvd.Sum, compression=compression)
+        check_equal(x, torch.arange(4.0 * n).reshape(2 * n, 2),
+                    f"reducescatter {compression.__name__}: the input")
 
 
 def check_all():
