@@ -57,6 +57,14 @@ Columns:
     x ddp       samples/s / samples/s of ddp (>1: faster than DDP over gloo)
     x rr        samples/s / samples/s of ringreduce (DistributedOptimizer)
     step(ms)    time of one step (1000 * time / steps, the same median repetition)
+    cpu         CPU time of the training thread per step (ms; time.thread_time, every
+                repetition, the largest over the ranks): the method's own work on that thread,
+                e.g. DDP's copies into and out of its buckets, without the waits
+    xfer, wait  per step, the time ringreduce's node transport spent moving and reducing
+                bytes in large allreduces (its copy_in, reduce, publish and copy_out phases,
+                native/node.c) and waiting there for a peer's part (wait_in, wait_out), in ms,
+                the largest over the ranks; "n/a" where ringreduce does not carry the
+                gradients (none, allreduce_after, ddp) or the ranks share no node window
     sync        whether all ranks hold the same parameters afterwards (checksums of the
                 parameters agree to 1e-6 relative; "-" for none, whose ranks diverge)
     peakRSS     peak resident memory of the rank (MiB) while the method ran (memory pass),
@@ -93,11 +101,14 @@ from mpi4py import MPI  # noqa: E402
 
 from bench_common import (init_torch_distributed, metadata as common_metadata,  # noqa: E402
                           write_results)
+from ringreduce.process_sets import global_set  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
 METHODS = ["none", "ringreduce_view", "ringreduce", "allreduce_after", "ddp_rr_view", "ddp_rr",
            "ddp"]
+ON_RINGREDUCE = {"ringreduce_view", "ringreduce", "ddp_rr_view", "ddp_rr"}
+WORK_PHASES, WAIT_PHASES = ("copy_in", "reduce", "publish", "copy_out"), ("wait_in", "wait_out")
 GLOO = None     # torch.distributed's gloo group of every rank (bench_common.init_torch_distributed)
 MODELS = ["mlp", "cnn", "mlp10m"]
 IMAGE = (3, 64, 64)
@@ -261,31 +272,58 @@ def measure_memory(name: str, method: str, batches, args) -> dict:
     }
 
 
+def node_phases() -> dict[str, float] | None:
+    """Seconds ringreduce's node window spent in each phase of large allreduces since the
+    last call (native/node.c; it resets them), or None without a window."""
+    node = global_set("bench_train").transport.node
+    return None if node is None else node.profile(reset=True)
+
+
+def per_step_ms(totals: dict[str, float], steps: int) -> dict[str, float]:
+    """The largest over the ranks of each total (seconds), per step, in ms."""
+    return {k: 1000 * COMM.allreduce(v, op=MPI.MAX) / steps for k, v in totals.items()}
+
+
 def measure_speed(name: str, methods: list[str], batches, args) -> list[dict]:
     """The timing pass: every method built and warmed up, then their repetitions take turns,
-    so that a slow spell of the machine lands on all of them, not on one method's reps."""
+    so that a slow spell of the machine lands on all of them, not on one method's reps. Also
+    where each step's time went: the training thread's CPU and the node transport's phases,
+    summed over the repetitions."""
     trainers = [Trainer(name, method, batches, args.lr) for method in methods]
     for trainer in trainers:
         for i in range(args.warmup):
             trainer.step(i)
     times: dict[str, list[float]] = {m: [] for m in methods}
+    spent = {m: {"cpu": 0.0, "xfer": 0.0, "wait": 0.0} for m in methods}
     for _ in range(args.reps):
         for trainer in trainers:
             COMM.Barrier()
+            node_phases()
+            cpu = time.thread_time()
             start = time.perf_counter()
             for i in range(args.steps):
                 trainer.step(i)
-            times[trainer.method].append(COMM.allreduce(time.perf_counter() - start,
-                                                        op=MPI.MAX))
+            elapsed = time.perf_counter() - start
+            spent[trainer.method]["cpu"] += time.thread_time() - cpu
+            phases = node_phases() or {}
+            spent[trainer.method]["xfer"] += sum(phases.get(k, 0.0) for k in WORK_PHASES)
+            spent[trainer.method]["wait"] += sum(phases.get(k, 0.0) for k in WAIT_PHASES)
+            times[trainer.method].append(COMM.allreduce(elapsed, op=MPI.MAX))
     rows = []
+    has_window = node_phases() is not None
     for trainer in trainers:
         seconds = statistics.median(times[trainer.method])
+        per_step = per_step_ms(spent[trainer.method], args.reps * args.steps)
+        transported = has_window and trainer.method in ON_RINGREDUCE
         rows.append({
             "model": name, "method": trainer.method, "time_s": seconds,
             "rep_times_s": times[trainer.method],
             "samples_per_s": NRANKS * args.batch * args.steps / seconds,
             "step_ms": 1000 * seconds / args.steps,
             "params_in_sync": None if trainer.method == "none" else trainer.in_sync(),
+            "train_thread_cpu_ms_per_step": per_step["cpu"],
+            "transport_ms_per_step": per_step["xfer"] if transported else None,
+            "transport_wait_ms_per_step": per_step["wait"] if transported else None,
         })
     del trainers
     release_memory()
@@ -304,7 +342,7 @@ def fmt(value, spec: str, width: int) -> str:
 
 
 HEADER = (f"{'method':>16} {'samples/s':>10} {'x none':>7} {'x ddp':>7} {'x rr':>6} "
-          f"{'step(ms)':>9} "
+          f"{'step(ms)':>9} {'cpu':>6} {'xfer':>5} {'wait':>5} "
           f"{'sync':>5} {'peakRSS':>8} {'+peak':>7}")
 
 
@@ -312,7 +350,9 @@ def row(r: dict) -> str:
     sync = {None: "-", True: "yes", False: "NO"}[r["params_in_sync"]]
     return (f"{r['method']:>16} {r['samples_per_s']:>10.1f} {fmt(r['vs_none'], '.3f', 7)} "
             f"{fmt(r['vs_ddp'], '.3f', 7)} {fmt(r['vs_ringreduce'], '.3f', 6)} "
-            f"{r['step_ms']:>9.1f} {sync:>5} "
+            f"{r['step_ms']:>9.1f} {r['train_thread_cpu_ms_per_step']:>6.1f} "
+            f"{fmt(r['transport_ms_per_step'], '.1f', 5)} "
+            f"{fmt(r['transport_wait_ms_per_step'], '.1f', 5)} {sync:>5} "
             f"{max(r['peak_rss_mib_per_rank']):>8.0f} "
             f"{max(r['peak_rss_increase_mib_per_rank']):>7.0f}"
             f"{' (cumulative)' if r['peak_rss_cumulative'] else ''}")

@@ -21,7 +21,8 @@ Recognised files, by their shape:
     scripts/bench_train.py --json       {"meta", "models", "results"}: section `tables`,
         samples/s per model and method against no communication and DDP on gloo, step time and
         peak RSS; section `dist`, DDP on the "ringreduce" backend (`ddp_rr`) beside DDP on gloo
-        and DistributedOptimizer
+        and DistributedOptimizer, and where their steps' time goes (training thread's CPU,
+        transport moving and waiting)
     scripts/bench_kernels.py --json     {"meta", "kernels": [{"kernel", "implementation",
         "gbps"}]} (older files: the bare list): GB/s per kernel
     scripts/cost_model.py --json        {"machine", "rows"}: predicted times at 2-1,024 nodes
@@ -423,7 +424,36 @@ def train_dist(data: dict, source: str) -> str:
     if views:
         header += [TRAIN_METHODS["ddp_rr_view"],
                    "DDP `\"ringreduce\"`, bucket views ÷ `DistributedOptimizer`"]
-    return "\n".join(out + [f"**{title}**", "", table(header, rows), ""])
+    return "\n".join(out + [f"**{title}**", "", table(header, rows), ""] + train_spent(data))
+
+
+def train_spent(data: dict) -> list[str]:
+    """Where a step's time went, per method on our transport and DDP on gloo: the training
+    thread's CPU, and the node transport's moving and waiting (lines; none for a file made
+    before bench_train.py recorded them)."""
+    results = [r for r in data["results"] if "train_thread_cpu_ms_per_step" in r]
+    methods = [m for m in ("ringreduce", "ddp_rr", "ddp_rr_view", "ddp")
+               if any(r["method"] == m for r in results)]
+    if not methods:
+        return []
+
+    def ms(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.1f}"
+
+    rows = []
+    for info in data["models"]:
+        by_method = {r["method"]: r for r in results if r["model"] == info["model"]}
+        for method in methods:
+            r = by_method.get(method)
+            if r is not None:
+                rows.append([f"{model_label(info['model'], info)}: {TRAIN_METHODS[method]}",
+                             ms(r["step_ms"]), ms(r["train_thread_cpu_ms_per_step"]),
+                             ms(r["transport_ms_per_step"]),
+                             ms(r["transport_wait_ms_per_step"])])
+    title = "where a step's time goes, ms per step (largest over the ranks)"
+    header = [title, "step", "training thread's CPU", "transport moving bytes",
+              "transport waiting for a peer"]
+    return [f"**{title}**", "", table(header, rows), ""]
 
 
 def train(data: dict, source: str) -> str:

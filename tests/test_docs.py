@@ -137,10 +137,14 @@ def _allreduce_run(methods) -> dict:
     return {"meta": _bench_meta(), "copies": copies, "results": results, "profiles": []}
 
 
-def _train_run(methods) -> dict:
+def _train_run(methods, spent: bool = True) -> dict:
     results = [{"model": "mlp", "method": m, "samples_per_s": 100.0 + 10 * i, "step_ms": 50.0,
                 "peak_rss_increase_mib_per_rank": [10.0, 12.0], "vs_none": 1.0, "vs_ddp": 1.0}
                for i, m in enumerate(methods)]
+    for i, r in enumerate(results if spent else []):     # what bench_train.py records since
+        on_ours = r["method"] in ("ringreduce", "ddp_rr", "ddp_rr_view")
+        r.update(train_thread_cpu_ms_per_step=40.0 + i, transport_ms_per_step=3.3 if on_ours
+                 else None, transport_wait_ms_per_step=0.5 * i if on_ours else None)
     return {"meta": _bench_meta(batch_per_rank=32),
             "models": [{"model": "mlp", "params": 23_500_000, "grad_mib": 89.6}],
             "results": results}
@@ -171,6 +175,11 @@ def test_figures_show_the_run_and_the_torch_distributed_rows(tmp_path):
     dist = train.split("[start:dist]")[1]
     assert "DDP on `\"ringreduce\"`" in dist and "DDP on gloo" in dist
     assert "| MLP 23.5M (`mlp`) | 110 | 130 | 140 | 0.93 × | 1.18 × | 120 | 1.09 × |" in dist
+    assert "where a step's time goes" in dist
+    assert "| MLP 23.5M (`mlp`): DDP on `\"ringreduce\"` | 50.0 | 43.0 | 3.3 | 1.5 |" in dist
+    assert "| MLP 23.5M (`mlp`): DDP on gloo | 50.0 | 44.0 | n/a | n/a |" in dist
+    before = _train_run(["none", "ringreduce", "ddp_rr", "ddp"], spent=False)    # older files
+    assert "where a step's time goes" not in figures.train_dist(before, "train-2ranks.json")
     assert "1.18 × `DistributedOptimizer` (1.09 × with DDP's `gradient_as_bucket_view=True`)" \
         in readme.read_text()
     head = readme.read_text()
@@ -205,7 +214,7 @@ def test_figures_without_the_new_rows_say_so(tmp_path):
     run = _allreduce_run(["ours_", "mpi", "gloo"])
     run["meta"] = old
     (tmp_path / "allreduce-2ranks.json").write_text(json.dumps(run))
-    run = _train_run(["none", "ringreduce", "ddp"])
+    run = _train_run(["none", "ringreduce", "ddp"], spent=False)
     run["meta"] = dict(old, batch_per_rank=32)
     (tmp_path / "train-2ranks.json").write_text(json.dumps(run))
     assert figures.main(["--dir", str(tmp_path)]) == 0
