@@ -9,7 +9,8 @@
 4. the collectives that move data (Horovod's, SyncBatchNorm) and the torch.distributed
    backend on CUDA tensors: each collective DDP and FSDP call, against a reference built from
    every rank's inputs (exact), and DDP training against one process.
-   Each case reports on its own, so that one failing does not hide the others.
+Each case reports on its own and the next still runs, so that one failing does not hide the
+others (the ranks stay in step: a case's collectives run on every rank whatever it found).
 On 2 ranks (sharing GPU 0) the MPI moves the data; on 1 rank (a set of one) the reductions
 run in device memory, by our CUDA kernels. Every rank prints 'OK rank <r>' at the end.
 """
@@ -55,44 +56,84 @@ def reference(length, dtype, op, n, pre=1.0, post=1.0):
     return out * post if post != 1.0 else out
 
 
+def differs_across_ranks(t):
+    """Collective (every rank calls it, with None where its call failed): why the ranks'
+    results differ, or None."""
+    raw = b"" if t is None else t.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    digests = world.allgather(hashlib.blake2b(raw).digest())
+    return "results differ across ranks" if len(set(digests)) > 1 else None
+
+
 def same_everywhere(t, what):
-    digest = hashlib.blake2b(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).digest()
-    assert len(set(world.allgather(digest))) == 1, f"{what}: results differ across ranks"
+    problem = differs_across_ranks(t)
+    assert problem is None, f"{what}: {problem}"
+
+
+def mismatch(got, want):
+    """Why `got` is not exactly `want`, or None."""
+    got = got.cpu()
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"got {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
+    return None if torch.equal(got, want) else f"got {got[:6]} want {want[:6]}"
 
 
 def check(got, want, what):
-    got = got.cpu()
-    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype} {got.shape}"
-    assert torch.equal(got, want), f"{what}: got {got[:6]} want {want[:6]}"
+    problem = mismatch(got, want)
+    assert problem is None, f"{what}: {problem}"
+
+
+def checked(what, device, call, want, failures):
+    """One allreduce case, reported rather than raised, so that the cases after it still
+    run: `call()` makes the result, which must equal `want` exactly, lie on `device` and
+    agree across ranks. The agreement is a collective that every rank makes, whether its
+    own call failed or not, so the ranks stay in step."""
+    got = None
+    try:
+        got = call()
+        problem = f"result on {got.device}" if got.device != device else mismatch(got, want)
+    except Exception as error:      # (a refusal or a failure: the next case still runs)
+        problem = f"{type(error).__name__}: {error}"
+    across = differs_across_ranks(got)      # (on every rank, whatever it found)
+    problem = problem or across
+    if problem:
+        failures.append(f"{what}: {problem}")
+        print(f"rank {world.rank}: FAILED {what}: {problem}", flush=True)
 
 
 def check_allreduce(path, device):
-    n = hvd.size()
+    """Every case runs and reports; raises at the end, naming how many failed."""
+    n, failures = hvd.size(), []
     for dtype in DTYPES:
         for op in OPS:
             for length in LENGTHS:
-                what = f"{path} allreduce {dtype} {op.name} length {length}"
-                got = hvd.allreduce(inputs(hvd.rank(), length, dtype, op, device), op=op)
-                assert got.device == device, f"{what}: result on {got.device}"
-                check(got, reference(length, dtype, op, n), what)
-                same_everywhere(got, what)
+                checked(f"{path} allreduce {dtype} {op.name} length {length}", device,
+                        lambda: hvd.allreduce(inputs(hvd.rank(), length, dtype, op, device),
+                                              op=op),
+                        reference(length, dtype, op, n), failures)
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        t = inputs(hvd.rank(), 40_001, dtype, hvd.Average, device)
-        hvd.allreduce_(t, op=hvd.Average, prescale_factor=2.0, postscale_factor=0.5)
-        check(t, reference(40_001, dtype, hvd.Average, n, 2.0, 0.5), f"{path} scaled {dtype}")
-    group = [inputs(hvd.rank(), k, d, hvd.Sum, device)
-             for k, d in ((5, torch.float32), (300_001, torch.bfloat16), (7, torch.int64))]
-    for i, got in enumerate(hvd.grouped_allreduce(group, op=hvd.Sum)):
-        check(got, reference(group[i].numel(), group[i].dtype, hvd.Sum, n), f"{path} group {i}")
-    handle = hvd.allreduce_async(inputs(hvd.rank(), 70_001, torch.float32, hvd.Sum, device),
-                                 op=hvd.Sum, compression=hvd.Compression.fp16)
-    check(hvd.synchronize(handle), reference(70_001, torch.float32, hvd.Sum, n),
-          f"{path} fp16-compressed async")
+        checked(f"{path} scaled {dtype}", device,
+                lambda: hvd.allreduce_(inputs(hvd.rank(), 40_001, dtype, hvd.Average, device),
+                                       op=hvd.Average, prescale_factor=2.0,
+                                       postscale_factor=0.5),
+                reference(40_001, dtype, hvd.Average, n, 2.0, 0.5), failures)
+    shapes = ((5, torch.float32), (300_001, torch.bfloat16), (7, torch.int64))
+    for i, (k, d) in enumerate(shapes):     # one grouped call per case, its i-th result checked
+        checked(f"{path} grouped, tensor {i}", device,
+                lambda: hvd.grouped_allreduce([inputs(hvd.rank(), size, kind, hvd.Sum, device)
+                                               for size, kind in shapes], op=hvd.Sum)[i],
+                reference(k, d, hvd.Sum, n), failures)
+    checked(f"{path} fp16-compressed async", device,
+            lambda: hvd.synchronize(hvd.allreduce_async(
+                inputs(hvd.rank(), 70_001, torch.float32, hvd.Sum, device), op=hvd.Sum,
+                compression=hvd.Compression.fp16)),
+            reference(70_001, torch.float32, hvd.Sum, n), failures)
     for dtype in (torch.float16, torch.bfloat16):   # rounding: as torch's own add, bit for bit
         g = [torch.Generator().manual_seed(k) for k in range(n)]
         xs = [torch.randn(300_007, generator=gk).to(dtype) for gk in g]
-        got = hvd.allreduce(xs[hvd.rank()].to(device), op=hvd.Sum)
-        check(got, xs[0] if n == 1 else xs[0] + xs[1], f"{path} rounding {dtype}")
+        checked(f"{path} rounding {dtype}", device,
+                lambda: hvd.allreduce(xs[hvd.rank()].to(device), op=hvd.Sum),
+                xs[0] if n == 1 else xs[0] + xs[1], failures)
+    assert not failures, f"{path}: {len(failures)} allreduce cases failed (above)"
     print(f"rank {hvd.rank()}: {path}: allreduce of every dtype and op matches", flush=True)
 
 
@@ -135,16 +176,18 @@ def check_training(path, device):
     train(single, [(x.to(device), y.to(device)) for x, y in batches], False)
     r, n = hvd.rank(), hvd.size()
     mine = [(x.chunk(n)[r].to(device), y.chunk(n)[r].to(device)) for x, y in batches]
+    differ = []     # (checked after both layouts, so that a rank failing goes on in step)
     for options in ({}, {"gradient_as_bucket_view": True}):
         model = Net().to(device)
         model.load_state_dict(initial)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         train(model, mine, True, **options)
         hvd.check_consistency(model)
-        for (name, a), b in zip(model.named_parameters(), single.parameters()):
-            assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), \
-                f"{path} {options}: '{name}' differs from the single-process run by " \
-                f"{(a - b).abs().max().item():.3g}"
+        differ += [f"{path} {options}: '{name}' differs from the single-process run by "
+                   f"{(a - b).abs().max().item():.3g}"
+                   for (name, a), b in zip(model.named_parameters(), single.parameters())
+                   if not torch.allclose(a, b, rtol=1e-4, atol=1e-5)]
+    assert not differ, "; ".join(differ)
     print(f"rank {r}: {path}: 5 optimizer steps match the single-process run", flush=True)
 
 
@@ -348,17 +391,31 @@ def main():
     if world.rank == 0:
         print(f"{MPI.Get_library_version().splitlines()[0]}; {torch.cuda.get_device_name()}; "
               f"CUDA-aware: {aware} ({how})", flush=True)
-    table = {}
+    table, failed = {}, []
+
+    def stage(label, run, **settings):
+        """One part of the check in its own init(): a failure is reported, and the next part
+        still runs (a device session is short: every failure in one run)."""
+        hvd.init(**settings)
+        try:
+            run()
+        except Exception as error:
+            failed.append(label)
+            print(f"rank {world.rank}: {label} FAILED: {type(error).__name__}: {error}",
+                  flush=True)
+        finally:
+            hvd.shutdown()
+
     for path, setting in paths.items():
         for env in ({}, {"small_message_bytes": 0, "segment_bytes": 64 << 10}):
-            hvd.init(cuda_aware=setting, **env)
-            check_allreduce(path + (" (ring only)" if env else ""), device)
-            hvd.shutdown()
-        hvd.init(cuda_aware=setting)
-        check_training(path, device)
+            label = path + (" (ring only)" if env else "")
+            stage(f"{label} allreduce", lambda: check_allreduce(label, device),
+                  cuda_aware=setting, **env)
+        stage(f"{path} training", lambda: check_training(path, device), cuda_aware=setting)
         if not args.no_bench:
-            table[path] = [busbw(mib, device, 5 if mib < 256 else 3) for mib in SIZES_MIB]
-        hvd.shutdown()
+            def bench():
+                table[path] = [busbw(mib, device, 5 if mib < 256 else 3) for mib in SIZES_MIB]
+            stage(f"{path} busbw", bench, cuda_aware=setting)
     run = (metadata(world, gpu=torch.cuda.get_device_name(), torch_cuda=torch.version.cuda,
                     cuda_aware=f"{aware} ({how})") if args.json else None)   # (collective)
     if table and world.rank == 0:
@@ -374,8 +431,8 @@ def main():
             print(f"{str(mib) + ' MiB':>8}{row}{copy:16.1f}")
         if not aware:
             print(f"(no CUDA-aware row: {how} says the MPI cannot take device pointers)")
-    failed = check_backend(device)
-    assert not failed, f"rank {world.rank}: the backend's cases {failed} failed"
+    failed += [f"dist {case}" for case in check_backend(device)]
+    assert not failed, f"rank {world.rank}: {failed} failed"
     print(f"OK rank {world.rank}", flush=True)
 
 

@@ -5,7 +5,7 @@
 # single-process run; the other collectives and the torch.distributed backend on CUDA tensors;
 # and a busbw table from 1 MiB to 256 MiB next to the device-to-device copy bandwidth), then
 # the device kernels against torch (tests/test_gpu.py). About 1-3 minutes; killed after 200 s
-# (1 rank), 280 s (2 ranks) and 120 s (the kernels).
+# (1 rank), 280 s (2 ranks) and 120 s (the kernels); each part runs whatever the others did.
 #
 # Needs one GPU and python3 with torch (CUDA build), CuPy and mpi4py; no network and no MPI
 # library: the MPICH wheel is carried in .whl/ (git-ignored) and installed into /tmp/site.
@@ -52,7 +52,24 @@ assert torch.cuda.is_available(), "no GPU visible to torch"
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), CuPy {cupy.__version__}, "
       f"mpi4py {mpi4py.__version__}, {torch.cuda.device_count()} GPU(s)")
 PY
-timeout 200 mpiexec -n 1 python3 scripts/gpu_check.py --no-bench
-timeout 280 mpiexec -n 2 python3 scripts/gpu_check.py "$@"
+# Every part runs, whatever the one before did (a device session is short: all its failures
+# in one run); the exit status says whether all passed.
+failed=()
+part() {
+    local label=$1
+    shift
+    if "$@"; then echo "gpu_check: $label: passed"; else
+        echo "gpu_check: $label: FAILED (exit $?)"
+        failed+=("$label")
+    fi
+}
+part "1 rank" timeout 200 mpiexec -n 1 python3 scripts/gpu_check.py --no-bench
+part "2 ranks" timeout 280 mpiexec -n 2 python3 scripts/gpu_check.py "$@"
 # The device kernels a CUDA-aware ring runs (this MPI may not reach them), against torch's.
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k device_kernels
+part "device kernels" timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+    -k device_kernels
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "gpu_check: FAILED: ${failed[*]}"
+    exit 1
+fi
+echo "gpu_check: all passed"
