@@ -57,14 +57,15 @@ Columns:
     x ddp       samples/s / samples/s of ddp (>1: faster than DDP over gloo)
     x rr        samples/s / samples/s of ringreduce (DistributedOptimizer)
     step(ms)    time of one step (1000 * time / steps, the same median repetition)
-    cpu         CPU time of the training thread per step (ms; time.thread_time, every
-                repetition, the largest over the ranks): the method's own work on that thread,
-                e.g. DDP's copies into and out of its buckets, without the waits
-    xfer, wait  per step, the time ringreduce's node transport spent moving and reducing
-                bytes in large allreduces (its copy_in, reduce, publish and copy_out phases,
-                native/node.c) and waiting there for a peer's part (wait_in, wait_out), in ms,
-                the largest over the ranks; "n/a" where ringreduce does not carry the
-                gradients (none, allreduce_after, ddp) or the ranks share no node window
+    cpu         CPU time of the training thread per step (ms; time.thread_time, averaged over
+                every repetition, the largest over the ranks): the method's own work on that
+                thread, e.g. DDP's copies into and out of its buckets, without the waits
+    xfer, wait  per step (averaged likewise), the time ringreduce's node transport spent
+                moving and reducing bytes in large allreduces (its copy_in, reduce, publish and
+                copy_out phases, native/node.c) and waiting there for a peer's part (wait_in,
+                wait_out), in ms, the largest over the ranks; "n/a" where ringreduce does not
+                carry the gradients (none, allreduce_after, ddp) or the ranks share no node
+                window
     sync        whether all ranks hold the same parameters afterwards (checksums of the
                 parameters agree to 1e-6 relative; "-" for none, whose ranks diverge)
     peakRSS     peak resident memory of the rank (MiB) while the method ran (memory pass),
