@@ -85,12 +85,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return NAMES.get(dtype) or str(dtype).removeprefix("torch.")
 
 
-def _as(result: torch.Tensor, caller: torch.Tensor) -> torch.Tensor:
-    """A moved result as the caller's tensor's dtype again (see `_MOVED_AS`), and on its
-    device: a CUDA tensor's collective other than an allreduce works on a host copy
-    (cuda.device_tensor)."""
-    result = result if result.dtype == caller.dtype else result.view(caller.dtype)
+def _on_device(result: torch.Tensor, caller: torch.Tensor) -> torch.Tensor:
+    """A result on the caller's tensor's device: a CUDA tensor's collective other than an
+    allreduce works on a host copy (cuda.device_tensor)."""
     return result.to(caller.device) if caller.is_cuda else result
+
+
+def _as(result: torch.Tensor, caller: torch.Tensor) -> torch.Tensor:
+    """A moved result as the caller's tensor's dtype again (see `_MOVED_AS`), on its device."""
+    return _on_device(result if result.dtype == caller.dtype else result.view(caller.dtype),
+                      caller)
 
 
 def reduce_op(op: Any, average: Optional[bool], what: str,
@@ -465,7 +469,7 @@ def _reducescatter_one(ps: ActiveSet, work_tensor: torch.Tensor, context: Any,
     def scatter() -> torch.Tensor:
         ps.transport.reducescatter(as_array(work_tensor), bounds, spec)
         mine = work_tensor[start:start + rows[ps.rank]].clone()
-        return _as(compression.decompress(mine, context), caller)
+        return _on_device(compression.decompress(mine, context), caller)
 
     return scatter
 
@@ -510,8 +514,7 @@ def sparse_allreduce_work(tensor: torch.Tensor, name: Optional[str], op: Any,
         indices, values = [gather() for gather in gathers]
         if op == ReduceOp.Average:
             values = values / ps.size
-        result = torch.sparse_coo_tensor(indices.t(), values, dense_shape,
-                                         check_invariants=False)
-        return result.to(tensor.device) if tensor.is_cuda else result
+        return _on_device(torch.sparse_coo_tensor(indices.t(), values, dense_shape,
+                                                  check_invariants=False), tensor)
 
     return ps, name, work
