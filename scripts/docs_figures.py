@@ -26,8 +26,10 @@ Recognised files, by their shape:
     scripts/bench_kernels.py --json     {"meta", "kernels": [{"kernel", "implementation",
         "gbps"}]} (older files: the bare list): GB/s per kernel
     scripts/cost_model.py --json        {"machine", "rows"}: predicted times at 2-1,024 nodes
-    scripts/gpu_check.py --json         {"meta", "sizes_mib", "busbw_GBps", "device_copy_GBps"}:
-        allreduce busbw per GPU path (staging, CUDA-aware) against the GPU's own copy
+    scripts/gpu_check.py --json         {"meta", "sizes_mib", "busbw_GBps",
+        "staging_bounds_GBps", "device_copy_GBps"}: allreduce busbw per GPU path (staging,
+        CUDA-aware), the staging path against its bounds (host allreduce, pinned copy down
+        and up; older files lack them) and a CUDA-aware one against the GPU's own copy
 The README's block between `<!-- figures:start -->` and `<!-- figures:end -->` is made from
 allreduce-2ranks.json and train-2ranks.json. To refresh a figure, rerun its benchmark with
 `--json docs/figures/NAME.json` and then this script; performance.md names the command of each.
@@ -503,20 +505,41 @@ def cost_model(data: dict, source: str) -> str:
 
 
 def gpu(data: dict, source: str) -> str:
-    """One GPU shared by the ranks (scripts/gpu_check.py): busbw per path and size, against
-    the GPU's device-to-device copy."""
-    meta, copy, paths = data.get("meta") or {}, data["device_copy_GBps"], list(data["busbw_GBps"])
-    rows = [[f"{mib} MiB"] + [f"{num(data['busbw_GBps'][p][i])} GB/s "
-                              f"({data['busbw_GBps'][p][i] / copy:.2g} × copy)"
-                              for p in paths]
+    """One GPU shared by the ranks (scripts/gpu_check.py): busbw per path and size, each
+    against what bounds it in the same run. The staging path moves every byte down to pinned
+    host memory, reduces it there between the ranks and moves it back up, so its bound is the
+    slower of the host allreduce and the pinned copy down and up at that size; a CUDA-aware
+    path's is the GPU's device-to-device copy (and the staging path's too in a file made
+    before the run measured its bounds)."""
+    meta, copy, busbw = data.get("meta") or {}, data["device_copy_GBps"], data["busbw_GBps"]
+    bounds = data.get("staging_bounds_GBps") or {}
+    host, pinned = bounds.get("host allreduce"), bounds.get("pinned down+up")
+
+    def cell(path: str, i: int) -> str:
+        value = busbw[path][i]
+        if path == "staging" and host and pinned:
+            return f"{num(value)} GB/s ({value / min(host[i], pinned[i]):.2g} × bound)"
+        return f"{num(value)} GB/s ({value / copy:.2g} × copy)"
+
+    rows = [[f"{mib} MiB"] + [cell(p, i) for p in busbw]
+            + [f"{num(column[i])} GB/s" for column in bounds.values()]
             for i, mib in enumerate(data["sizes_mib"])]
     yardstick = (f"Yardstick: the GPU's device-to-device copy of 256 MiB, {num(copy)} GB/s "
                  "(torch's `copy_`, a cudaMemcpy, timed with CUDA events), on "
                  f"{meta.get('gpu', 'the GPU')}; CUDA-aware MPI: "
                  f"{meta.get('cuda_aware', 'not recorded')}.")
+    if host and pinned:
+        yardstick += (" The staging path's bound is the slower of two measured in the same "
+                      "run at each size, every rank at once: the host allreduce (the same "
+                      "call on CPU tensors, busbw) and the pinned copy down and back up "
+                      "(cudaMemcpyAsync on one stream, as staging queues them; bytes per "
+                      "second down and up). Staging can pass the host allreduce of a large "
+                      "buffer a little: it reduces the buffer in 4 MiB pieces, which stay in "
+                      "cache.")
     title = f"allreduce busbw, {meta.get('ranks', '?')} ranks on one GPU"
     return "\n".join([provenance(meta, source), "", yardstick, "", f"**{title}**", "",
-                      table(["size"] + [f"{p} busbw" for p in paths], rows), ""])
+                      table(["size"] + [f"{p} busbw" for p in busbw] + list(bounds), rows),
+                      ""])
 
 
 def source_name(path: Path) -> str:

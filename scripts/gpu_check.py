@@ -4,8 +4,10 @@
    supports it) the CUDA-aware path, against a reference built from every rank's inputs, and
    bitwise identical across ranks; grouped, in-place, async, scaled and compressed variants;
 2. a few DistributedOptimizer steps of a small model against one process on the whole batch;
-3. busbw of allreduce from 1 MiB to 256 MiB on each path, next to the device-to-device copy
-   bandwidth of the same GPU (`--json FILE`: that table, with the run's metadata);
+3. busbw of allreduce from 1 MiB to 256 MiB on each path, next to what bounds it in the same
+   run: for staging, the same allreduce of host tensors and the pinned copy down and back up
+   (both ranks at once); for CUDA-aware, the GPU's device-to-device copy (`--json FILE`: that
+   table, with the run's metadata);
 4. the collectives that move data (Horovod's, SyncBatchNorm) and the torch.distributed
    backend on CUDA tensors: each collective DDP and FSDP call, against a reference built from
    every rank's inputs (exact), and DDP training against one process.
@@ -362,6 +364,24 @@ def busbw(mib, device, repeats):
     return (mib << 20) * 2 * (n - 1) / n / best / 1e9
 
 
+def pinned_round_trip(mib, device, repeats):
+    """What the staging path's copies can carry, in GB/s: `mib` MiB down to pinned host memory
+    and back up (in order on one stream, as staging queues them) per second, every rank at
+    once, the best of `repeats`."""
+    here = torch.ones(mib << 18, dtype=torch.float32, device=device)
+    host = torch.empty(here.shape, dtype=here.dtype, pin_memory=True)
+    best = float("inf")
+    for _ in range(repeats + 1):                        # the first is a warm-up
+        hvd.barrier()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        host.copy_(here, non_blocking=True)
+        here.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return (mib << 20) / best / 1e9
+
+
 def copy_bandwidth(device):
     """Device-to-device copy of 256 MiB: bytes copied per second, in GB/s."""
     src = torch.ones(256 << 18, dtype=torch.float32, device=device)
@@ -393,7 +413,10 @@ def main():
     if world.rank == 0:
         print(f"{MPI.Get_library_version().splitlines()[0]}; {torch.cuda.get_device_name()}; "
               f"CUDA-aware: {aware} ({how})", flush=True)
-    table, failed = {}, []
+    table, limits, failed = {}, {}, []
+
+    def repeats(mib):
+        return 5 if mib < 256 else 3
 
     def stage(label, run, **settings):
         """One part of the check in its own init(): a failure is reported, and the next part
@@ -416,8 +439,15 @@ def main():
         stage(f"{path} training", lambda: check_training(path, device), cuda_aware=setting)
         if not args.no_bench:
             def bench():
-                table[path] = [busbw(mib, device, 5 if mib < 256 else 3) for mib in SIZES_MIB]
+                table[path] = [busbw(mib, device, repeats(mib)) for mib in SIZES_MIB]
             stage(f"{path} busbw", bench, cuda_aware=setting)
+    if not args.no_bench and world.size > 1:
+        def bounds():
+            host = torch.device("cpu")
+            limits["host allreduce"] = [busbw(mib, host, repeats(mib)) for mib in SIZES_MIB]
+            limits["pinned down+up"] = [pinned_round_trip(mib, device, repeats(mib))
+                                        for mib in SIZES_MIB]
+        stage("staging bounds", bounds)
     run = (metadata(world, gpu=torch.cuda.get_device_name(), torch_cuda=torch.version.cuda,
                     cuda_aware=f"{aware} ({how})") if args.json else None)   # (collective)
     if table and world.rank == 0:
@@ -425,11 +455,13 @@ def main():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"meta": run, "sizes_mib": SIZES_MIB, "busbw_GBps": table,
-                           "device_copy_GBps": copy}, f, indent=2)
-        header = "".join(f"{p + ' busbw':>22}" for p in table)
+                           "staging_bounds_GBps": limits, "device_copy_GBps": copy}, f,
+                          indent=2)
+        columns = {f"{p} busbw": table[p] for p in table} | limits
+        header = "".join(f"{name:>22}" for name in columns)
         print(f"\n{'size':>8}{header}{'device copy':>16}   (GB/s, {world.size} ranks, one GPU)")
         for i, mib in enumerate(SIZES_MIB):
-            row = "".join(f"{table[p][i]:22.2f}" for p in table)
+            row = "".join(f"{column[i]:22.2f}" for column in columns.values())
             print(f"{str(mib) + ' MiB':>8}{row}{copy:16.1f}")
         if not aware:
             print(f"(no CUDA-aware row: {how} says the MPI cannot take device pointers)")
