@@ -24,7 +24,7 @@ from .collective_work import (allgather_work, allreduce_work, alltoall_work, bar
 from .compression import Compression, Compressor
 from .engine import Handle
 from .kernels import ReduceOp
-from .process_sets import ProcessSet, active, global_process_set
+from .process_sets import ProcessSet, active, global_process_set, global_set
 from .signature import qualified
 from .small_way import allreduce_now, queued_work, started
 
@@ -306,10 +306,19 @@ def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
     Blocks until every rank has joined; returns the rank that joined last, on every rank.
     `device`: where to make the zeros for GPU allreduces (-1: the current CUDA device)."""
     ps = active(process_set, "join()")
-    if device < 0 and torch.cuda.is_available() and torch.cuda.is_initialized():
-        device = torch.cuda.current_device()    # (this thread's: the engine's may be another)
-    where = torch.device("cuda", device) if device >= 0 else None
+    where = zeros_device(device, global_set("join()").local.rank)
     return ps.engine.run(ps.auto_name("join"), lambda: ps.join(where))
+
+
+def zeros_device(device: int, local_rank: int) -> Optional[torch.device]:
+    """Where a joined rank makes its zeros for the others' GPU allreduces: GPU `device`; for -1,
+    this thread's current one (the engine thread's may be another), or, where this process has
+    not touched CUDA, the GPU of its local rank (as `set_device(local_rank())` picks it) rather
+    than GPU 0, which on a shared node is another rank's; None without CUDA."""
+    if device < 0 and torch.cuda.is_available():
+        device = (torch.cuda.current_device() if torch.cuda.is_initialized()
+                  else local_rank % torch.cuda.device_count())
+    return torch.device("cuda", device) if device >= 0 else None
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:

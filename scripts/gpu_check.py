@@ -305,6 +305,26 @@ def check_backend(device):
         assert got.device == device, f"reducescatter result on {got.device}"
         check(got, every(n * 10).sum(0).reshape(n, 5, 2)[r], "hvd.reducescatter")
 
+    def case_horovod_join():
+        """The last rank runs out of data first (hvd.join()): the others' allreduces of CUDA
+        tensors meet its zeros, made on its GPU; Average still divides by every rank."""
+        problems = []   # (join() on every rank, whatever the allreduces found)
+        if r < n - 1:
+            try:
+                for op, dtype, want in ((hvd.Sum, torch.int64, every(1000)[:n - 1].sum(0)),
+                                        (hvd.Average, torch.float64,
+                                         every(1000, torch.float64)[:n - 1].sum(0) / n)):
+                    got = hvd.allreduce(mine(1000, dtype), op=op)
+                    problem = (f"result on {got.device}" if got.device != device
+                               else mismatch(got, want))
+                    if problem:
+                        problems.append(f"{op} with a rank joined: {problem}")
+            except Exception as error:
+                problems.append(f"{type(error).__name__}: {error}")
+        last = hvd.join()
+        assert not problems, "; ".join(problems)
+        assert last == max(n - 2, 0), f"join() returned {last}"
+
     def case_sync_batch_norm():
         """hvd.SyncBatchNorm on each rank's part of a batch against BatchNorm on all of it:
         outputs, input gradients and running statistics."""
@@ -323,9 +343,9 @@ def check_backend(device):
             assert a.device == device and torch.allclose(a, b, rtol=1e-4, atol=1e-5), \
                 f"SyncBatchNorm {what}: differs by {(a - b).abs().max().item():.3g}"
 
-    for case in (case_horovod_moves, case_sync_batch_norm, case_allreduce, case_async_future,
-                 case_broadcast, case_all_gather, case_reduce_scatter, case_all_to_all,
-                 case_send_recv, case_ddp):
+    for case in (case_horovod_moves, case_horovod_join, case_sync_batch_norm, case_allreduce,
+                 case_async_future, case_broadcast, case_all_gather, case_reduce_scatter,
+                 case_all_to_all, case_send_recv, case_ddp):
         try:
             case()
             print(f"rank {r}: dist {case.__name__[5:]} ok", flush=True)

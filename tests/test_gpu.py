@@ -23,7 +23,7 @@ import torch
 
 from conftest import run_mpi, run_ok
 import ringreduce as hvd
-from ringreduce import config, cuda, cuda_aware, fusion
+from ringreduce import collectives, config, cuda, cuda_aware, fusion
 from ringreduce.mpi import mpi
 from ringreduce.stall import StallWatch
 from ringreduce.transport import Transport
@@ -315,6 +315,25 @@ def test_reductions_take_the_tensor_on_its_device_and_the_rest_a_host_copy(monke
     assert cuda.device_tensor(elsewhere, "allreduce") is elsewhere
     for what in ("allgather", "broadcast", "alltoall", "reducescatter"):
         assert cuda.device_tensor(elsewhere, what) is host
+
+
+@pytest.mark.parametrize("initialised, device, want", [
+    (False, -1, 3),     # CUDA untouched: the local rank's GPU (7 % 4), not GPU 0
+    (True, -1, 2),      # this thread's current GPU
+    (False, 1, 1), (True, 1, 1)])
+def test_a_joined_rank_makes_its_zeros_on_its_own_gpu(monkeypatch, initialised, device, want):
+    """join()'s zeros for the others' GPU allreduces: the device asked for, else this thread's
+    current GPU, else (CUDA untouched on this rank) its local rank's, never GPU 0 by default."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialised)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert collectives.zeros_device(device, local_rank=7) == torch.device("cuda", want)
+
+
+def test_without_cuda_a_joined_rank_makes_cpu_zeros(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert collectives.zeros_device(-1, local_rank=1) is None
 
 
 def test_without_cupy_the_error_says_what_to_install(monkeypatch):
