@@ -28,8 +28,8 @@ Recognised files, by their shape:
     scripts/cost_model.py --json        {"machine", "rows"}: predicted times at 2-1,024 nodes
     scripts/gpu_check.py --json         {"meta", "sizes_mib", "busbw_GBps",
         "staging_bounds_GBps", "device_copy_GBps"}: allreduce busbw per GPU path (staging,
-        CUDA-aware), the staging path against its bounds (host allreduce, pinned copy down
-        and up; older files lack them) and a CUDA-aware one against the GPU's own copy
+        CUDA-aware), the staging path against its yardsticks (host allreduce, pinned copy
+        down and up; older files lack them) and a CUDA-aware one against the GPU's own copy
 The README's block between `<!-- figures:start -->` and `<!-- figures:end -->` is made from
 allreduce-2ranks.json and train-2ranks.json. To refresh a figure, rerun its benchmark with
 `--json docs/figures/NAME.json` and then this script; performance.md names the command of each.
@@ -506,11 +506,11 @@ def cost_model(data: dict, source: str) -> str:
 
 def gpu(data: dict, source: str) -> str:
     """One GPU shared by the ranks (scripts/gpu_check.py): busbw per path and size, each
-    against what bounds it in the same run. The staging path moves every byte down to pinned
-    host memory, reduces it there between the ranks and moves it back up, so its bound is the
-    slower of the host allreduce and the pinned copy down and up at that size; a CUDA-aware
-    path's is the GPU's device-to-device copy (and the staging path's too in a file made
-    before the run measured its bounds)."""
+    against its yardstick in the same run. The staging path moves every byte down to pinned
+    host memory, reduces it there between the ranks and moves it back up, so its yardstick is
+    the slower of the host allreduce and the pinned copy down and up at that size; a
+    CUDA-aware path's is the GPU's device-to-device copy (and the staging path's too in a file
+    made before the run measured the other two)."""
     meta, copy, busbw = data.get("meta") or {}, data["device_copy_GBps"], data["busbw_GBps"]
     bounds = data.get("staging_bounds_GBps") or {}
     host, pinned = bounds.get("host allreduce"), bounds.get("pinned down+up")
@@ -518,7 +518,7 @@ def gpu(data: dict, source: str) -> str:
     def cell(path: str, i: int) -> str:
         value = busbw[path][i]
         if path == "staging" and host and pinned:
-            return f"{num(value)} GB/s ({value / min(host[i], pinned[i]):.2g} × bound)"
+            return f"{num(value)} GB/s ({value / min(host[i], pinned[i]):.2g} × yardstick)"
         return f"{num(value)} GB/s ({value / copy:.2g} × copy)"
 
     rows = [[f"{mib} MiB"] + [cell(p, i) for p in busbw]
@@ -529,13 +529,13 @@ def gpu(data: dict, source: str) -> str:
                  f"{meta.get('gpu', 'the GPU')}; CUDA-aware MPI: "
                  f"{meta.get('cuda_aware', 'not recorded')}.")
     if host and pinned:
-        yardstick += (" The staging path's bound is the slower of two measured in the same "
+        yardstick += (" The staging path's yardstick is the slower of two measured in the same "
                       "run at each size, every rank at once: the host allreduce (the same "
                       "call on CPU tensors, busbw) and the pinned copy down and back up "
                       "(cudaMemcpyAsync on one stream, as staging queues them; bytes per "
-                      "second down and up). Staging can pass the host allreduce of a large "
-                      "buffer a little: it reduces the buffer in 4 MiB pieces, which stay in "
-                      "cache.")
+                      "second down and up). Staging can beat the host allreduce of a large "
+                      "buffer: it reduces the buffer in 4 MiB pieces, which stay in cache, "
+                      "where the host allreduce streams it all through memory.")
     title = f"allreduce busbw, {meta.get('ranks', '?')} ranks on one GPU"
     return "\n".join([provenance(meta, source), "", yardstick, "", f"**{title}**", "",
                       table(["size"] + [f"{p} busbw" for p in busbw] + list(bounds), rows),

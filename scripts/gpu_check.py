@@ -4,7 +4,7 @@
    supports it) the CUDA-aware path, against a reference built from every rank's inputs, and
    bitwise identical across ranks; grouped, in-place, async, scaled and compressed variants;
 2. a few DistributedOptimizer steps of a small model against one process on the whole batch;
-3. busbw of allreduce from 1 MiB to 256 MiB on each path, next to what bounds it in the same
+3. busbw of allreduce from 1 MiB to 256 MiB on each path, next to its yardsticks in the same
    run: for staging, the same allreduce of host tensors and the pinned copy down and back up
    (both ranks at once); for CUDA-aware, the GPU's device-to-device copy (`--json FILE`: that
    table, with the run's metadata);
@@ -462,12 +462,12 @@ def main():
                 table[path] = [busbw(mib, device, repeats(mib)) for mib in SIZES_MIB]
             stage(f"{path} busbw", bench, cuda_aware=setting)
     if not args.no_bench and world.size > 1:
-        def bounds():
+        def yardsticks():
             host = torch.device("cpu")
             limits["host allreduce"] = [busbw(mib, host, repeats(mib)) for mib in SIZES_MIB]
             limits["pinned down+up"] = [pinned_round_trip(mib, device, repeats(mib))
                                         for mib in SIZES_MIB]
-        stage("staging bounds", bounds)
+        stage("staging yardsticks", yardsticks)
     run = (metadata(world, gpu=torch.cuda.get_device_name(), torch_cuda=torch.version.cuda,
                     cuda_aware=f"{aware} ({how})") if args.json else None)   # (collective)
     if table and world.rank == 0:

@@ -257,8 +257,8 @@ def test_a_gpu_check_run_renders_against_the_gpus_own_copy(tmp_path):
     assert text.count("Run: 2026-12-04 12:20:00+00:00, on `gpu`") == 1
 
 
-def test_a_gpu_check_run_puts_staging_against_the_slower_of_its_bounds(tmp_path):
-    """A file with the staging path's bounds (host allreduce, pinned copies down and up): each
+def test_a_gpu_check_run_puts_staging_against_the_slower_of_its_yardsticks(tmp_path):
+    """A file with the staging path's yardsticks (host allreduce, pinned copies down and up): each
     staging busbw against the slower of the two at its size, and both as columns."""
     figures = _load(ROOT / "scripts" / "docs_figures.py", "_docs_figures_for_test")
     run = {"meta": {"ranks": 2, "gpu": "NVIDIA H200"}, "sizes_mib": [1, 64],
@@ -269,6 +269,6 @@ def test_a_gpu_check_run_puts_staging_against_the_slower_of_its_bounds(tmp_path)
     assert figures.main(["--dir", str(tmp_path)]) == 0
     text = (tmp_path / "gpu-2ranks.md").read_text()
     assert "| size | staging busbw | host allreduce | pinned down+up |" in text, text
-    assert "| 1 MiB | 1.40 GB/s (0.4 × bound) | 3.50 GB/s | 14.0 GB/s |" in text, text
-    assert "| 64 MiB | 4.80 GB/s (1.5 × bound) | 6.00 GB/s | 3.20 GB/s |" in text, text
+    assert "| 1 MiB | 1.40 GB/s (0.4 × yardstick) | 3.50 GB/s | 14.0 GB/s |" in text, text
+    assert "| 64 MiB | 4.80 GB/s (1.5 × yardstick) | 6.00 GB/s | 3.20 GB/s |" in text, text
     assert "slower of two" in text
