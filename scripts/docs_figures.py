@@ -27,7 +27,7 @@ Recognised files, by their shape:
         "gbps"}]} (older files: the bare list): GB/s per kernel
     scripts/cost_model.py --json        {"machine", "rows"}: predicted times at 2-1,024 nodes
     scripts/gpu_check.py --json         {"meta", "sizes_mib", "busbw_GBps",
-        "staging_bounds_GBps", "device_copy_GBps"}: allreduce busbw per GPU path (staging,
+        "staging_yardsticks_GBps", "device_copy_GBps"}: allreduce busbw per GPU path (staging,
         CUDA-aware), the staging path against its yardsticks (host allreduce, pinned copy
         down and up; older files lack them) and a CUDA-aware one against the GPU's own copy
 The README's block between `<!-- figures:start -->` and `<!-- figures:end -->` is made from
@@ -512,8 +512,8 @@ def gpu(data: dict, source: str) -> str:
     CUDA-aware path's is the GPU's device-to-device copy (and the staging path's too in a file
     made before the run measured the other two)."""
     meta, copy, busbw = data.get("meta") or {}, data["device_copy_GBps"], data["busbw_GBps"]
-    bounds = data.get("staging_bounds_GBps") or {}
-    host, pinned = bounds.get("host allreduce"), bounds.get("pinned down+up")
+    yardsticks = data.get("staging_yardsticks_GBps") or {}
+    host, pinned = yardsticks.get("host allreduce"), yardsticks.get("pinned down+up")
 
     def cell(path: str, i: int) -> str:
         value = busbw[path][i]
@@ -522,7 +522,7 @@ def gpu(data: dict, source: str) -> str:
         return f"{num(value)} GB/s ({value / copy:.2g} × copy)"
 
     rows = [[f"{mib} MiB"] + [cell(p, i) for p in busbw]
-            + [f"{num(column[i])} GB/s" for column in bounds.values()]
+            + [f"{num(column[i])} GB/s" for column in yardsticks.values()]
             for i, mib in enumerate(data["sizes_mib"])]
     yardstick = (f"Yardstick: the GPU's device-to-device copy of 256 MiB, {num(copy)} GB/s "
                  "(torch's `copy_`, a cudaMemcpy, timed with CUDA events), on "
@@ -538,7 +538,7 @@ def gpu(data: dict, source: str) -> str:
                       "where the host allreduce streams it all through memory.")
     title = f"allreduce busbw, {meta.get('ranks', '?')} ranks on one GPU"
     return "\n".join([provenance(meta, source), "", yardstick, "", f"**{title}**", "",
-                      table(["size"] + [f"{p} busbw" for p in busbw] + list(bounds), rows),
+                      table(["size"] + [f"{p} busbw" for p in busbw] + list(yardsticks), rows),
                       ""])
 
 

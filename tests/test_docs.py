@@ -258,12 +258,12 @@ def test_a_gpu_check_run_renders_against_the_gpus_own_copy(tmp_path):
 
 
 def test_a_gpu_check_run_puts_staging_against_the_slower_of_its_yardsticks(tmp_path):
-    """A file with the staging path's yardsticks (host allreduce, pinned copies down and up): each
-    staging busbw against the slower of the two at its size, and both as columns."""
+    """A file with the staging path's yardsticks (host allreduce, pinned copies down and
+    up): each staging busbw against the slower of the two at its size, and both as columns."""
     figures = _load(ROOT / "scripts" / "docs_figures.py", "_docs_figures_for_test")
     run = {"meta": {"ranks": 2, "gpu": "NVIDIA H200"}, "sizes_mib": [1, 64],
            "busbw_GBps": {"staging": [1.4, 4.8]},
-           "staging_bounds_GBps": {"host allreduce": [3.5, 6.0], "pinned down+up": [14.0, 3.2]},
+           "staging_yardsticks_GBps": {"host allreduce": [3.5, 6.0], "pinned down+up": [14.0, 3.2]},
            "device_copy_GBps": 2090.7}
     (tmp_path / "gpu-2ranks.json").write_text(json.dumps(run))
     assert figures.main(["--dir", str(tmp_path)]) == 0
