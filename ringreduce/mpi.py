@@ -7,10 +7,12 @@ keeps `import ringreduce` free of MPI start-up.
 """
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
 
+@functools.cache     # (a call costs a dictionary lookup: it is made per message)
 def mpi() -> Any:
     """The `mpi4py.MPI` module, started with MPI_THREAD_MULTIPLE unless the user started it."""
     import mpi4py

@@ -1,60 +1,106 @@
 """torch.distributed's send and recv on a ringreduce group: MPI's non-blocking `Isend`/`Irecv`
-on a communicator of the group's own (a duplicate of its set's, made when the group is), so
-that no message of theirs can match one of the set's collectives; torch's tags are MPI tags.
+on communicators of the group's own (duplicates of its set's, made when the group is), so that
+no message of theirs can match one of the set's collectives; torch's tags are MPI tags.
 
 Unlike the collectives, these run on the caller's thread (MPI_THREAD_MULTIPLE): a receive must
-not wait in the set's engine, which would hold back every collective behind it. The message is
-the tensor's bytes; a receive checks how many arrived, so a sender's tensor of another size is
-an error on the receiving rank (a larger one is MPI's truncation error), never a partly written
-tensor. `wait()` polls the request, sleeping a little longer each time (the peer may need the
-core), and never waits silently: past the set's stall check time it logs a report naming the
-peer and the tag, every interval, and at the stall shutdown time it ends the job, as a
+not wait in the set's engine, which would hold back every collective behind it. A send is two
+messages: a header (the tensor's element count, bytes and dtype) on the channel's header
+communicator, then the bytes on its data communicator. A receive takes the header first and
+only then posts the receive of the bytes (`Channel.advance`), into the caller's tensor where
+the sender's count and dtype are the receiver's, else into a scratch buffer that is dropped:
+a tensor of another size or dtype is an error on the receiving rank naming both, the
+caller's tensor is left untouched, and the channel stays usable. `wait()` polls the requests
+(flat out, then yielding the core, then sleeping a little longer each time: the peer may need
+the core), and never waits silently: past the set's stall check time it logs a report naming
+the peer and the tag, every interval, and at the stall shutdown time it ends the job, as a
 collective's wait does; a peer that shuts down without the message raises ShutDownError; and
-torch's `wait(timeout)` raises past its timeout (`_Overdue`). `get_future()` is completed by a
-polling thread shared by every channel, running only while some future is pending, which
-reports and fails the messages it waits for in the same way.
+torch's `wait(timeout)` raises past its timeout (`_Overdue`). A thread shared by every channel
+(`_Poller`), asleep while there is nothing to do, posts the receives of bytes whose header
+came while no caller waits for them, and completes `get_future()`'s futures, reporting and
+failing the messages it waits for in the same way.
 """
 from __future__ import annotations
 
 import datetime
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from .buffers import as_array
 from .errors import RingReduceError, ShutDownError
 from .failed_future import fail
 from .mpi import mpi
 from .ring import ABANDONED
-from .stall import DEPARTED_GRACE, StallWatch
+from .stall import BUSY_SECONDS, DEPARTED_GRACE, YIELD_SECONDS, StallWatch
 
 _LONGEST_NAP = 0.001        # between polls of a request that is still pending
 _LOOK_EVERY = 0.05          # seconds between looks for a peer's goodbye while waiting
+_LINGER = 0.1               # seconds the poller keeps advancing a channel with no receive
+_NAME_BYTES = 24            # a header's room for the dtype's name ('float8_e4m3fnuz')
 log = logging.getLogger("ringreduce")
 
 
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous CPU tensor's memory."""
-    return tensor.reshape(-1).view(torch.uint8)
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+_NAME_WORDS: dict[torch.dtype, tuple[int, ...]] = {}    # a dtype -> its name, as int64s
+
+
+def _name_words(dtype: torch.dtype) -> tuple[int, ...]:
+    words = _NAME_WORDS.get(dtype)
+    if words is None:
+        name = _dtype_name(dtype).encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
+        words = _NAME_WORDS[dtype] = tuple(np.frombuffer(name, dtype=np.int64).tolist())
+    return words
+
+
+def _header(tensor: torch.Tensor) -> np.ndarray:
+    """What a send tells the receiver first: the tensor's element count, byte count and dtype
+    name (int64, int64, then the name's ASCII bytes)."""
+    return np.array((tensor.numel(), tensor.nbytes, *_name_words(tensor.dtype)),
+                    dtype=np.int64)
+
+
+def _fits(header: np.ndarray, tensor: torch.Tensor) -> bool:
+    """Whether a header's count and dtype are `tensor`'s."""
+    words = header.tolist()
+    return words[0] == tensor.numel() and tuple(words[2:]) == _name_words(tensor.dtype)
+
+
+def _memory(tensor: torch.Tensor) -> list:
+    """An MPI message of a contiguous CPU tensor's bytes (the caller keeps the tensor)."""
+    MPI = mpi()
+    return [MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes), MPI.BYTE]
+
+
+def _described(header: np.ndarray) -> tuple[int, int, str]:
+    """A header's (element count, byte count, dtype name)."""
+    name = header.view(np.uint8)[16:].tobytes().rstrip(b"\0").decode()
+    return int(header[0]), int(header[1]), name
 
 
 class MessageWork(dist.Work):
     """One send or receive with group rank `peer` (None: any), on the channel `channel`:
-    torch's Work on an MPI request. `wait()` returns True once the message has gone (or
-    arrived, checked and copied in) or raises why not."""
+    torch's Work on MPI requests. `requests`: what it waits for (None: a receive whose bytes'
+    receive `Channel.advance` has not posted yet), `buffers` what they read or write;
+    `arrived`: a receive's, run once they have come (it raises if the sender's tensor differs,
+    or copies them in). `wait()` returns True once the message has gone (or arrived, checked
+    and copied in) or raises why not."""
 
-    def __init__(self, channel: "Channel", request: Any, what: str, peer: Optional[int],
-                 arrived: Optional[Callable[[Any], None]] = None,
-                 tensor: Optional[torch.Tensor] = None) -> None:
+    def __init__(self, channel: "Channel", what: str, peer: Optional[int],
+                 tensor: torch.Tensor, requests: Optional[list] = None, buffers: tuple = (),
+                 arrived: Optional[Callable[[], None]] = None) -> None:
         super().__init__()
-        self._channel, self._peer = channel, peer
-        self._request, self._what, self._arrived, self._tensor = request, what, arrived, tensor
-        self._status = mpi().Status()
+        self._channel, self._peer, self._what, self._tensor = channel, peer, what, tensor
+        self._requests, self._buffers, self._arrived = requests, buffers, arrived
+        self._source = peer                 # a receive's sender, once its header came
         self._lock = threading.Lock()      # MPI forbids two threads testing one request
         self._done = False
         self._error: Optional[BaseException] = None
@@ -65,12 +111,16 @@ class MessageWork(dist.Work):
         with self._lock:
             if self._done:
                 return True
+            if self._channel.waiting():     # (a send's wait too: the peer's may wait for it)
+                self._channel.advance()
+            if self._requests is None:
+                return False
             try:
-                if not self._request.Test(self._status):
+                if not mpi().Request.Testall(self._requests):
                     return False
                 if self._arrived is not None:
-                    self._arrived(self._status)
-            except Exception as exc:        # MPI's truncation error, or our size check
+                    self._arrived()
+            except Exception as exc:        # our size and dtype check, or MPI's error
                 self._error = exc if isinstance(exc, RingReduceError) else RingReduceError(
                     f"ringreduce: {self._what} failed: {type(exc).__name__}: {exc}")
                 self._error.__cause__ = exc
@@ -84,16 +134,19 @@ class MessageWork(dist.Work):
         if self._error is not None:
             fail(future, self._error)
         else:
-            future.set_result([self._tensor] if self._tensor is not None else [])
+            future.set_result([self._tensor])
 
     def _fail(self, error: BaseException) -> None:
-        """End the work with `error` though its request is still pending (a peer that left):
-        the request, and with it the buffer MPI may still write, is kept (ring.ABANDONED)."""
+        """End the work with `error` though its requests are still pending (a peer that left):
+        they, and with them the buffers MPI may still write, are kept (ring.ABANDONED)."""
         with self._lock:
             if self._done:
                 return
             self._error, self._done = error, True
-            ABANDONED.append(self._request)
+            if self._requests is None:
+                self._channel.abandon(self)
+            else:
+                ABANDONED.extend([*self._requests, *self._buffers])
             future = self._future
         if future is not None:
             self._settle(future)
@@ -101,7 +154,13 @@ class MessageWork(dist.Work):
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         if not self._test():
             overdue, nap = _Overdue(self, timeout), 0.0
-            while not self._test():
+            while not self._test():     # (as StallWatch.wait: flat out, yielding, napping)
+                waited = time.monotonic() - overdue.start
+                if waited < BUSY_SECONDS:
+                    continue
+                if waited < YIELD_SECONDS:
+                    os.sched_yield()
+                    continue
                 time.sleep(nap)
                 nap = min(_LONGEST_NAP, 2 * nap + 1e-5)
                 try:
@@ -123,7 +182,7 @@ class MessageWork(dist.Work):
 
     def result(self) -> list:
         self.wait()
-        return [self._tensor] if self._tensor is not None else []
+        return [self._tensor]
 
     def get_future(self) -> Future:
         with self._lock:
@@ -137,9 +196,9 @@ class MessageWork(dist.Work):
 
     def source_rank(self) -> int:
         """The group rank a receive from any source got its message from (the channel's
-        communicator ranks the group's members as the group does)."""
+        communicators rank the group's members as the group does)."""
         self.wait()
-        return self._status.Get_source()
+        return self._source
 
     _source_rank = source_rank
 
@@ -193,27 +252,54 @@ class _Overdue:
 
 
 class _Poller:
-    """Completes the futures of pending messages: one thread for every channel, polling while
-    any is pending and ending when none is; it reports their stalls and fails those whose
-    peer left, as `wait()` does."""
+    """Progress for messages that no caller waits on, by one thread for every channel, asleep
+    while there is none: it posts the bytes' receives of receives whose headers have come
+    (`Channel.advance`, every millisecond while a channel has receives, and for a while
+    after; a peer's large send waits for that receive, while the receiving caller may be
+    waiting for something else, a collective with that peer, say), and completes the futures
+    of pending messages, reporting their stalls and failing those whose peer left, as `wait()`
+    does."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._wake = threading.Condition()
         self._pending: dict[MessageWork, _Overdue] = {}
-        self._running = False
+        self._channels: dict[Channel, float] = {}   # -> when it last had receives waiting
+        self._thread: Optional[threading.Thread] = None
 
     def watch(self, work: MessageWork) -> None:
-        with self._lock:
+        with self._wake:
             self._pending[work] = _Overdue(work, None)
-            if not self._running:
-                self._running = True
-                threading.Thread(target=self._loop, name="ringreduce-p2p", daemon=True).start()
+            self._rouse()
+
+    def advance(self, channel: "Channel") -> None:
+        """Advance `channel` while it has receives waiting (call after adding one)."""
+        with self._wake:
+            if channel not in self._channels:     # (else the thread is polling already)
+                self._channels[channel] = time.monotonic()
+                self._rouse()
+
+    def forget(self, channel: "Channel") -> None:
+        with self._wake:
+            self._channels.pop(channel, None)
+
+    def _rouse(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="ringreduce-p2p",
+                                            daemon=True)
+            self._thread.start()
+        self._wake.notify()
 
     def _loop(self) -> None:
         nap = 0.0
         while True:
-            with self._lock:
-                pending = list(self._pending.items())
+            with self._wake:
+                while not self._pending and not self._channels:
+                    self._wake.wait()
+                    nap = 0.0
+                pending, channels = list(self._pending.items()), list(self._channels)
+            for channel in channels:
+                if channel.waiting():
+                    channel.advance()
             finished = []
             for work, overdue in pending:
                 if not work._test():
@@ -223,27 +309,51 @@ class _Poller:
                     except ShutDownError as exc:
                         work._fail(exc)
                 finished.append(work)
-            with self._lock:
+            now = time.monotonic()
+            with self._wake:
                 for work in finished:
                     del self._pending[work]
-                if not self._pending:
-                    self._running = False
-                    return
-            nap = 0.0 if finished else min(_LONGEST_NAP, 2 * nap + 1e-5)
+                for channel in channels:    # (a receive added meanwhile: still waiting())
+                    if channel in self._channels:
+                        if channel.waiting():
+                            self._channels[channel] = now
+                        elif now - self._channels[channel] > _LINGER:
+                            del self._channels[channel]
+                busy = bool(self._pending)
+            nap = (0.0 if finished else min(_LONGEST_NAP, 2 * nap + 1e-5)) if busy \
+                else _LONGEST_NAP
             time.sleep(nap)
 
 
 _POLLER = _Poller()
 
 
-class Channel:
-    """Point-to-point messages between the members of one group, on `comm` (ours to free: a
-    duplicate of the group's set's communicator, so its ranks are the group's ranks); `watch`
-    is the set's (its stall settings, and the members that have shut down)."""
+class _Incoming:
+    """A receive waiting for its header (`request`, into `header`) or for its turn to post the
+    receive of its bytes (`Channel.advance`): `source` and `tag` as asked (MPI's ANY_SOURCE
+    for any rank), `sender` once the header came, `landing` where the bytes go if they fit."""
 
-    def __init__(self, comm: Any, label: str, watch: StallWatch) -> None:
-        self.comm, self.label, self.watch = comm, label, watch
+    __slots__ = ("work", "header", "request", "status", "source", "tag", "sender", "landing")
+
+    def __init__(self, work: MessageWork, header: np.ndarray, source: int, tag: int,
+                 landing: torch.Tensor) -> None:
+        self.work, self.header, self.source, self.tag = work, header, source, tag
+        self.landing, self.status = landing, mpi().Status()
+        self.request: Any = None
+        self.sender: Optional[int] = None
+
+
+class Channel:
+    """Point-to-point messages between the members of one group: headers on `comm`, bytes on
+    `data_comm` (both ours to free: duplicates of the group's set's communicator, so their
+    ranks are the group's ranks); `watch` is the set's (its stall settings, and the members
+    that have shut down)."""
+
+    def __init__(self, comm: Any, data_comm: Any, label: str, watch: StallWatch) -> None:
+        self.comm, self.data_comm, self.label, self.watch = comm, data_comm, label, watch
         self.tag_limit = comm.Get_attr(mpi().TAG_UB)
+        self._order = threading.Lock()          # over _incoming and its header requests
+        self._incoming: list[_Incoming] = []    # in the order the receives were made
 
     def _check(self, what: str, tensor: torch.Tensor, peer: Optional[int], tag: int) -> None:
         where = f"ringreduce: {what} on {self.label}, rank {self.comm.rank}"
@@ -259,40 +369,101 @@ class Channel:
             raise ValueError(f"{where}: tag {tag} is outside MPI's tags 0..{self.tag_limit}")
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> MessageWork:
-        """Start sending `tensor` to group rank `peer`."""
+        """Start sending `tensor` to group rank `peer`: its header, then its bytes."""
         what = f"send to rank {peer} (tag {tag})"
         self._check(what, tensor, peer, tag)
-        data = _bytes(tensor.detach().contiguous().cpu())     # (a CUDA tensor: a host copy)
-        request = self.comm.Isend([as_array(data), mpi().BYTE], dest=peer, tag=tag)
-        return MessageWork(self, request, f"{what} on {self.label}", peer, tensor=tensor)
+        data = tensor.detach().contiguous().cpu()     # (a CUDA tensor: a host copy)
+        header = _header(data)
+        requests = [self.comm.Isend(header, dest=peer, tag=tag),
+                    self.data_comm.Isend(_memory(data), dest=peer, tag=tag)]
+        return MessageWork(self, f"{what} on {self.label}", peer, tensor, requests,
+                           (header, data))
 
     def recv(self, tensor: torch.Tensor, peer: Optional[int], tag: int) -> MessageWork:
-        """Start receiving into `tensor` from group rank `peer` (None: any)."""
+        """Start receiving into `tensor` from group rank `peer` (None: any): its header's
+        receive is posted now, its bytes' once the header has come (`advance`)."""
         what = f"recv from {'any rank' if peer is None else f'rank {peer}'} (tag {tag})"
         self._check(what, tensor, peer, tag)
         direct = tensor.is_contiguous() and not tensor.is_cuda     # (else: lands on the host)
         landing = (tensor.detach() if direct
                    else torch.empty(tensor.shape, dtype=tensor.dtype))
-        data = _bytes(landing)
-        expected = data.numel()
         source = mpi().ANY_SOURCE if peer is None else peer
+        header = np.zeros(2 + _NAME_BYTES // 8, dtype=np.int64)
 
-        def arrived(status: Any) -> None:
-            count = status.Get_count(mpi().BYTE)
-            if count != expected:
+        def arrived() -> None:
+            count, nbytes, dtype = _described(header)
+            if not _fits(header, landing):
                 raise RingReduceError(
-                    f"ringreduce: {what} on {self.label}, rank {self.comm.rank}: "
-                    f"{count} bytes arrived from rank {status.Get_source()} for a tensor of "
-                    f"{expected} bytes ({tensor.dtype}, {tuple(tensor.shape)}); send and recv "
-                    "tensors of the same size")
+                    f"ringreduce: {what} on {self.label}, rank {self.comm.rank}: rank "
+                    f"{incoming.sender} sent {count} {dtype} elements ({nbytes} bytes) for a "
+                    f"tensor of {landing.numel()} {_dtype_name(landing.dtype)} elements "
+                    f"({tuple(tensor.shape)}, {landing.nbytes} bytes), which is left as it "
+                    "was; send and recv tensors of the same dtype and element count")
             if not direct:
                 with torch.no_grad():
                     tensor.copy_(landing)
 
-        request = self.comm.Irecv([as_array(data), mpi().BYTE], source=source, tag=tag)
-        return MessageWork(self, request, f"{what} on {self.label}", peer, arrived, tensor)
+        work = MessageWork(self, f"{what} on {self.label}", peer, tensor, arrived=arrived)
+        incoming = _Incoming(work, header, source, tag, landing)
+        with self._order:
+            incoming.request = self.comm.Irecv(header, source=source, tag=tag)
+            self._incoming.append(incoming)
+        _POLLER.advance(self)       # (after the append: see _Poller._loop)
+        return work
+
+    def waiting(self) -> int:
+        """How many receives wait for their header, or for their turn (`advance`)."""
+        return len(self._incoming)
+
+    def advance(self) -> int:
+        """Post the receive of the bytes of each receive whose header has come, from its
+        sender with its tag, in the order the receives were made among those that a message
+        could match (same tag; the same sender, or any): MPI keeps one sender's messages of a
+        tag in order and matches them to receives in the order these were posted, so the
+        bytes then reach the receive that got their header. They go into the receive's
+        landing tensor where the header's count and dtype are its own, else into a scratch
+        buffer that is dropped (the receive fails; the channel stays in step). Returns how
+        many it posted."""
+        MPI = mpi()
+        if MPI.Is_finalized():      # (a receive left pending at the end of the script)
+            return 0
+        with self._order:
+            held: list[tuple[int, int]] = []    # (source, tag) of the receives left waiting
+            waiting = []
+            for incoming in self._incoming:
+                if incoming.sender is None and incoming.request.Test(incoming.status):
+                    incoming.sender = incoming.status.Get_source()
+                sender, tag = incoming.sender, incoming.tag
+                if sender is None or any(t == tag and s in (sender, MPI.ANY_SOURCE)
+                                         for s, t in held):
+                    held.append((incoming.source if sender is None else sender, tag))
+                    waiting.append(incoming)
+                    continue
+                landing, work = incoming.landing, incoming.work
+                if _fits(incoming.header, landing):
+                    into, message = landing, _memory(landing)
+                else:
+                    into = np.empty(int(incoming.header[1]), dtype=np.uint8)
+                    message = [into, MPI.BYTE]
+                work._source, work._buffers = sender, (incoming.header, into)
+                work._requests = [self.data_comm.Irecv(message, source=sender, tag=tag)]
+            posted = len(self._incoming) - len(waiting)
+            self._incoming = waiting
+        return posted
+
+    def abandon(self, work: MessageWork) -> None:
+        """Forget a receive whose bytes' receive was never posted (its peer left): its header
+        request and buffers are kept (ring.ABANDONED)."""
+        with self._order:
+            for incoming in self._incoming:
+                if incoming.work is work:
+                    ABANDONED.extend([incoming.request, incoming.header, incoming.landing])
+            self._incoming = [i for i in self._incoming if i.work is not work]
 
     def free(self) -> None:
+        _POLLER.forget(self)
         MPI = mpi()
-        if not MPI.Is_finalized() and self.comm != MPI.COMM_NULL:
-            self.comm.Free()
+        if not MPI.Is_finalized():
+            for comm in (self.comm, self.data_comm):
+                if comm != MPI.COMM_NULL:
+                    comm.Free()

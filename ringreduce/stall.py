@@ -33,8 +33,8 @@ from .mpi import mpi
 from .ring import ABANDONED
 
 log = logging.getLogger("ringreduce")
-_BUSY_SECONDS = 0.00005  # poll flat out this long (as MPI does): a peer is usually close
-_YIELD_SECONDS = 0.001   # then yield the core between polls (oversubscribed ranks), then sleep
+BUSY_SECONDS = 0.00005  # poll flat out this long (as MPI does): a peer is usually close
+YIELD_SECONDS = 0.001   # then yield the core between polls (oversubscribed ranks), then sleep
 _GOODBYE_EVERY = 0.005   # seconds between looks for a departed member while waiting
 DEPARTED_GRACE = 1.0     # how long a collective that a member began before it left may still
                          # take to complete here (what it sent is on its way)
@@ -278,13 +278,13 @@ class StallWatch:
             else never
         shutdown_at = start + self.shutdown_time if self.shutdown_time > 0 and not self.quiet \
             else never
-        next_look = start + _YIELD_SECONDS
+        next_look = start + YIELD_SECONDS
         grace_ends = never
         while not done():
             now = time.monotonic()
-            if now - start < _BUSY_SECONDS:
+            if now - start < BUSY_SECONDS:
                 continue
-            if now - start < _YIELD_SECONDS:
+            if now - start < YIELD_SECONDS:
                 os.sched_yield()
                 continue
             time.sleep(0.0001)

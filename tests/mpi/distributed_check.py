@@ -4,8 +4,10 @@ Usage: distributed_check.py [lightning]
 
 Every collective against gloo's result on a gloo group of the same launch (reductions, within
 float tolerance) or a reference built from every rank's inputs (data movement, exact), with our
-results bitwise identical across ranks; subgroups; send/recv; the errors; the dtypes only moved
-(bool, uint16/64, float8, complex64), bool reductions, DDP with a bool buffer; DDP (plain,
+results bitwise identical across ranks; subgroups; send/recv (a sender's tensor of another
+size or dtype: an error, the receiver's tensor untouched; receives matched in the order made;
+a receive no one waits for yet still takes a peer's large send); the errors; the dtypes only
+moved (bool, uint16/64, float8, complex64), bool reductions, DDP with a bool buffer; DDP (plain,
 small buckets, gradient_as_bucket_view, static_graph, find_unused_parameters, no_sync with
 accumulation, fp16_compress_hook, hooks whose callbacks start collectives: PowerSGD) against
 one process on the whole batch; DDP's join() with uneven inputs and ZeroRedundancyOptimizer
@@ -326,11 +328,78 @@ def case_send_recv():
         check_equal(anywhere, torch.full((2,), 5.0), "recv from any source")
     elif r == n - 1:
         dist.send(torch.full((2,), 5.0), 0, tag=9)
+    # a sender's tensor of another size or dtype: an error naming both on the receiver, whose
+    # tensor is left as it was; the next message of that tag arrives whole
+    sent = [torch.ones(3), torch.ones(5), torch.ones(4, dtype=torch.int32), torch.ones(3),
+            torch.arange(4.0), torch.arange(4.0)]
     if r == 0:
-        dist.send(torch.ones(3), 1, tag=11)
+        works = [dist.isend(tensor, 1, tag=11) for tensor in sent]
+        for work in works:
+            work.wait()
     elif r == 1:
-        expect(hvd.RingReduceError, ["12 bytes arrived", "16 bytes"], dist.recv, torch.ones(4),
-               0, tag=11)
+        for got, fragments in [
+                (torch.full((4,), 7.0), ["rank 0 sent 3 float32 elements (12 bytes)",
+                                         "4 float32 elements ((4,), 16 bytes)", "left as it"]),
+                (torch.full((2, 2), 7.0), ["sent 5 float32 elements (20 bytes)", "((2, 2),"]),
+                (torch.full((4,), 7.0), ["sent 4 int32 elements", "of 4 float32 elements"]),
+                (torch.full((4, 2), 7.0)[:, 0], ["sent 3 float32", "4 float32 elements"])]:
+            expect(hvd.RingReduceError, fragments, dist.recv, got, 0, tag=11)
+            check_equal(got, torch.full(got.shape, 7.0), "a receive that failed")
+        got = torch.empty(2, 2)
+        dist.recv(got, 0, tag=11)
+        check_equal(got, torch.arange(4.0).reshape(2, 2), "a receive after those that failed")
+        columns = torch.zeros(4, 2)
+        dist.recv(columns[:, 1], 0, tag=11)     # (not contiguous: it lands, then is copied)
+        check_equal(columns, torch.stack([torch.zeros(4), torch.arange(4.0)], 1),
+                    "a receive into a strided tensor")
+    # receives that a message could match get them in the order they were made, whichever
+    # is waited for first; one from another sender is not held back by them
+    if r == n - 1:
+        for k in range(3):
+            dist.send(torch.full((2,), float(k)), 0, tag=21)
+    if r == 0:
+        got = [torch.empty(2) for _ in range(3)]
+        works = [dist.irecv(got[0], None, tag=21), dist.irecv(got[1], n - 1, tag=21),
+                 dist.irecv(got[2], None, tag=21)]
+        for k in (2, 1, 0):
+            works[k].wait()
+        for k in range(3):
+            check_equal(got[k], torch.full((2,), float(k)), f"receive {k} of tag 21")
+        assert works[0].source_rank() == works[2].source_rank() == n - 1
+    # a receive nobody waits for yet still takes its bytes (a peer's large send waits for
+    # that): here rank 0 waits in an all_reduce while rank 1's send of 4 MiB completes
+    big = torch.arange(1 << 20, dtype=torch.float32)
+    if r == 0:
+        got = torch.empty(1 << 20)
+        work = dist.irecv(got, 1, tag=22)
+        check_equal(reduced(torch.ones(2), SUM), torch.full((2,), float(n)),
+                    "an all_reduce while a receive is pending")
+        work.wait()
+        check_equal(got, big, "a large receive waited for after an all_reduce")
+    else:
+        if r == 1:
+            dist.send(big, 0, tag=22)
+        reduced(torch.ones(2), SUM)
+    # every rank receives from its left while it waits for its own large send to the right
+    got = torch.empty(1 << 20)
+    work = dist.irecv(got, left, tag=25)
+    dist.send(big + r, right, tag=25)
+    work.wait()
+    check_equal(got, big + left, "large sends and receives around the ring")
+    if n >= 3:      # rank 1 sends to rank 0 only after rank 0 has received rank n-1's
+        if r == 0:
+            first, second = torch.empty(1), torch.empty(1)
+            from_1 = dist.irecv(first, 1, tag=23)
+            dist.irecv(second, n - 1, tag=23).wait()
+            dist.send(torch.ones(1), 1, tag=24)
+            from_1.wait()
+            check_equal(torch.cat([first, second]), torch.tensor([1.0, float(n - 1)]),
+                        "receives from two senders")
+        elif r == 1:
+            dist.recv(torch.empty(1), 0, tag=24)
+            dist.send(torch.ones(1), 0, tag=23)
+        elif r == n - 1:
+            dist.send(torch.full((1,), float(n - 1)), 0, tag=23)
     # torch's wait(timeout): a receive not complete by then raises; it stays posted
     if r == 0:
         late = torch.empty(2)
