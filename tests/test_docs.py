@@ -272,3 +272,25 @@ def test_a_gpu_check_run_puts_staging_against_the_slower_of_its_yardsticks(tmp_p
     assert "| 1 MiB | 1.40 GB/s (0.4 × yardstick) | 3.50 GB/s | 14.0 GB/s |" in text, text
     assert "| 64 MiB | 4.80 GB/s (1.5 × yardstick) | 6.00 GB/s | 3.20 GB/s |" in text, text
     assert "slower of two" in text
+
+
+def test_a_p2p_run_puts_send_and_recv_beside_mpi_and_gloo(tmp_path):
+    """bench_p2p.py's file: one row per method, sizes as columns, our row with its ratios to
+    MPI's Send/Recv and gloo's; a run without gloo has no gloo row or ratio."""
+    figures = _load(ROOT / "scripts" / "docs_figures.py", "_docs_figures_for_test")
+    rows = [{"size_bytes": 4096, "method": "dist_rr", "time_s": 20e-6, "GBps": 0.2048,
+             "speedup_vs_mpi": 0.15, "speedup_vs_gloo": 7.5},
+            {"size_bytes": 4096, "method": "mpi", "time_s": 3e-6, "GBps": 1.366},
+            {"size_bytes": 4096, "method": "gloo", "time_s": 150e-6, "GBps": 0.0273}]
+    path = tmp_path / "p2p-2ranks.json"
+    path.write_text(json.dumps({"meta": {"ranks": 2}, "p2p": rows}))
+    text = figures.render(path)
+    assert "| send/recv, one way, 2 ranks | 4 KiB |" in text, text
+    assert ("| `dist.send` / `dist.recv` on `\"ringreduce\"` | 20.0 µs (0.205 GB/s); 0.15 × MPI, "
+            "7.5 × gloo |") in text, text
+    assert "| MPI's `Send` / `Recv` | 3.00 µs (1.37 GB/s) |" in text, text
+    assert "Yardstick: MPI's own `Send`/`Recv`" in text
+    rows[0]["speedup_vs_gloo"] = None
+    path.write_text(json.dumps({"meta": {"ranks": 2}, "p2p": rows[:2]}))
+    text = figures.render(path)
+    assert "0.15 × MPI |" in text and "on gloo" not in text, text
