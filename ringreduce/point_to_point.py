@@ -304,7 +304,12 @@ class _Poller:
                 pending, channels = list(self._pending.items()), list(self._channels)
             for channel in channels:
                 if channel.waiting():
-                    channel.advance()
+                    try:
+                        channel.advance()
+                    except Exception:       # (MPI's: the waiting callers meet it too)
+                        log.exception("ringreduce: the point-to-point thread could not "
+                                      "advance the receives of %s", channel.label)
+                        self.forget(channel)
             finished = []
             for work, overdue in pending:
                 if not work._test():
@@ -368,8 +373,7 @@ class Channel:
         def where() -> str:
             return f"ringreduce: {what} on {self.label}, rank {self.comm.rank}"
 
-        if tensor.__class__ is not torch.Tensor and not isinstance(tensor, torch.Tensor) \
-                or tensor.layout is not _STRIDED:
+        if not isinstance(tensor, torch.Tensor) or tensor.layout is not _STRIDED:
             raise TypeError(f"{where()}: expected a dense torch.Tensor")
         if not (tensor.is_cpu or tensor.is_cuda):
             raise ValueError(f"{where()}: send and recv take CPU and CUDA tensors, not "
@@ -474,7 +478,14 @@ class Channel:
             self._incoming = [i for i in self._incoming if i.work is not work]
 
     def free(self) -> None:
+        """(destroy_process_group.) A receive still waiting for its header fails, its request
+        and buffers kept (ring.ABANDONED)."""
         _POLLER.forget(self)
+        with self._order:
+            dropped = [incoming.work for incoming in self._incoming]
+        for work in dropped:
+            work._fail(RingReduceError(f"ringreduce: {work._what}, rank {self.comm.rank}: "
+                                       "the group was destroyed before the message came"))
         MPI = mpi()
         if not MPI.Is_finalized():
             for comm in (self.comm, self.data_comm):

@@ -386,6 +386,27 @@ def case_send_recv():
     dist.send(big + r, right, tag=25)
     work.wait()
     check_equal(got, big + left, "large sends and receives around the ring")
+    # every dtype's bytes, an empty tensor, a strided one sent
+    for k, t in enumerate([torch.empty(0), torch.arange(6, dtype=torch.bfloat16),
+                           torch.tensor([True, False]), torch.arange(3.0).to(torch.complex64),
+                           torch.arange(8, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                           torch.arange(4.0).reshape(2, 2).t()]):
+        if r == 0:
+            dist.send(t, n - 1, tag=30 + k)
+        elif r == n - 1:
+            got = torch.empty(t.shape, dtype=t.dtype)
+            dist.recv(got, 0, tag=30 + k)
+            assert torch.equal(got.view(torch.uint8), t.contiguous().view(torch.uint8)), k
+    # a receive still waiting when its group is destroyed fails, naming it
+    pair = dist.new_group([0, n - 1])
+    if r == 0:
+        orphan = dist.irecv(torch.empty(2), n - 1, group=pair, tag=5)
+    if r in (0, n - 1):
+        dist.destroy_process_group(pair)
+    if r == 0:
+        expect(hvd.RingReduceError, ["recv from rank 1 (tag 5)",
+                                     "the group was destroyed before the message came"],
+               orphan.wait)
     if n >= 3:      # rank 1 sends to rank 0 only after rank 0 has received rank n-1's
         if r == 0:
             first, second = torch.empty(1), torch.empty(1)
