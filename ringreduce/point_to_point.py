@@ -278,8 +278,10 @@ class _Poller:
 
     def advance(self, channel: "Channel") -> None:
         """Advance `channel` while it has receives waiting (call after adding one)."""
+        if channel in self._channels:   # (polled already; _loop looks again after dropping one)
+            return
         with self._wake:
-            if channel not in self._channels:     # (else the thread is polling already)
+            if channel not in self._channels:
                 self._channels[channel] = time.monotonic()
                 self._rouse()
 
@@ -323,12 +325,14 @@ class _Poller:
             with self._wake:
                 for work in finished:
                     del self._pending[work]
-                for channel in channels:    # (a receive added meanwhile: still waiting())
+                for channel in channels:
                     if channel in self._channels:
                         if channel.waiting():
                             self._channels[channel] = now
                         elif now - self._channels[channel] > _LINGER:
                             del self._channels[channel]
+                            if channel.waiting():   # (a receive added as it went: `advance`
+                                self._channels[channel] = now   # saw it still polled)
                 busy = bool(self._pending)
             nap = (0.0 if finished else min(_LONGEST_NAP, 2 * nap + 1e-5)) if busy \
                 else _LONGEST_NAP
@@ -371,7 +375,7 @@ class Channel:
     def _check(self, what: str, tensor: torch.Tensor, peer: Optional[int], tag: int) -> None:
         """(Each test written for the common case's speed: a message costs microseconds.)"""
         def where() -> str:
-            return f"ringreduce: {what} on {self.label}, rank {self.comm.rank}"
+            return f"ringreduce: {what}, rank {self.comm.rank}"
 
         if not isinstance(tensor, torch.Tensor) or tensor.layout is not _STRIDED:
             raise TypeError(f"{where()}: expected a dense torch.Tensor")
@@ -386,22 +390,24 @@ class Channel:
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> MessageWork:
         """Start sending `tensor` to group rank `peer`: its header, then its bytes."""
-        what = f"send to rank {peer} (tag {tag})"
+        what = f"send to rank {peer} (tag {tag}) on {self.label}"
         self._check(what, tensor, peer, tag)
-        data = tensor.detach().contiguous().cpu()     # (a CUDA tensor: a host copy)
+        data = (tensor if tensor.is_cpu and tensor.is_contiguous()     # (only its bytes read)
+                else tensor.detach().contiguous().cpu())     # (a CUDA tensor: a host copy)
         header = _header(data)
         requests = [self.comm.Isend(header, dest=peer, tag=tag),
                     self.data_comm.Isend(_memory(data), dest=peer, tag=tag)]
-        return MessageWork(self, f"{what} on {self.label}", peer, tensor, requests,
+        return MessageWork(self, what, peer, tensor, requests,
                            (header, data))
 
     def recv(self, tensor: torch.Tensor, peer: Optional[int], tag: int) -> MessageWork:
         """Start receiving into `tensor` from group rank `peer` (None: any): its header's
         receive is posted now, its bytes' once the header has come (`advance`)."""
-        what = f"recv from {'any rank' if peer is None else f'rank {peer}'} (tag {tag})"
+        what = (f"recv from {'any rank' if peer is None else f'rank {peer}'} (tag {tag}) on "
+                f"{self.label}")
         self._check(what, tensor, peer, tag)
         direct = tensor.is_contiguous() and not tensor.is_cuda     # (else: lands on the host)
-        landing = (tensor.detach() if direct
+        landing = (tensor if direct     # (only its memory written: no autograd record)
                    else torch.empty(tensor.shape, dtype=tensor.dtype))
         source = mpi().ANY_SOURCE if peer is None else peer
         header = np.zeros(2 + _NAME_BYTES // 8, dtype=np.int64)
@@ -410,7 +416,7 @@ class Channel:
             if not incoming.fits:
                 count, nbytes, dtype = _described(header)
                 raise RingReduceError(
-                    f"ringreduce: {what} on {self.label}, rank {self.comm.rank}: rank "
+                    f"ringreduce: {what}, rank {self.comm.rank}: rank "
                     f"{incoming.sender} sent {count} {dtype} elements ({nbytes} bytes) for a "
                     f"tensor of {landing.numel()} {_dtype_name(landing.dtype)} elements "
                     f"({tuple(tensor.shape)}, {landing.nbytes} bytes), which is left as it "
@@ -419,7 +425,7 @@ class Channel:
                 with torch.no_grad():
                     tensor.copy_(landing)
 
-        work = MessageWork(self, f"{what} on {self.label}", peer, tensor, arrived=arrived)
+        work = MessageWork(self, what, peer, tensor, arrived=arrived)
         incoming = _Incoming(work, header, source, tag, landing)
         with self._order:
             incoming.request = self.comm.Irecv(header, source=source, tag=tag)
