@@ -116,19 +116,21 @@ class MessageWork(dist.Work):
         with self._lock:
             if self._done:
                 return True
-            if self._channel.waiting():     # (a send's wait too: the peer's may wait for it)
-                self._channel.advance()
-            if self._requests is None:
-                return False
             try:
+                if self._channel.waiting():     # (a send's too: the peer's may wait for it)
+                    self._channel.advance()
+                if self._requests is None:
+                    return False
                 if not mpi().Request.Testall(self._requests):
                     return False
                 if self._arrived is not None:
                     self._arrived()
-            except Exception as exc:        # our size and dtype check, or MPI's error
+            except Exception as exc:        # our size and dtype check, or an MPI error
                 self._error = exc if isinstance(exc, RingReduceError) else RingReduceError(
                     f"ringreduce: {self._what} failed: {type(exc).__name__}: {exc}")
                 self._error.__cause__ = exc
+                if self._requests is None:      # (its bytes are not to land in it later)
+                    self._channel.abandon(self)
             self._done = True
             future = self._future
         if future is not None:
