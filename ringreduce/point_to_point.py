@@ -399,8 +399,7 @@ class Channel:
         header = _header(data)
         requests = [self.comm.Isend(header, dest=peer, tag=tag),
                     self.data_comm.Isend(_memory(data), dest=peer, tag=tag)]
-        return MessageWork(self, what, peer, tensor, requests,
-                           (header, data))
+        return MessageWork(self, what, peer, tensor, requests, (header, data))
 
     def recv(self, tensor: torch.Tensor, peer: Optional[int], tag: int) -> MessageWork:
         """Start receiving into `tensor` from group rank `peer` (None: any): its header's
