@@ -15,7 +15,7 @@ import torch
 
 import ringreduce as hvd
 from ringreduce import (_native, config, crossnode, engine, failed_future, kernels,
-                        negotiation, ring, signature, stall)
+                        negotiation, point_to_point, ring, signature, stall)
 from ringreduce.buffers import CODES, as_array
 from ringreduce.mpi import mpi
 
@@ -852,3 +852,19 @@ def test_a_failed_future_raises_its_error_wherever_it_is_read():
         with pytest.raises(hvd.MismatchError, match="ranks disagree on 'x'"):
             read(failure)
     assert "MismatchError" in repr(failure)
+
+
+def test_a_send_header_names_every_torch_dtype_apart():
+    """send/recv's header (point_to_point._header) holds the dtype's name in 24 bytes: every
+    dtype torch has reads back whole and distinct, with the count and the bytes beside it."""
+    dtypes = {getattr(torch, name) for name in dir(torch)
+              if isinstance(getattr(torch, name), torch.dtype)}
+    assert len({point_to_point._name_words(d) for d in dtypes}) == len(dtypes)
+    for dtype in dtypes:
+        header = np.array((3, 12, *point_to_point._name_words(dtype)), dtype=np.int64)
+        assert point_to_point._described(header) == (3, 12, str(dtype).removeprefix("torch."))
+    header = point_to_point._header(torch.zeros(2, 3, dtype=torch.float8_e4m3fnuz))
+    assert point_to_point._described(header) == (6, 6, "float8_e4m3fnuz")
+    assert point_to_point._fits(header, torch.empty(3, 2, dtype=torch.float8_e4m3fnuz))
+    assert not point_to_point._fits(header, torch.empty(6, dtype=torch.uint8))
+    assert not point_to_point._fits(header, torch.empty(5, dtype=torch.float8_e4m3fnuz))
