@@ -34,7 +34,14 @@ CODES: dict[torch.dtype, int] = {
     torch.bfloat16: _native.BF16, torch.float32: _native.F32, torch.float64: _native.F64,
 }
 SUPPORTED = tuple(STORAGE_DTYPES)
-NAMES = {d: str(d).removeprefix("torch.") for d in SUPPORTED}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as messages and signatures name it: 'float32', not 'torch.float32'."""
+    return str(dtype).removeprefix("torch.")
+
+
+NAMES = {d: dtype_name(d) for d in SUPPORTED}
 
 
 def as_array(tensor: torch.Tensor) -> np.ndarray:

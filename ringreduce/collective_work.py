@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from . import adasum, cuda, ring, timeline
-from .buffers import CODES, NAMES, SUPPORTED, as_array, fresh
+from .buffers import CODES, NAMES, SUPPORTED, as_array, dtype_name, fresh
 from .compression import Compression, Compressor, custom
 from .engine import Handle
 from .errors import ArgumentTypeError, NotContiguousError, RingReduceError, UnsupportedError
@@ -79,10 +79,6 @@ def _tensor(tensor: Any, what: str, name: str, ps: ActiveSet,
         raise ValueError(f"{where}: tensor is on {tensor.device}; ringreduce reduces CPU and "
                          "CUDA tensors")
     return tensor.detach()
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return NAMES.get(dtype) or str(dtype).removeprefix("torch.")
 
 
 def _on_device(result: torch.Tensor, caller: torch.Tensor) -> torch.Tensor:
@@ -339,7 +335,7 @@ def allgather_work(tensors: Sequence[torch.Tensor], name: Optional[str],
             t = _tensor(tensor, kind, each, ps, moves_only=True)
         t = t.reshape(1) if t.dim() == 0 else t
         signature = _with_root({"collective": "allgather", "name": each,
-                                "tensors": len(tensors), "dtype": _dtype_name(tensor.dtype),
+                                "tensors": len(tensors), "dtype": dtype_name(tensor.dtype),
                                 "trailing shape": tuple(t.shape[1:])}, root)
         gathers.append((functools.partial(ps.transport.allgather, t, signature), tensor))
     return ps, names[0], lambda: [_as(gather(), tensor) for gather, tensor in gathers]
@@ -360,7 +356,7 @@ def broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
         t = _tensor(tensor, kind, name, ps, moves_only=True)
         root = ps.root(root_rank, kind, name)
     signature = {"collective": "broadcast", "name": name, "root_rank": int(root_rank),
-                 "dtype": _dtype_name(tensor.dtype), "shape": tuple(t.shape)}
+                 "dtype": dtype_name(tensor.dtype), "shape": tuple(t.shape)}
 
     def work() -> torch.Tensor:
         # In place, straight into `t`, the caller's memory or our own copy of it: the signatures
@@ -396,7 +392,7 @@ def alltoall_work(tensor: torch.Tensor, splits: Any, name: Optional[str],
     t = t.narrow(0, 0, int(send_splits.sum()))
     splits_device = splits.device if isinstance(splits, torch.Tensor) else torch.device("cpu")
     signature = _with_root({"collective": "alltoall", "name": name,
-                            "dtype": _dtype_name(tensor.dtype),
+                            "dtype": dtype_name(tensor.dtype),
                             "trailing shape": tuple(t.shape[1:])}, root)
 
     def work() -> tuple[torch.Tensor, torch.Tensor]:

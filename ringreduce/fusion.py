@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .buffers import dtype_name
 from .signature import with_device
 
 
@@ -125,7 +126,7 @@ def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire, pref
     names = [n for n, _ in members]
     signature = with_device({"collective": "allreduce", "name": f"{prefix}bucket.{index}",
                              "parameters": tuple(names),    # before shape: a mismatch names
-                             "dtype": str(dtype).removeprefix("torch."),    # the parameters
+                             "dtype": dtype_name(dtype),    # the parameters
                              "shape": (total,)}, device.type == "cuda")
     params = [p for _, p in members]
     if direct and len(members) == 1 and device.type == "cpu" and dtype == params[0].dtype:

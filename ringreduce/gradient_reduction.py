@@ -34,7 +34,7 @@ import torch
 from torch.autograd import Variable
 
 from . import cuda, fusion, sparse_gradients, timeline
-from .buffers import CODES
+from .buffers import CODES, dtype_name
 from .collectives import submit
 from .compile_boundary import in_compiled_backward
 from .compression import custom
@@ -385,7 +385,7 @@ class GradientReduction(WrappedOptimizer):
         for wire, name in zip(wires, bucket.names):
             signature = with_device({
                 "collective": "allreduce", "name": bucket.name, "parameter": name,
-                "compressed": True, "dtype": str(wire.dtype).removeprefix("torch."),
+                "compressed": True, "dtype": dtype_name(wire.dtype),
                 "shape": tuple(wire.shape), "op": op.name, "prescale": prescale,
                 "postscale": postscale}, wire.is_cuda)
             if bucket.index == 0 and not specs:     # the whole plan: see _submit_bucket

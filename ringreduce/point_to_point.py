@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from .buffers import dtype_name
 from .errors import RingReduceError, ShutDownError
 from .failed_future import fail
 from .mpi import mpi
@@ -45,11 +46,8 @@ _LINGER = 0.1               # seconds the poller keeps advancing a channel with 
 _WORK_INIT = dist.Work.__init__
 _STRIDED = torch.strided
 _NAME_BYTES = 24            # a header's room for the dtype's name ('float8_e4m3fnuz')
+_HEADER_WORDS = 2 + _NAME_BYTES // 8    # int64s: element count, byte count, then the name
 log = logging.getLogger("ringreduce")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 _NAME_WORDS: dict[torch.dtype, tuple[int, ...]] = {}    # a dtype -> its name, as int64s
@@ -58,7 +56,7 @@ _NAME_WORDS: dict[torch.dtype, tuple[int, ...]] = {}    # a dtype -> its name, a
 def _name_words(dtype: torch.dtype) -> tuple[int, ...]:
     words = _NAME_WORDS.get(dtype)
     if words is None:
-        name = _dtype_name(dtype).encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
+        name = dtype_name(dtype).encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
         words = _NAME_WORDS[dtype] = tuple(np.frombuffer(name, dtype=np.int64).tolist())
     return words
 
@@ -84,7 +82,7 @@ def _memory(tensor: torch.Tensor) -> list:
 
 def _described(header: np.ndarray) -> tuple[int, int, str]:
     """A header's (element count, byte count, dtype name)."""
-    name = header.view(np.uint8)[16:].tobytes().rstrip(b"\0").decode()
+    name = header[2:].tobytes().rstrip(b"\0").decode()
     return int(header[0]), int(header[1]), name
 
 
@@ -411,7 +409,7 @@ class Channel:
         landing = (tensor if direct     # (only its memory written: no autograd record)
                    else torch.empty(tensor.shape, dtype=tensor.dtype))
         source = mpi().ANY_SOURCE if peer is None else peer
-        header = np.zeros(2 + _NAME_BYTES // 8, dtype=np.int64)
+        header = np.zeros(_HEADER_WORDS, dtype=np.int64)
 
         def arrived() -> None:
             if not incoming.fits:
@@ -419,7 +417,7 @@ class Channel:
                 raise RingReduceError(
                     f"ringreduce: {what}, rank {self.comm.rank}: rank "
                     f"{incoming.sender} sent {count} {dtype} elements ({nbytes} bytes) for a "
-                    f"tensor of {landing.numel()} {_dtype_name(landing.dtype)} elements "
+                    f"tensor of {landing.numel()} {dtype_name(landing.dtype)} elements "
                     f"({tuple(tensor.shape)}, {landing.nbytes} bytes), which is left as it "
                     "was; send and recv tensors of the same dtype and element count")
             if not direct:
@@ -467,7 +465,7 @@ class Channel:
                 if incoming.fits:
                     into, message = landing, _memory(landing)
                 else:
-                    into = np.empty(int(incoming.header[1]), dtype=np.uint8)
+                    into = np.empty(_described(incoming.header)[1], dtype=np.uint8)
                     message = [into, MPI.BYTE]
                 work._source, work._buffers = sender, (incoming.header, into)
                 work._requests = [self.data_comm.Irecv(message, source=sender, tag=tag)]

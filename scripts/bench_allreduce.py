@@ -60,7 +60,6 @@ The environment is left alone (e.g. OMP_NUM_THREADS); torch.get_num_threads() is
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import numpy as np
@@ -75,8 +74,8 @@ hvd.init()
 from mpi4py import MPI  # noqa: E402
 
 from bench_common import (cross_comm, init_torch_distributed,  # noqa: E402
-                          metadata as common_metadata, sleeping_barrier, slowest,
-                          time_interleaved, time_it, write_results)
+                          metadata as common_metadata, size_label, sleeping_barrier,
+                          slowest, time_interleaved, time_it, write_results)
 
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
@@ -87,13 +86,6 @@ METHODS = ["ours", "ours_", "bucket", "dist_rr", "set_", "mpi", "mpi_x", "gloo"]
 CROSS = cross_comm(hvd.local_rank()) if hvd.cross_size() > 1 else None
 PAIR = hvd.add_process_set([0, 1]) if NRANKS >= 3 else None    # a 2-rank set inside the job
 PAIR_COMM = COMM.Split(0 if RANK < 2 else MPI.UNDEFINED, RANK)  # its members, for barriers
-
-
-def size_label(nbytes: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return str(nbytes)
 
 
 def default_iters(nbytes: int) -> int:

@@ -18,6 +18,14 @@ import time
 from mpi4py import MPI
 
 
+def size_label(nbytes: int) -> str:
+    """A size as the benchmarks' rows name it: '4K', '64M', else the bytes."""
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
+
+
 def time_it(fn, iters: int, barrier=MPI.COMM_WORLD.Barrier) -> float:
     """Warm up (a fifth as many calls, at most 100), then the median over `iters` of one
     call's time, each call after a barrier."""

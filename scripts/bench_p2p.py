@@ -30,29 +30,19 @@ import argparse
 
 import torch
 import torch.distributed as dist
-from bench_common import (init_torch_distributed, metadata, slowest, time_interleaved,
-                          write_results)
-from mpi4py import MPI
 
-import ringreduce as hvd
+import ringreduce as hvd  # before mpi4py.MPI, so MPI starts with the thread level ringreduce needs
+from ringreduce.config import parse_bytes
+from mpi4py import MPI  # noqa: E402
+
+from bench_common import (init_torch_distributed, metadata, size_label,  # noqa: E402
+                          slowest, time_interleaved, write_results)
 
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
 PEER = RANK ^ 1 if (RANK ^ 1) < NRANKS else None      # (None: an odd last rank sits out)
 PAIR = COMM.Split(RANK // 2, RANK)                    # a rank and its peer: their barrier
 METHODS = ("dist_rr", "mpi", "gloo")
-
-
-def parse_bytes(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
-
-
-def size_label(nbytes: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return str(nbytes)
 
 
 def ping_pong(send, recv):

@@ -380,6 +380,28 @@ def case_send_recv():
         if r == 1:
             dist.send(big, 0, tag=22)
         reduced(torch.ones(2), SUM)
+    # on one rank alone, a thread of its own waits in a large receive while the main thread
+    # all_reduces with every rank
+    if r == 0:
+        got, outcome = torch.empty(1 << 20), []
+
+        def receive():
+            try:
+                outcome.append(dist.recv(got, 1, tag=26))
+            except Exception as error:
+                outcome.append(error)
+
+        waiter = threading.Thread(target=receive)
+        waiter.start()
+        check_equal(reduced(torch.ones(2), SUM), torch.full((2,), float(n)),
+                    "an all_reduce beside another thread's receive")
+        waiter.join(60)
+        assert not waiter.is_alive() and outcome == [1], outcome
+        check_equal(got, big + 1, "a large receive on a thread of one rank")
+    else:
+        if r == 1:
+            dist.send(big + 1, 0, tag=26)
+        reduced(torch.ones(2), SUM)
     # every rank receives from its left while it waits for its own large send to the right
     got = torch.empty(1 << 20)
     work = dist.irecv(got, left, tag=25)
