@@ -855,16 +855,20 @@ def test_a_failed_future_raises_its_error_wherever_it_is_read():
 
 
 def test_a_send_header_names_every_torch_dtype_apart():
-    """send/recv's header (point_to_point._header) holds the dtype's name in 24 bytes: every
-    dtype torch has reads back whole and distinct, with the count and the bytes beside it."""
+    """send/recv's header (point_to_point._HEADER) holds the dtype's name in 24 bytes: every
+    dtype torch has reads back whole and distinct, with the count and the bytes beside it,
+    and a header fits only a tensor of its count and dtype."""
     dtypes = {getattr(torch, name) for name in dir(torch)
               if isinstance(getattr(torch, name), torch.dtype)}
-    assert len({point_to_point._name_words(d) for d in dtypes}) == len(dtypes)
+    assert len({point_to_point._name(d) for d in dtypes}) == len(dtypes)
     for dtype in dtypes:
-        header = np.array((3, 12, *point_to_point._name_words(dtype)), dtype=np.int64)
-        assert point_to_point._described(header) == (3, 12, str(dtype).removeprefix("torch."))
-    header = point_to_point._header(torch.zeros(2, 3, dtype=torch.float8_e4m3fnuz))
-    assert point_to_point._described(header) == (6, 6, "float8_e4m3fnuz")
+        header = point_to_point._HEADER.unpack(
+            point_to_point._HEADER.pack(3, 12, point_to_point._name(dtype)))
+        name = str(dtype).removeprefix("torch.")
+        assert point_to_point._described(header) == f"3 {name} elements (12 bytes)"
+    tensor = torch.zeros(2, 3, dtype=torch.float8_e4m3fnuz)
+    header = point_to_point._HEADER.unpack(point_to_point._header(tensor))
+    assert point_to_point._described(header) == "6 float8_e4m3fnuz elements (6 bytes)"
     assert point_to_point._fits(header, torch.empty(3, 2, dtype=torch.float8_e4m3fnuz))
     assert not point_to_point._fits(header, torch.empty(6, dtype=torch.uint8))
     assert not point_to_point._fits(header, torch.empty(5, dtype=torch.float8_e4m3fnuz))

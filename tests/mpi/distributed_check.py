@@ -329,9 +329,12 @@ def case_send_recv():
     elif r == n - 1:
         dist.send(torch.full((2,), 5.0), 0, tag=9)
     # a sender's tensor of another size or dtype: an error naming both on the receiver, whose
-    # tensor is left as it was; the next message of that tag arrives whole
+    # tensor is left as it was; the next message of that tag arrives whole (also a large one,
+    # which MPI sends only once its receive is posted)
+    large = 1 << 15     # float32s: 128 KiB
     sent = [torch.ones(3), torch.ones(5), torch.ones(4, dtype=torch.int32), torch.ones(3),
-            torch.arange(4.0), torch.arange(4.0)]
+            torch.ones(large), torch.ones(large + 1), torch.ones(large, dtype=torch.int32),
+            torch.ones(4), torch.arange(4.0), torch.arange(4.0)]
     if r == 0:
         works = [dist.isend(tensor, 1, tag=11) for tensor in sent]
         for work in works:
@@ -342,7 +345,12 @@ def case_send_recv():
                                          "4 float32 elements ((4,), 16 bytes)", "left as it"]),
                 (torch.full((2, 2), 7.0), ["sent 5 float32 elements (20 bytes)", "((2, 2),"]),
                 (torch.full((4,), 7.0), ["sent 4 int32 elements", "of 4 float32 elements"]),
-                (torch.full((4, 2), 7.0)[:, 0], ["sent 3 float32", "4 float32 elements"])]:
+                (torch.full((4, 2), 7.0)[:, 0], ["sent 3 float32", "4 float32 elements"]),
+                (torch.full((4,), 7.0), [f"sent {large} float32 elements ({4 * large} bytes)",
+                                         "4 float32 elements ((4,), 16 bytes)"]),
+                (torch.full((large,), 7.0), [f"sent {large + 1} float32", f"of {large} float32"]),
+                (torch.full((large,), 7.0), [f"sent {large} int32", f"of {large} float32"]),
+                (torch.full((large,), 7.0), ["sent 4 float32", f"of {large} float32"])]:
             expect(hvd.RingReduceError, fragments, dist.recv, got, 0, tag=11)
             check_equal(got, torch.full(got.shape, 7.0), "a receive that failed")
         got = torch.empty(2, 2)
@@ -354,18 +362,21 @@ def case_send_recv():
                     "a receive into a strided tensor")
     # receives that a message could match get them in the order they were made, whichever
     # is waited for first; one from another sender is not held back by them
-    if r == n - 1:
-        for k in range(3):
-            dist.send(torch.full((2,), float(k)), 0, tag=21)
+    # (small and large ones mixed)
+    lengths = [large, 2, large, 2, 2, large]
+    sends = [dist.isend(torch.full((length,), float(k)), 0, tag=21)
+             for k, length in enumerate(lengths)] if r == n - 1 else []
     if r == 0:
-        got = [torch.empty(2) for _ in range(3)]
-        works = [dist.irecv(got[0], None, tag=21), dist.irecv(got[1], n - 1, tag=21),
-                 dist.irecv(got[2], None, tag=21)]
-        for k in (2, 1, 0):
+        got = [torch.empty(length) for length in lengths]
+        works = [dist.irecv(got[k], None if k % 2 else n - 1, tag=21)
+                 for k in range(len(lengths))]
+        for k in (4, 2, 5, 1, 3, 0):
             works[k].wait()
-        for k in range(3):
-            check_equal(got[k], torch.full((2,), float(k)), f"receive {k} of tag 21")
-        assert works[0].source_rank() == works[2].source_rank() == n - 1
+        for k, length in enumerate(lengths):
+            check_equal(got[k], torch.full((length,), float(k)), f"receive {k} of tag 21")
+        assert {work.source_rank() for work in works} == {n - 1}
+    for work in sends:
+        work.wait()
     # a receive nobody waits for yet still takes its bytes (a peer's large send waits for
     # that): here rank 0 waits in an all_reduce while rank 1's send of 4 MiB completes
     big = torch.arange(1 << 20, dtype=torch.float32)
