@@ -514,3 +514,34 @@ def sparse_allreduce_work(tensor: torch.Tensor, name: Optional[str], op: Any,
                                                   check_invariants=False), tensor)
 
     return ps, name, work
+
+
+def bitwise_allreduce_work(tensor: torch.Tensor, name: str, op_name: str,
+                           fold: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                           process_set: ProcessSet, root: Optional[int] = None) -> Work:
+    """The torch.distributed backend's BAND, BOR and BXOR (`op_name`), which gloo has for
+    integer and bool tensors: every member's tensor allgathered, one row each, then folded
+    by `fold` in member order on each member, so that all get the same bits (exact: integer
+    ops). Each member holds every member's tensor for the while, the cost of ops that flags
+    and masks use. The signature carries the op: a rank naming another op fails the check
+    (MismatchError) rather than keep a result of its own. `root`: the backend's reduce,
+    whose root (a global rank) every rank must name alike. Yields the result, shaped as
+    `tensor`."""
+    kind = "allreduce" if root is None else "reduce"
+    ps = active(process_set, f"{kind}()")
+    with refusing(ps, name, kind):
+        if tensor.is_floating_point() or tensor.is_complex():
+            raise UnsupportedError(
+                f"ringreduce backend: {kind} of tensor '{name}' on rank {ps.ranks[ps.rank]} "
+                f"with ReduceOp.{op_name} takes integer or bool tensors, not {tensor.dtype}")
+        row = _tensor(tensor.detach().reshape(1, -1), kind, name, ps, moves_only=True)
+    signature = {"collective": kind, "name": name, "op": op_name,
+                 "dtype": dtype_name(tensor.dtype), "shape": tuple(tensor.shape)}
+    if root is not None:
+        signature["root_rank"] = root
+
+    def work() -> torch.Tensor:
+        rows = _as(ps.transport.allgather(row, signature), tensor)
+        return functools.reduce(fold, rows.unbind()).reshape(tensor.shape)
+
+    return ps, name, work

@@ -17,6 +17,8 @@ _RedOpType = dist.ReduceOp.RedOpType
 SUM = _RedOpType.SUM
 _OPS = {_RedOpType.SUM: Sum, _RedOpType.AVG: Average, _RedOpType.PRODUCT: Product,
         _RedOpType.MIN: Min, _RedOpType.MAX: Max}
+_BITWISE = {_RedOpType.BAND: ("BAND", torch.bitwise_and), _RedOpType.BOR: ("BOR", torch.bitwise_or),
+            _RedOpType.BXOR: ("BXOR", torch.bitwise_xor)}
 
 
 def reduction(op: Any, what: str) -> tuple[ReduceOp, float]:
@@ -35,7 +37,14 @@ def reduction(op: Any, what: str) -> tuple[ReduceOp, float]:
         return Sum, float(factor)
     name = getattr(kind, "name", str(kind))
     raise UnsupportedError(f"ringreduce backend: {what} with ReduceOp.{name} is not supported "
-                           "(supported: SUM, AVG, PRODUCT, MIN, MAX, PREMUL_SUM)")
+                           "(supported: SUM, AVG, PRODUCT, MIN, MAX, PREMUL_SUM; BAND, BOR and "
+                           "BXOR by all_reduce and reduce, of integer and bool tensors)")
+
+
+def bitwise(op: Any) -> Optional[tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]]:
+    """torch's BAND, BOR or BXOR as its name and the torch function that folds two tensors
+    by it; None for another op."""
+    return _BITWISE.get(op.op if isinstance(op, dist.ReduceOp) else op)
 
 
 def logical(tensor: torch.Tensor, op: ReduceOp, pre: float,

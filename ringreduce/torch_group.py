@@ -12,7 +12,8 @@ for calls never made. Gathers send one row per rank (the signature then holds th
 gather is an allgather whose root keeps the rows, reduce-scatters reduce one row per rank,
 reduce is an allreduce whose root keeps the result, scatter an all-to-all in which only the
 root sends, and a sparse all_reduce gathers every rank's entries (Horovod's sparse allreduce)
-and writes their coalesced sum over the input, as gloo does. Each call returns a
+and writes their coalesced sum over the input, as gloo does; so do all_reduce and reduce
+with BAND, BOR or BXOR (ops ours lack), folding the rows in rank order. Each call returns a
 `CollectiveWork` (torch_work.py); a synchronous `all_reduce` runs as `allreduce_`. send/recv:
 MPI point-to-point on a communicator of the group's own (point_to_point.py).
 """
@@ -25,8 +26,9 @@ import torch.distributed as dist
 
 from . import world
 from .collective_work import (allgather_work, allreduce_work, alltoall_work, barrier_work,
-                              broadcast_work, first, grouped_allreduce_work, reducescatter_work,
-                              run, sparse_allreduce_work, submit)
+                              bitwise_allreduce_work, broadcast_work, first,
+                              grouped_allreduce_work, reducescatter_work, run,
+                              sparse_allreduce_work, submit)
 from .collectives import Average, Sum
 from .compression import Compression
 from .errors import RingReduceError, UnsupportedError
@@ -34,7 +36,8 @@ from .point_to_point import Channel
 from .process_sets import (ActiveSet, ProcessSet, active, close_group, global_process_set,
                            refusing)
 from .small_way import allreduce_now, started
-from .torch_arguments import SUM, copy_flat, logical, one, reduction, same_size, worked_on
+from .torch_arguments import (SUM, bitwise, copy_flat, logical, one, reduction, same_size,
+                              worked_on)
 from .torch_work import FINISHED, CollectiveWork
 
 BACKEND = "ringreduce"
@@ -197,7 +200,11 @@ class RingReduceGroup(dist.ProcessGroup):
         else:
             with refusing(ps, name, "allreduce"):
                 tensor = one(tensors, "allreduce")
-                op, pre = (Sum, 1.0) if opts is None else self._op(opts, "allreduce")
+                folding = None if opts is None else bitwise(opts.reduceOp)
+                if folding is None:
+                    op, pre = (Sum, 1.0) if opts is None else self._op(opts, "allreduce")
+            if folding is not None:
+                return self._bitwise(name, tensor, folding)
         if tensor.layout is _SPARSE:
             return self._sparse_allreduce(ps, name, tensor, op, pre)
         write_back = None
@@ -243,6 +250,22 @@ class RingReduceGroup(dist.ProcessGroup):
 
         return CollectiveWork(handle, [tensor], finish)
 
+    def _bitwise(self, name: str, tensor: torch.Tensor, folding: tuple,
+                 root: Optional[int] = None) -> CollectiveWork:
+        """BAND, BOR or BXOR (`folding`: bitwise()) of an integer or bool tensor, as gloo has
+        them (collective_work.bitwise_allreduce_work), its result written over the tensor;
+        for reduce, on group rank `root` alone (checked by the caller)."""
+        op_name, fold = folding
+        handle = submit(bitwise_allreduce_work(
+            tensor, name, op_name, fold, self._process_set,
+            None if root is None else self._process_set.ranks[root]))
+
+        def finish(result: torch.Tensor) -> None:
+            if root is None or self.rank() == root:
+                tensor.copy_(result)
+
+        return CollectiveWork(handle, [tensor], finish)
+
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> CollectiveWork:
         ps, name, checks = self._call("allreduce_coalesced")
         with checks:
@@ -259,11 +282,15 @@ class RingReduceGroup(dist.ProcessGroup):
         ps, name, checks = self._call("reduce")
         with checks:
             tensor = one(tensors, "reduce")
-            op, pre = self._op(opts, "reduce")
             root = opts.rootRank
             root_rank = self._global(root, "reduce")
-            if tensor.dtype is _BOOL:
-                tensor, op = logical(tensor, op, pre, f"reduce on rank {self.rank()}")
+            folding = bitwise(opts.reduceOp)
+            if folding is None:
+                op, pre = self._op(opts, "reduce")
+                if tensor.dtype is _BOOL:
+                    tensor, op = logical(tensor, op, pre, f"reduce on rank {self.rank()}")
+        if folding is not None:
+            return self._bitwise(name, tensor, folding, root)
         handle = submit(allreduce_work(tensor.contiguous(), None, name, op, pre, 1.0,
                                        Compression.none, False, ps, root_rank))
 

@@ -567,8 +567,10 @@ def case_errors():
     expect(hvd.MismatchError, "shape", dist.all_gather_into_tensor,
            torch.empty(n * shaped.numel()), shaped)
     check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
-    expect(hvd.UnsupportedError, "ReduceOp.BAND", dist.all_reduce,
-           torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.BAND)
+    expect(hvd.UnsupportedError, ["ReduceOp.BAND", "integer or bool"], dist.all_reduce,
+           torch.ones(2), op=dist.ReduceOp.BAND)
+    expect(hvd.UnsupportedError, ["ReduceOp.BOR is not supported", "BXOR by all_reduce and"],
+           dist.all_reduce_coalesced, [torch.ones(2, dtype=torch.int64)], op=dist.ReduceOp.BOR)
     group = dist.group.WORLD
     expect(hvd.UnsupportedError, "one tensor per call", group.allreduce,
            [torch.ones(1), torch.ones(1)], dist.AllreduceOptions())
@@ -652,12 +654,16 @@ def case_one_rank_refuses_its_inputs():
             f"rank {bad} is not a rank of")
     refused(lambda bad_root: dist.gather(torch.ones(2), None, dst=bad if bad_root else 0),
             f"rank {bad} is not a rank of")
-    refused(lambda bad_op: dist.all_reduce(torch.ones(2, dtype=torch.int64),
-                                           op=dist.ReduceOp.BAND if bad_op else SUM),
-            "ReduceOp.BAND is not supported", hvd.UnsupportedError)
-    refused(lambda bad_op: dist.reduce(torch.ones(2, dtype=torch.int64), dst=0,
+    refused(lambda bad_op: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND if bad_op
+                                           else SUM),
+            "ReduceOp.BAND takes integer or bool tensors", hvd.UnsupportedError)
+    refused(lambda bad_op: dist.reduce(torch.ones(2), dst=0,
                                        op=dist.ReduceOp.BOR if bad_op else SUM),
-            "ReduceOp.BOR is not supported", hvd.UnsupportedError)
+            "ReduceOp.BOR takes integer or bool tensors", hvd.UnsupportedError)
+    refused(lambda bad_op: dist.reduce_scatter_tensor(
+        torch.empty(1, dtype=torch.int64), torch.ones(n, dtype=torch.int64),
+        op=dist.ReduceOp.BXOR if bad_op else SUM),
+        "ReduceOp.BXOR is not supported", hvd.UnsupportedError)
     check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
 
 
@@ -688,6 +694,11 @@ def case_one_rank_calls_another_kind():
     rows = [torch.empty(4) for _ in range(n)]
     mixed(lambda: dist.gather(small, rows, dst=0), lambda: dist.all_gather(rows, small),
           ["'gather'", "'allgather'"])
+    # a bitwise op (an allgather within) where the others sum, or take another bitwise op
+    flags = torch.arange(4, dtype=torch.int32)
+    for theirs, name in ((SUM, "Sum"), (dist.ReduceOp.BOR, "BOR")):
+        expect(hvd.MismatchError, ["'op' differs", "rank 0: 'BAND'", name], dist.all_reduce,
+               flags.clone(), op=dist.ReduceOp.BAND if r == 0 else theirs)
     mixed(lambda: dist.scatter(torch.empty(4), [small] * n, src=0),
           lambda: dist.all_to_all_single(torch.empty(4 * n), small.repeat(n)),
           ["'scatter'", "'alltoall'"])
@@ -845,6 +856,22 @@ def case_dtypes_moved_and_bool_reduced():
     dist.reduce(kept, dst=root, op=dist.ReduceOp.MIN)
     check_equal(kept, flags.all(0) if r == root else moved(torch.bool, r), "bool reduce MIN")
     expect(ValueError, ["bool", "not AVG"], dist.all_reduce, moved(torch.bool, r), AVG)
+    # BAND, BOR, BXOR as gloo has them, on integer and bool tensors
+    folds = {dist.ReduceOp.BAND: torch.bitwise_and, dist.ReduceOp.BOR: torch.bitwise_or,
+             dist.ReduceOp.BXOR: torch.bitwise_xor}
+    for dtype in (torch.uint8, torch.int32, torch.int64, torch.bool):
+        mine = [moved(dtype, k) if dtype == torch.bool else (torch.arange(6).reshape(2, 3)
+                * (k + 3) + k).to(dtype) for k in range(n)]
+        for op, fold in folds.items():
+            want = mine[0]
+            for k in range(1, n):
+                want = fold(want, mine[k])
+            for async_op in (False, True):
+                same_bits(reduced(mine[r], op, async_op=async_op), want,
+                          f"{dtype} all_reduce {op} async_op={async_op}")
+            kept = mine[r].clone().t()      # (not contiguous: written in place)
+            dist.reduce(kept, dst=root, op=op)
+            same_bits(kept, want.t() if r == root else mine[r].t(), f"{dtype} reduce {op}")
     check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
     same_model(train(Masked, DDP), train(Masked), "DDP with a bool buffer")
 
