@@ -9,6 +9,7 @@ thread), so sets progress independently of each other. `global_process_set` hold
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from dataclasses import dataclass
@@ -109,6 +110,7 @@ class ActiveSet:
                  if isinstance(set_id, str) else f" on process set {set_id} (ranks {self.ranks})")
         watch = StallWatch(comm, settings.stall_check_time, settings.stall_shutdown_time, abort,
                            self.ranks, where)
+        watch.elsewhere = functools.partial(_waits_elsewhere, set_id, watch)
         self.names = AutoNames()     # see auto_name
         self.transport = Transport(comm, self.local, self.cross, settings, watch, self.ranks,
                                    self.homogeneous, self.names)
@@ -239,6 +241,16 @@ class _Job:
 
 
 _job: Optional[_Job] = None
+
+
+def _waits_elsewhere(set_id: Union[int, str], watch: StallWatch,
+                     ranks: list[int]) -> list[tuple[str, bool]]:
+    """For a stall report on set `set_id`: where global `ranks`, missing there, wait in a
+    collective of the other sets this rank is a member of (StallWatch.waits)."""
+    timeout = watch.read_timeout()
+    others = [] if _job is None else [s for i, s in list(_job.active.items())
+                                      if i != set_id and not s.closed]
+    return [found for other in others for found in other.transport.watch.waits(ranks, timeout)]
 
 
 def _state(what: str) -> _Job:

@@ -1,14 +1,17 @@
 """Waiting for a process set's members, and why a wait fails: stalls and departures.
 
-Each rank publishes how many collectives it has begun on a process set in a one-integer MPI
-window of that set. A rank that has waited `stall_check_time` seconds in a collective reads every
-member's count (one-sided, so the missing ranks need not cooperate) and logs which ranks have not
-reached the collective and the last one they did reach, again every interval for as long as the
-stall lasts; after `stall_shutdown_time` it hands that message to its `on_shutdown` (which ends
-the job). A member that shuts down says goodbye to the others (a small message on the set's
-communicator, with how many collectives it began); a rank waiting in a collective that member
-never began, or starting one, raises ShutDownError naming it. (One it began, it finished: that
-one still completes here, though its last messages may arrive after the goodbye.)
+Each rank publishes how many collectives it has begun on a process set, and which one it waits
+in, in a two-integer MPI window of that set. A rank that has waited `stall_check_time` seconds
+in a collective reads every member's count (one-sided, so the missing ranks need not cooperate)
+and logs which ranks have not reached the collective and the last one they did reach, and where
+they wait on the other sets this rank shares with them (`elsewhere`: each rank waiting for the
+other on a different set is a mistake made on one rank, a group passed to one call on one rank
+alone, say), again every interval for as long as the stall lasts; after `stall_shutdown_time` it
+hands that message to its `on_shutdown` (which ends the job). A member that shuts down says
+goodbye to the others (a small message on the set's communicator, with how many collectives it
+began); a rank waiting in a collective that member never began, or starting one, raises
+ShutDownError naming it. (One it began, it finished: that one still completes here, though its
+last messages may arrive after the goodbye.)
 
 A member whose collective fails in a way its peers cannot see (an allocation, a kernel, MPI, an
 interrupt: anything but the errors every member raises alike) tells them so, the same way. Its
@@ -48,33 +51,38 @@ _FAILURE_CHARACTERS = 400   # of the cause, in the message that tells the peers
 
 
 class ProgressBoard:
-    """Every member's count of collectives begun, readable by all through one-sided MPI."""
+    """Every member's count of collectives begun, and the one it waits in (0: none), readable
+    by all through one-sided MPI."""
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm
-        self.win = mpi().Win.Allocate(8, disp_unit=8, comm=comm)
-        self.mine = np.frombuffer(self.win.tomemory(), dtype=np.int64)
-        self.mine[0] = 0
-        self._counts = np.zeros(comm.size, dtype=np.int64)
+        self.win = mpi().Win.Allocate(16, disp_unit=8, comm=comm)
+        self.mine = np.frombuffer(self.win.tomemory(), dtype=np.int64)  # (begun, waiting in)
+        self.mine[:] = 0
+        self._counts = np.zeros((comm.size, 2), dtype=np.int64)
         self._reader: Optional[threading.Thread] = None
+        self._starting = threading.Lock()   # reports of two sets may read one board at once
         comm.Barrier()
 
     def publish(self, count: int) -> None:
         self.mine[0] = count
 
     def read_all(self, timeout: float) -> Optional[np.ndarray]:
-        """Every member's count, or None if some member did not answer within `timeout` s.
+        """Every member's (count, collective it waits in), one row each, or None if some
+        member did not answer within `timeout` s.
 
         A read completes only when its targets make MPI progress (idle engine threads poke
         MPI), so it runs on a helper thread: a member stuck in native code, or stopped, must
         not turn the report itself into a hang. There is never more than one reader: a read
         still waiting is waited for, not overlapped (a second lock of the window is an error)."""
-        if self._reader is None or not self._reader.is_alive():
-            self._reader = threading.Thread(target=self._read, name="ringreduce-stall-read",
-                                            daemon=True)
-            self._reader.start()
-        self._reader.join(timeout)
-        return None if self._reader.is_alive() else self._counts.copy()
+        with self._starting:
+            if self._reader is None or not self._reader.is_alive():
+                self._reader = threading.Thread(target=self._read,
+                                                name="ringreduce-stall-read", daemon=True)
+                self._reader.start()
+            reader = self._reader
+        reader.join(timeout)
+        return None if reader.is_alive() else self._counts.copy()
 
     def _read(self) -> None:
         self.win.Lock_all()
@@ -198,6 +206,9 @@ class StallWatch:
         self.departures = Departures(comm)
         self.begun = 0
         self.quiet = False      # a joined rank waits for the others by design: no reports
+        # (global ranks missing here) -> where they wait on the other sets this rank shares
+        # with them: their `waits()` there (process_sets sets it)
+        self.elsewhere: Optional[Callable[[list[int]], list[tuple[str, bool]]]] = None
         # what collective #k was, at k % _REMEMBERED: strings only, so that remembering
         # thousands of them keeps no per-call objects alive for the garbage collector to
         # promote (which then pauses the process for a full collection, ~80 ms with torch)
@@ -272,6 +283,17 @@ class StallWatch:
         has left."""
         if done():
             return
+        published = self._published
+        if published is None:
+            self._wait(done)
+            return
+        published[1] = self.begun       # (where peers' reports on other sets look: `waits`)
+        try:
+            self._wait(done)
+        finally:
+            published[1] = 0
+
+    def _wait(self, done: Callable[[], bool]) -> None:
         start = time.monotonic()
         never = float("inf")
         next_report = start + self.check_time if self.check_time > 0 and not self.quiet \
@@ -344,20 +366,55 @@ class StallWatch:
     def describe(self, waited: float) -> str:
         where = (f"ringreduce: stall: rank {self.ranks[self.comm.rank]} has waited {waited:.0f} s "
                  f"in collective #{self.begun} {self._name(self.begun)}{self.where}")
-        timeout = min(_READ_SECONDS, self.check_time / 2) if self.check_time > 0 \
-            else _READ_SECONDS
-        counts = self.board.read_all(timeout) if self.board is not None else None
+        counts = self.board.read_all(self.read_timeout()) if self.board is not None else None
         if counts is None:
             return (where + ", and some rank does not answer at all (stopped, stuck in native "
                     "code, or its process is gone).")
-        late = [r for r, c in enumerate(counts) if c < self.begun]
+        late = [r for r, c in enumerate(counts[:, 0]) if c < self.begun]
         if not late:
             return where + "; every rank has begun it, so a rank is slow or stuck inside it."
         missing = [self.ranks[r] for r in late]
         behind = "; ".join(
             f"rank {self.ranks[r]} has shut down" if r in self.departures.gone
             else f"rank {self.ranks[r]} last began #{c} {self._name(int(c))}".rstrip()
-            for r, c in zip(late, counts[late]))
-        return (f"{where}, which ranks {missing} have not submitted ({behind}). Those ranks are "
-                "stuck in their own code, or submit collectives in a different order or number "
-                "than the others.")
+            for r, c in zip(late, counts[late, 0]))
+        head = f"{where}, which ranks {missing} have not submitted ({behind})."
+        elsewhere = [] if self.elsewhere is None else self.elsewhere(
+            [self.ranks[r] for r in late if r not in self.departures.gone])
+        if any(for_us for _, for_us in elsewhere):
+            return (f"{head} Meanwhile {'; '.join(text for text, _ in elsewhere)}. Ranks that "
+                    "wait for each other on different sets call the sets' collectives in "
+                    "different orders, or pass a set (a torch group) on some ranks only: every "
+                    "rank must make the same calls, in the same order.")
+        also = f" Meanwhile {'; '.join(text for text, _ in elsewhere)}." if elsewhere else ""
+        return (f"{head}{also} Those ranks are stuck in their own code, or submit collectives "
+                "in a different order or number than the others.")
+
+    def read_timeout(self) -> float:
+        """How long a report waits for a board's answer (at most half the check interval, so
+        that reports keep their interval)."""
+        return min(_READ_SECONDS, self.check_time / 2) if self.check_time > 0 else _READ_SECONDS
+
+    def waits(self, ranks: list[int], timeout: float) -> list[tuple[str, bool]]:
+        """For another set's stall report: where the members among global `ranks` wait in a
+        collective of this set, in words, and whether they wait for this rank there (in one
+        that it has not begun). Nothing where the board does not answer within `timeout`."""
+        members = [(g, self.ranks.index(g)) for g in ranks if g in self.ranks]
+        counts = self.board.read_all(timeout) if members and self.board is not None else None
+        if counts is None:
+            return []
+        where = self.where or " on the global set"
+        found = []
+        for g, r in members:
+            waiting = int(counts[r, 1])
+            if waiting == 0:
+                continue
+            if waiting > self.begun:
+                last = f"#{self.begun} {self._name(self.begun)}".rstrip()
+                found.append((f"rank {g} waits in collective #{waiting}{where}, which rank "
+                              f"{self.ranks[self.comm.rank]} has not begun (its last there: "
+                              f"{last})", True))
+            else:
+                label = f"#{waiting} {self._name(waiting)}".rstrip()
+                found.append((f"rank {g} waits in collective {label}{where}", False))
+        return found

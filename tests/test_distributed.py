@@ -62,6 +62,15 @@ def test_backend_at_two_ranks_with_lightning_and_a_stall(n, shared_run):
     assert any(f"allreduce 'dist.noname.0' on torch group {group[1]}" in line
                and "which ranks [1] have not submitted" in line for line in stall), \
         output[-4000:]
+    # ranks waiting for each other on two sets: each report says where the other waits
+    assert any(f"allreduce 'dist.noname.1' on torch group {group[1]}" in line
+               and "Meanwhile rank 1 waits in collective #" in line
+               and "on the global set, which rank 0 has not begun" in line
+               and "on different sets" in line for line in stall), output[-4000:]
+    assert any("Meanwhile rank 0 waits in collective #" in line
+               and f"on torch group {group[1]} (ranks [0, 1]), which rank 1 has not begun" in line
+               for line in output.splitlines() if "ringreduce: stall: rank 1" in line), \
+        output[-4000:]
 
 
 @BACKEND

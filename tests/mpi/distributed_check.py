@@ -1426,7 +1426,11 @@ def case_init_that_torch_refuses_then_again():
 
 def case_stall():
     """A rank that comes 2.5 s late to an all_reduce on a group of its own: the other logs our
-    stall report naming that group's first call (the test reads it)."""
+    stall report naming that group's first call. Then ranks that wait for each other on two
+    sets: rank 0 all_reduces on the group, then on the default group; rank 1 the other way
+    round, its first asynchronous, and the second 2.5 s late: each one's report says where the
+    other waits, in a collective it has not begun itself (the test reads them); both results
+    are right."""
     late = dist.new_group(list(range(n)))
     if r == 0:
         print(f"STALL GROUP '{late.group_name}'", flush=True)
@@ -1434,6 +1438,17 @@ def case_stall():
         time.sleep(2.5)
     check_equal(reduced(torch.ones(3), SUM, late), torch.full((3,), float(n)),
                 "all_reduce after a stall")
+    grouped, default = torch.ones(3), torch.full((2,), 2.0)
+    if r == 0:
+        dist.all_reduce(grouped, group=late)
+        dist.all_reduce(default)
+    else:
+        work = dist.all_reduce(default, async_op=True)
+        time.sleep(2.5)
+        dist.all_reduce(grouped, group=late)
+        work.wait()
+    check_equal(grouped, torch.full((3,), float(n)), "all_reduce on a group, crossed")
+    check_equal(default, torch.full((2,), 2.0 * n), "all_reduce on the default group, crossed")
     dist.destroy_process_group(late)
 
 
