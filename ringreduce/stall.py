@@ -376,6 +376,7 @@ class StallWatch:
         missing = [self.ranks[r] for r in late]
         behind = "; ".join(
             f"rank {self.ranks[r]} has shut down" if r in self.departures.gone
+            else f"rank {self.ranks[r]} has begun none" if c == 0
             else f"rank {self.ranks[r]} last began #{c} {self._name(int(c))}".rstrip()
             for r, c in zip(late, counts[late, 0]))
         head = f"{where}, which ranks {missing} have not submitted ({behind})."
@@ -410,10 +411,10 @@ class StallWatch:
             if waiting == 0:
                 continue
             if waiting > self.begun:
-                last = f"#{self.begun} {self._name(self.begun)}".rstrip()
+                last = (f"its last there: #{self.begun} {self._name(self.begun)}".rstrip()
+                        if self.begun else "it has begun none there")
                 found.append((f"rank {g} waits in collective #{waiting}{where}, which rank "
-                              f"{self.ranks[self.comm.rank]} has not begun (its last there: "
-                              f"{last})", True))
+                              f"{self.ranks[self.comm.rank]} has not begun ({last})", True))
             else:
                 label = f"#{waiting} {self._name(waiting)}".rstrip()
                 found.append((f"rank {g} waits in collective {label}{where}", False))
