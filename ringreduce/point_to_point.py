@@ -249,11 +249,21 @@ class _Overdue:
             self.shutdown_at = float("inf")
 
     def _stalled(self, waited: float) -> str:
+        """The stall report, with where the peer waits in a collective of a set this rank
+        shares with it (StallWatch.waits: one this rank has not begun, say, while it waits
+        here)."""
         work = self.work
         peer = "any rank" if work._peer is None else f"rank {work._peer}"
-        return (f"ringreduce: stall: rank {work._channel.comm.rank} has waited {waited:.0f} s "
+        text = (f"ringreduce: stall: rank {work._channel.comm.rank} has waited {waited:.0f} s "
                 f"in {work._what}: {peer} has not made the matching "
                 f"{'send' if work._arrived is not None else 'recv'} (same tag, same group)")
+        watch = work._channel.watch
+        if work._peer is None:
+            return text
+        ranks = [watch.ranks[work._peer]]
+        found = watch.waits(ranks, watch.read_timeout()) + (
+            watch.elsewhere(ranks) if watch.elsewhere is not None else [])
+        return text + "".join(f"; meanwhile {words}" for words, _ in found)
 
 
 class _Poller:

@@ -109,6 +109,10 @@ def test_receives_and_new_groups_report_a_late_peer_and_fail_on_a_departed_one()
     assert re.search(r"ringreduce: stall: rank 0 has waited \d+ s in recv from rank 1 \(tag 5\) "
                      r"on the default group: rank 1 has not made the matching send",
                      output), output[-3000:]
+    assert re.search(r"ringreduce: stall: rank 0 has waited \d+ s in recv from rank 1 \(tag 8\) "
+                     r"on the default group: rank 1 has not made the matching send \(same tag, "
+                     r"same group\); meanwhile rank 1 waits in collective #\d+ on the global set, "
+                     r"which rank 0 has not begun", output), output[-3000:]
     assert re.search(r"ringreduce: stall: rank 0 has waited \d+ s to open torch group '1' for "
                      r"ranks \[0, 1\]: ranks \[1\] have not come to open it", output), \
         output[-3000:]

@@ -1,6 +1,7 @@
 """Waits on the torch.distributed backend that a peer does not end by itself, at 2 ranks (the
 last rank is the peer): a peer late to send (the receiver logs stall reports naming it, every
-check interval, then gets the message), a peer late to make a group (the same, then the group
+check interval, then gets the message; also where the peer waits meanwhile, in an all_reduce
+the receiver has not begun), a peer late to make a group (the same, then the group
 works), members opening different groups at one point (a ValueError on each), then a peer
 that shuts down without sending (to a receive waited on, or to one whose future is), or without
 making a group (each an error naming it on rank 0, instead of a wait for ever)."""
@@ -25,6 +26,19 @@ if r == peer:
 elif r == 0:
     dist.recv(got, peer, tag=5)
     assert got.tolist() == [7.0] * 3, got
+# a receive whose peer waits meanwhile in a collective the receiver has not begun: the report
+# says so, and both complete once the peer sends
+total = torch.ones(2)
+if r == peer:
+    work = dist.all_reduce(total, async_op=True)
+    time.sleep(2.5)
+    dist.send(torch.full((3,), 8.0), 0, tag=8)
+    work.wait()
+elif r == 0:
+    dist.recv(got, peer, tag=8)
+    assert got.tolist() == [8.0] * 3, got
+    dist.all_reduce(total)
+assert total.tolist() == [float(n)] * 2, total
 if r == peer:
     time.sleep(2.5)
 late = dist.new_group(list(range(n)))
