@@ -243,10 +243,11 @@ class _Job:
 _job: Optional[_Job] = None
 
 
-def _waits_elsewhere(set_id: Union[int, str], watch: StallWatch,
+def _waits_elsewhere(set_id: Union[int, str, None], watch: StallWatch,
                      ranks: list[int]) -> list[tuple[str, bool]]:
-    """For a stall report on set `set_id`: where global `ranks`, missing there, wait in a
-    collective of the other sets this rank is a member of (StallWatch.waits)."""
+    """For a stall report on set `set_id` (None: on none): where global `ranks`, missing
+    there, wait in a collective of the other sets this rank is a member of
+    (StallWatch.waits); `watch` gives the time to wait for an answer."""
     timeout = watch.read_timeout()
     others = [] if _job is None else [s for i, s in list(_job.active.items())
                                       if i != set_id and not s.closed]
@@ -544,9 +545,12 @@ def _meet_members(job: _Job, ranks: Sequence[int], label: str) -> None:
         return not late
 
     def stalled(seconds: float) -> str:
+        late = missing()
+        found = _waits_elsewhere(None, watch, late)     # (in a collective of any set)
         return (f"ringreduce: stall: rank {job.rank} has waited {seconds:.0f} s to open "
-                f"{label} for ranks {list(ranks)}: ranks {missing()} have not come to open it "
-                "(every member must make the group, in the same order)")
+                f"{label} for ranks {list(ranks)}: ranks {late} have not come to open it "
+                "(every member must make the group, in the same order)"
+                + "".join(f"; meanwhile {words}" for words, _ in found))
 
     wait_reporting(everyone_here, watch.check_time, lambda s: log.warning(stalled(s)),
                    watch.shutdown_time, lambda s: watch.on_shutdown(

@@ -114,7 +114,9 @@ def test_receives_and_new_groups_report_a_late_peer_and_fail_on_a_departed_one()
                      r"same group\); meanwhile rank 1 waits in collective #\d+ on the global set, "
                      r"which rank 0 has not begun", output), output[-3000:]
     assert re.search(r"ringreduce: stall: rank 0 has waited \d+ s to open torch group '1' for "
-                     r"ranks \[0, 1\]: ranks \[1\] have not come to open it", output), \
+                     r"ranks \[0, 1\]: ranks \[1\] have not come to open it \(every member must "
+                     r"make the group, in the same order\); meanwhile rank 1 waits in collective "
+                     r"#\d+ on the global set, which rank 0 has not begun", output), \
         output[-3000:]
     assert "SHUTDOWN rank 0" in output and "recv from rank 1 (tag 6)" in output \
         and "rank 1 shut down (ringreduce.shutdown()" in output, output[-3000:]

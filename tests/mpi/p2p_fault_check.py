@@ -39,9 +39,16 @@ elif r == 0:
     assert got.tolist() == [8.0] * 3, got
     dist.all_reduce(total)
 assert total.tolist() == [float(n)] * 2, total
+total = torch.ones(2)     # (the peer waits in an all_reduce meanwhile: the report says so)
+work = dist.all_reduce(total, async_op=True) if r == peer else None
 if r == peer:
     time.sleep(2.5)
 late = dist.new_group(list(range(n)))
+if r == peer:
+    work.wait()
+else:
+    dist.all_reduce(total)
+assert total.tolist() == [float(n)] * 2, total
 total = torch.ones(2)
 dist.all_reduce(total, group=late)
 assert total.tolist() == [float(n)] * 2, total
