@@ -244,7 +244,7 @@ _job: Optional[_Job] = None
 
 
 def _waits_elsewhere(set_id: Union[int, str, None], watch: StallWatch,
-                     ranks: list[int]) -> list[tuple[str, bool]]:
+                     ranks: list[int]) -> list[tuple[str, Optional[bool]]]:
     """For a stall report on set `set_id` (None: on none): where global `ranks`, missing
     there, wait in a collective of the other sets this rank is a member of
     (StallWatch.waits); `watch` gives the time to wait for an answer."""
@@ -552,10 +552,11 @@ def _meet_members(job: _Job, ranks: Sequence[int], label: str) -> None:
                 "(every member must make the group, in the same order)"
                 + "".join(f"; meanwhile {words}" for words, _ in found))
 
-    wait_reporting(everyone_here, watch.check_time, lambda s: log.warning(stalled(s)),
-                   watch.shutdown_time, lambda s: watch.on_shutdown(
-                       f"{stalled(s)}. Shutting the job down after {watch.shutdown_time:g} s "
-                       "(RINGREDUCE_STALL_SHUTDOWN_TIME)."))
+    with watch.opening():
+        wait_reporting(everyone_here, watch.check_time, lambda s: log.warning(stalled(s)),
+                       watch.shutdown_time, lambda s: watch.on_shutdown(
+                           f"{stalled(s)}. Shutting the job down after "
+                           f"{watch.shutdown_time:g} s (RINGREDUCE_STALL_SHUTDOWN_TIME)."))
     MPI.Request.Waitall(sends)
     other = [m for m, value in zip(others, theirs.tolist()) if value != mine[0]]
     if other:

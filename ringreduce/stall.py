@@ -23,11 +23,12 @@ and why, now if it waits in a collective, else at its next; shutdown() and init(
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -43,6 +44,7 @@ DEPARTED_GRACE = 1.0     # how long a collective that a member began before it l
                          # take to complete here (what it sent is on its way)
 _REMEMBERED = 4096       # the labels of this many recent collectives, for stall reports
 _JOINED_COUNT = 1 << 62  # what a joined rank publishes on the progress board
+_OPENING = -1            # what it publishes as waited in while it opens a group (`opening`)
 _READ_SECONDS = 2.0      # how long a stall report waits for the members' counts (at most
                          # half the check interval, so that reports keep their interval)
 GOODBYE_TAG = 31
@@ -208,7 +210,7 @@ class StallWatch:
         self.quiet = False      # a joined rank waits for the others by design: no reports
         # (global ranks missing here) -> where they wait on the other sets this rank shares
         # with them: their `waits()` there (process_sets sets it)
-        self.elsewhere: Optional[Callable[[list[int]], list[tuple[str, bool]]]] = None
+        self.elsewhere: Optional[Callable[[list[int]], list[tuple[str, Optional[bool]]]]] = None
         # what collective #k was, at k % _REMEMBERED: strings only, so that remembering
         # thousands of them keeps no per-call objects alive for the garbage collector to
         # promote (which then pauses the process for a full collection, ~80 ms with torch)
@@ -380,26 +382,43 @@ class StallWatch:
             else f"rank {self.ranks[r]} last began #{c} {self._name(int(c))}".rstrip()
             for r, c in zip(late, counts[late, 0]))
         head = f"{where}, which ranks {missing} have not submitted ({behind})."
-        elsewhere = [] if self.elsewhere is None else self.elsewhere(
-            [self.ranks[r] for r in late if r not in self.departures.gone])
-        if any(for_us for _, for_us in elsewhere):
-            return (f"{head} Meanwhile {'; '.join(text for text, _ in elsewhere)}. Ranks that "
-                    "wait for each other on different sets call the sets' collectives in "
-                    "different orders, or pass a set (a torch group) on some ranks only: every "
-                    "rank must make the same calls, in the same order.")
+        here = [self.ranks[r] for r in late if r not in self.departures.gone]
+        elsewhere = [(_opening(self.ranks[r]), None) for r in late if counts[r, 1] == _OPENING]
+        if self.elsewhere is not None:
+            elsewhere += self.elsewhere(here)
         also = f" Meanwhile {'; '.join(text for text, _ in elsewhere)}." if elsewhere else ""
+        if any(for_us for _, for_us in elsewhere):
+            return (f"{head}{also} Ranks that wait for each other on different sets call the "
+                    "sets' collectives in different orders, or pass a set (a torch group) on "
+                    "some ranks only: every rank must make the same calls, in the same order.")
+        if any(for_us is None for _, for_us in elsewhere):     # (opening a group: said)
+            return f"{head}{also}"
         return (f"{head}{also} Those ranks are stuck in their own code, or submit collectives "
                 "in a different order or number than the others.")
+
+    @contextlib.contextmanager
+    def opening(self) -> Iterator[None]:
+        """While this rank waits for the members of a group it opens (process_sets), other
+        sets' reports say so (`waits`)."""
+        if self._published is None:
+            yield
+            return
+        self._published[1] = _OPENING
+        try:
+            yield
+        finally:
+            self._published[1] = 0
 
     def read_timeout(self) -> float:
         """How long a report waits for a board's answer (at most half the check interval, so
         that reports keep their interval)."""
         return min(_READ_SECONDS, self.check_time / 2) if self.check_time > 0 else _READ_SECONDS
 
-    def waits(self, ranks: list[int], timeout: float) -> list[tuple[str, bool]]:
+    def waits(self, ranks: list[int], timeout: float) -> list[tuple[str, Optional[bool]]]:
         """For another set's stall report: where the members among global `ranks` wait in a
         collective of this set, in words, and whether they wait for this rank there (in one
-        that it has not begun). Nothing where the board does not answer within `timeout`."""
+        that it has not begun; None: to open a group, `opening`). Nothing where the board
+        does not answer within `timeout`."""
         members = [(g, self.ranks.index(g)) for g in ranks if g in self.ranks]
         counts = self.board.read_all(timeout) if members and self.board is not None else None
         if counts is None:
@@ -410,7 +429,9 @@ class StallWatch:
             waiting = int(counts[r, 1])
             if waiting == 0:
                 continue
-            if waiting > self.begun:
+            if waiting == _OPENING:
+                found.append((_opening(g), None))
+            elif waiting > self.begun:
                 last = (f"its last there: #{self.begun} {self._name(self.begun)}".rstrip()
                         if self.begun else "it has begun none there")
                 found.append((f"rank {g} waits in collective #{waiting}{where}, which rank "
@@ -419,3 +440,8 @@ class StallWatch:
                 label = f"#{waiting} {self._name(waiting)}".rstrip()
                 found.append((f"rank {g} waits in collective {label}{where}", False))
         return found
+
+
+def _opening(rank: int) -> str:
+    return (f"rank {rank} waits to open a group with other members (a torch new_group): every "
+            "member must make the same groups, in the same order")

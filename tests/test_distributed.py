@@ -118,6 +118,10 @@ def test_receives_and_new_groups_report_a_late_peer_and_fail_on_a_departed_one()
                      r"make the group, in the same order\); meanwhile rank 1 waits in collective "
                      r"#\d+ on the global set, which rank 0 has not begun", output), \
         output[-3000:]
+    assert re.search(r"ringreduce: stall: rank 1 has waited \d+ s in collective #\d+ allreduce "
+                     r"'dist.noname.\d+', which ranks \[0\] have not submitted \(.*\)\. "
+                     r"Meanwhile rank 0 waits to open a group with other members \(a torch "
+                     r"new_group\)", output), output[-3000:]
     assert "SHUTDOWN rank 0" in output and "recv from rank 1 (tag 6)" in output \
         and "rank 1 shut down (ringreduce.shutdown()" in output, output[-3000:]
     assert "FUTURE rank 0: ringreduce: recv from rank 1 (tag 7)" in output, output[-3000:]
