@@ -443,5 +443,6 @@ class StallWatch:
 
 
 def _opening(rank: int) -> str:
+    """A report's words for global `rank` waiting to open a group (StallWatch.opening)."""
     return (f"rank {rank} waits to open a group with other members (a torch new_group): every "
             "member must make the same groups, in the same order")
