@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -247,11 +248,15 @@ def _waits_elsewhere(set_id: Union[int, str, None], watch: StallWatch,
                      ranks: list[int]) -> list[tuple[str, Optional[bool]]]:
     """For a stall report on set `set_id` (None: on none): where global `ranks`, missing
     there, wait in a collective of the other sets this rank is a member of
-    (StallWatch.waits); `watch` gives the time to wait for an answer."""
-    timeout = watch.read_timeout()
+    (StallWatch.waits); `watch` gives the time to wait for their answers, all together (a
+    report keeps its interval however many sets there are)."""
+    deadline = time.monotonic() + watch.read_timeout()
     others = [] if _job is None else [s for i, s in list(_job.active.items())
                                       if i != set_id and not s.closed]
-    return [found for other in others for found in other.transport.watch.waits(ranks, timeout)]
+    found: list[tuple[str, Optional[bool]]] = []
+    for other in others:
+        found += other.transport.watch.waits(ranks, max(0.0, deadline - time.monotonic()))
+    return found
 
 
 def _state(what: str) -> _Job:
