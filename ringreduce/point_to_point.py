@@ -258,12 +258,7 @@ class _Overdue:
                 f"in {work._what}: {peer} has not made the matching "
                 f"{'send' if work._arrived is not None else 'recv'} (same tag, same group)")
         watch = work._channel.watch
-        if work._peer is None:
-            return text
-        ranks = [watch.ranks[work._peer]]
-        found = watch.waits(ranks, watch.read_timeout()) + (
-            watch.elsewhere(ranks) if watch.elsewhere is not None else [])
-        return text + "".join(f"; meanwhile {words}" for words, _ in found)
+        return text if work._peer is None else text + watch.meanwhile([watch.ranks[work._peer]])
 
 
 class _Poller:

@@ -244,15 +244,15 @@ class _Job:
 _job: Optional[_Job] = None
 
 
-def _waits_elsewhere(set_id: Union[int, str, None], watch: StallWatch,
-                     ranks: list[int]) -> list[tuple[str, Optional[bool]]]:
-    """For a stall report on set `set_id` (None: on none): where global `ranks`, missing
-    there, wait in a collective of the other sets this rank is a member of
-    (StallWatch.waits); `watch` gives the time to wait for their answers, all together (a
-    report keeps its interval however many sets there are)."""
+def _waits_elsewhere(set_id: Union[int, str], watch: StallWatch, ranks: list[int],
+                     everywhere: bool = False) -> list[tuple[str, Optional[bool]]]:
+    """For a stall report on set `set_id` (`watch`'s): where global `ranks`, missing there,
+    wait in a collective of the other sets this rank is a member of, or `everywhere`, of
+    this one too (StallWatch.waits), the reads given the report's read timeout all together
+    (a report keeps its interval however many sets there are)."""
     deadline = time.monotonic() + watch.read_timeout()
     others = [] if _job is None else [s for i, s in list(_job.active.items())
-                                      if i != set_id and not s.closed]
+                                      if (everywhere or i != set_id) and not s.closed]
     found: list[tuple[str, Optional[bool]]] = []
     for other in others:
         found += other.transport.watch.waits(ranks, max(0.0, deadline - time.monotonic()))
@@ -551,11 +551,9 @@ def _meet_members(job: _Job, ranks: Sequence[int], label: str) -> None:
 
     def stalled(seconds: float) -> str:
         late = missing()
-        found = _waits_elsewhere(None, watch, late)     # (in a collective of any set)
         return (f"ringreduce: stall: rank {job.rank} has waited {seconds:.0f} s to open "
                 f"{label} for ranks {list(ranks)}: ranks {late} have not come to open it "
-                "(every member must make the group, in the same order)"
-                + "".join(f"; meanwhile {words}" for words, _ in found))
+                f"(every member must make the group, in the same order){watch.meanwhile(late)}")
 
     with watch.opening():
         wait_reporting(everyone_here, watch.check_time, lambda s: log.warning(stalled(s)),

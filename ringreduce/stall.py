@@ -208,9 +208,10 @@ class StallWatch:
         self.departures = Departures(comm)
         self.begun = 0
         self.quiet = False      # a joined rank waits for the others by design: no reports
-        # (global ranks missing here) -> where they wait on the other sets this rank shares
-        # with them: their `waits()` there (process_sets sets it)
-        self.elsewhere: Optional[Callable[[list[int]], list[tuple[str, Optional[bool]]]]] = None
+        # (global ranks missing here, everywhere=False) -> where they wait on the other sets
+        # this rank shares with them (everywhere: on this one too), their `waits()` there
+        # (process_sets sets it)
+        self.elsewhere: Optional[Callable[..., list[tuple[str, Optional[bool]]]]] = None
         # what collective #k was, at k % _REMEMBERED: strings only, so that remembering
         # thousands of them keeps no per-call objects alive for the garbage collector to
         # promote (which then pauses the process for a full collection, ~80 ms with torch)
@@ -395,6 +396,13 @@ class StallWatch:
             return f"{head}{also}"
         return (f"{head}{also} Those ranks are stuck in their own code, or submit collectives "
                 "in a different order or number than the others.")
+
+    def meanwhile(self, ranks: list[int]) -> str:
+        """For a report of a wait outside a collective (a message, a group's opening): where
+        global `ranks` wait meanwhile in a collective of a set this rank shares with them, as
+        '; meanwhile ...' clauses."""
+        found = [] if self.elsewhere is None else self.elsewhere(ranks, everywhere=True)
+        return "".join(f"; meanwhile {words}" for words, _ in found)
 
     @contextlib.contextmanager
     def opening(self) -> Iterator[None]:
