@@ -5,7 +5,8 @@ Adasum combines two vectors a and b (gradients, or parameter deltas) as
     a + b - (a·b / 2|a|²) a - (a·b / 2|b|²) b
 
 which is their sum when they are orthogonal and their average when they are parallel. As in
-Horovod, a side whose squared norm is below 1e-8 keeps the weight 1, so zero vectors simply add.
+Horovod, a side whose squared norm is below sqrt(DBL_MIN) (about 1.5e-154: zero, or nearly)
+keeps the weight 1, so zero vectors simply add.
 Each tensor fused in the buffer gets its own dot product and norms.
 
 Horovod applies it along a binary tree over a power-of-two number of ranks: rank 2i with rank
@@ -25,6 +26,8 @@ a call then allocates nothing beyond a few small Python objects.
 from __future__ import annotations
 
 import bisect
+import math
+import sys
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -38,7 +41,7 @@ Scratch = Callable[[str, np.dtype, int], np.ndarray]
 Span = tuple[int, int, int]          # (tensor index, first, stop) within one rank's part
 
 DTYPES = (torch.float16, torch.float32, torch.float64)
-TINY_NORM_SQ = 1e-8                  # Horovod's threshold below which a vector keeps weight 1
+TINY_NORM_SQ = math.sqrt(sys.float_info.min)   # Horovod's sqrt(DBL_MIN): below it, weight 1
 BLOCK = 32768                        # elements widened to float64 at a time
 DATA_TAG, SUMS_TAG = 21, 22
 F64 = np.dtype(np.float64)

@@ -47,5 +47,6 @@ def test_weights_follow_horovods_formula_and_threshold():
     assert adasum.weight(0.0, 5.0) == 1.0                  # orthogonal: a plain sum
     assert adasum.weight(4.0, 4.0) == 0.5                  # parallel and equal: an average
     assert adasum.weight(3.0, 0.0) == 1.0                  # zero vector: weight 1
-    assert adasum.weight(1e-9, 0.99e-8) == 1.0             # squared norm under 1e-8: weight 1
-    assert adasum.weight(1e-8, 1e-8) == 0.5
+    assert adasum.weight(1e-160, 1e-155) == 1.0     # squared norm under sqrt(DBL_MIN): weight 1
+    assert adasum.weight(2e-154, 2e-154) == 0.5     # just over sqrt(DBL_MIN) (1.49e-154)
+    assert adasum.weight(1e-11, 1e-11) == 0.5       # small gradients still weigh

@@ -3,7 +3,8 @@
 On a power-of-two number of ranks: several tensors fused in one buffer (empty ones, a single
 element, lengths that split unevenly, a buffer shorter than the rank count) in float16, float32
 and float64 against the reference; the closed forms (parallel equal vectors give the vector,
-parallel multiples their mean, orthogonal ones their exact sum, zero and tiny vectors add);
+small ones too, parallel multiples their mean, orthogonal ones their exact sum, zero vectors
+and those under Horovod's threshold, sqrt(DBL_MIN), add);
 every result bitwise identical across ranks; scratch bounded; halves of the world as
 sub-communicators, and at 4 ranks a sub-communicator of 3, refused with NotImplementedError
 before any traffic. (The refusal through hvd.allreduce at 3 ranks: errors_check.py.) Every
@@ -22,15 +23,16 @@ world = mpi().COMM_WORLD
 r, n = world.rank, world.size
 FLOATS = (torch.float16, torch.float32, torch.float64)
 EPS64 = np.finfo(np.float64).eps
+TINY_SQ = np.sqrt(np.finfo(np.float64).tiny)    # Horovod's sqrt(DBL_MIN), adasum.h
 
 
 # ---------------------------------------------------------------------- the reference
 
 def reference_pair(a, b):
-    """Horovod's pairwise Adasum in float64, as its documentation and tests state it."""
+    """Horovod's pairwise Adasum in float64, as its C++ (adasum.h) computes it."""
     dot, a_sq, b_sq = float(a @ b), float(a @ a), float(b @ b)
-    a_coeff = 1.0 - dot / (2.0 * a_sq) if a_sq >= 1e-8 else 1.0
-    b_coeff = 1.0 - dot / (2.0 * b_sq) if b_sq >= 1e-8 else 1.0
+    a_coeff = 1.0 - dot / (2.0 * a_sq) if a_sq >= TINY_SQ else 1.0
+    b_coeff = 1.0 - dot / (2.0 * b_sq) if b_sq >= TINY_SQ else 1.0
     return a_coeff * a + b_coeff * b
 
 
@@ -130,10 +132,15 @@ def check_closed_forms():
         assert np.array_equal(run([np.zeros(length)] * n, None, dtype), np.zeros(length))
         if n == 2:
             assert np.array_equal(run([np.zeros(length), v], None, dtype), stored)
-        # tiny vectors (squared norm under 1e-8) keep weight 1: parallel ones add up
-        tiny = np.full(10, 1e-6).astype(storage)
-        got = run([tiny.astype(np.float64)] * n, None, dtype)
-        assert np.array_equal(got, (n * tiny).astype(np.float64)), f"tiny {dtype}: {got[:3]}"
+        # small vectors (a squared norm of 1e-11) still weigh: parallel equal ones give the
+        # vector (Horovod's threshold is sqrt(DBL_MIN), not a small-gradient cut-off)
+        small = np.full(10, 1e-6).astype(storage).astype(np.float64)
+        got = run([small] * n, None, dtype)
+        assert np.array_equal(got, small), f"small {dtype}: {got[:3]}"
+    # below sqrt(DBL_MIN) (only float64 holds such vectors) a vector keeps weight 1: they add
+    tiny = np.full(10, 1e-80)
+    got = run([tiny] * n, None, torch.float64)
+    assert np.array_equal(got, n * tiny), f"tiny float64: {got[:3]}"
 
 
 def check_tiny_beside_large_and_mixed_cases_fused():

@@ -133,10 +133,12 @@ def check_sparse_gradients_in_the_optimizer():
 
 
 def adasum_combine(a, b):
-    """Horovod's pairwise Adasum in float64 (weight 1 below a squared norm of 1e-8)."""
+    """Horovod's pairwise Adasum in float64 (weight 1 below a squared norm of sqrt(DBL_MIN),
+    adasum.h)."""
+    tiny = np.sqrt(np.finfo(np.float64).tiny)
     dot, aa, bb = float(a @ b), float(a @ a), float(b @ b)
-    wa = 1 - dot / aa / 2 if aa >= 1e-8 else 1.0
-    wb = 1 - dot / bb / 2 if bb >= 1e-8 else 1.0
+    wa = 1 - dot / aa / 2 if aa >= tiny else 1.0
+    wb = 1 - dot / bb / 2 if bb >= tiny else 1.0
     return wa * a + wb * b
 
 
@@ -161,40 +163,43 @@ def check_adasum():
                                  op=hvd.Adasum)
     assert np.allclose(a.numpy(), adasum_tree(vecs)) and np.allclose(b.numpy(),
                                                                       adasum_tree(other))
-    # the optimizer: every rank steps its own optimizer; the deltas are combined
-    torch.manual_seed(5)
-    model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 2)).double()
-    start = copy.deepcopy(model)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
-                                   model.named_parameters(), op=hvd.Adasum)
-    local_opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.5)
-                  for m in [copy.deepcopy(start) for _ in range(n)]]
-    locals_ = [o.param_groups[0]["params"] for o in local_opts]
-    for step in range(2):
-        data = [torch.randn(3, 6, generator=torch.Generator().manual_seed(10 * k + step),
-                            dtype=torch.float64) for k in range(n)]
-        opt.zero_grad()
-        model(data[r]).pow(2).sum().backward()
-        opt.step()
-        deltas = []
-        for k, (o, params) in enumerate(zip(local_opts, locals_)):
-            before = [p.detach().clone() for p in params]
-            o.zero_grad()
-            out = data[k]
-            out = torch.tanh(out @ params[0].T + params[1]) @ params[2].T + params[3]
-            out.pow(2).sum().backward()
-            o.step()
-            deltas.append([p.detach() - b for p, b in zip(params, before)])
-            for p, b in zip(params, before):
-                p.data.copy_(b)
-        for i in range(4):
-            combined = adasum_tree([d[i].reshape(-1).numpy() for d in deltas])
-            for params in locals_:
-                params[i].data += torch.from_numpy(combined).reshape(params[i].shape)
-        for i, p in enumerate(model.parameters()):
-            assert torch.allclose(p, locals_[0][i], rtol=1e-10, atol=1e-12), \
-                f"Adasum optimizer step {step}: parameter {i} off by " \
-                f"{(p - locals_[0][i]).abs().max().item()}"
+    # the optimizer: every rank steps its own optimizer; the deltas are combined. At lr 1e-5
+    # the deltas' squared norms are ~1e-9: they still weigh (Horovod's threshold is DBL_MIN's
+    # square root), so equal deltas average rather than add
+    for lr in (0.1, 1e-5):
+        torch.manual_seed(5)
+        model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+        start = copy.deepcopy(model)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.5),
+                                       model.named_parameters(), op=hvd.Adasum)
+        local_opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.5)
+                      for m in [copy.deepcopy(start) for _ in range(n)]]
+        locals_ = [o.param_groups[0]["params"] for o in local_opts]
+        for step in range(2):
+            data = [torch.randn(3, 6, generator=torch.Generator().manual_seed(10 * k + step),
+                                dtype=torch.float64) for k in range(n)]
+            opt.zero_grad()
+            model(data[r]).pow(2).sum().backward()
+            opt.step()
+            deltas = []
+            for k, (o, params) in enumerate(zip(local_opts, locals_)):
+                before = [p.detach().clone() for p in params]
+                o.zero_grad()
+                out = data[k]
+                out = torch.tanh(out @ params[0].T + params[1]) @ params[2].T + params[3]
+                out.pow(2).sum().backward()
+                o.step()
+                deltas.append([p.detach() - b for p, b in zip(params, before)])
+                for p, b in zip(params, before):
+                    p.data.copy_(b)
+            for i in range(4):
+                combined = adasum_tree([d[i].reshape(-1).numpy() for d in deltas])
+                for params in locals_:
+                    params[i].data += torch.from_numpy(combined).reshape(params[i].shape)
+            for i, p in enumerate(model.parameters()):
+                assert torch.allclose(p, locals_[0][i], rtol=1e-10, atol=1e-12), \
+                    f"Adasum optimizer, lr {lr}, step {step}: parameter {i} off by " \
+                    f"{(p - locals_[0][i]).abs().max().item()}"
     hvd.check_consistency(model)
     if n > 1:
         expect(AssertionError, "Adasum", lambda: opt.skip_synchronize().__enter__())
