@@ -64,8 +64,9 @@ class GradientReduction(WrappedOptimizer):
         mistakes = refusing(ps, f"{self._prefix}plan", "DistributedOptimizer")
         with mistakes:
             op = self._check_arguments(options, ps.ranks[ps.rank])
-        # Average with a predivide factor f: sum(g / f) * f / size.
-        factor = options.gradient_predivide_factor
+        # Average with a predivide factor f: sum(g / f) * f / size. With `groups`, Horovod's
+        # grouped allreduce leaves the factor out (its `_grouped_allreduce_grad_async`).
+        factor = options.gradient_predivide_factor if options.groups is None else 1.0
         predivided = factor != 1.0
         self._reduction = (ReduceOp.Sum if predivided else op, 1.0 / factor,
                            factor / ps.size if predivided else 1.0)

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
+from . import ring
 from .collectives import reduce_op
 from .compression import Compressor
 from .errors import UsageError
@@ -220,15 +221,16 @@ def named_parameters(param_groups: Sequence[dict], named: Any
 def explicit_groups(groups: Any, named: Sequence[tuple[str, torch.Tensor]]
                     ) -> Optional[Sequence[Sequence[torch.Tensor]]]:
     """The `groups` argument as lists of parameters that each travel as one bucket (an int:
-    that many of about equal parameter count, in `named`'s order), or None: buckets by size."""
+    that many whose parameter counts differ by at most one, longer first, in `named`'s order),
+    or None: buckets by size."""
     if groups is None:
         return None
     if isinstance(groups, int):
         if groups < 1:
             raise ValueError(f"ringreduce: groups must be >= 1, got {groups}")
-        params = [p for _, p in named]
-        per = -(-len(params) // groups)
-        return [params[i:i + per] for i in range(0, len(params), per)]
+        params = [p for _, p in named]      # as Horovod's split_list cuts them
+        bounds = ring.chunk_bounds(ring.balanced_counts(len(params), groups))
+        return [params[lo:hi] for lo, hi in bounds if hi > lo]
     if not all(isinstance(g, (list, tuple)) for g in groups):
         raise ValueError("ringreduce: groups must be an int or a list of lists of parameters")
     seen: set[int] = set()

@@ -15,7 +15,7 @@ import torch
 
 import ringreduce as hvd
 from ringreduce import (_native, config, crossnode, engine, failed_future, kernels,
-                        negotiation, point_to_point, ring, signature, stall)
+                        negotiation, point_to_point, ring, signature, stall, wrapped_optimizer)
 from ringreduce.buffers import CODES, as_array
 from ringreduce.mpi import mpi
 
@@ -28,6 +28,17 @@ def test_balanced_counts_cover_the_buffer(length, parts):
     bounds = ring.chunk_bounds(counts)
     assert bounds[0][0] == 0 and bounds[-1][1] == length
     assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+
+
+@pytest.mark.parametrize("count, groups, lengths", [(6, 4, [2, 2, 1, 1]), (7, 3, [3, 2, 2]),
+                                                     (3, 5, [1, 1, 1]), (4, 1, [4])])
+def test_integer_groups_are_cut_as_horovods_split_list(count, groups, lengths):
+    """(Horovod's DistributedOptimizer cuts its parameters with split_list: lengths that differ
+    by at most one, longer first; no empty group.)"""
+    named = [(f"p{i}", torch.zeros(1)) for i in range(count)]
+    cut = wrapped_optimizer.explicit_groups(groups, named)
+    assert [len(g) for g in cut] == lengths
+    assert [p for g in cut for p in g] == [p for _, p in named]
 
 
 def test_scratch_is_two_segments_or_one_chunk():

@@ -294,6 +294,35 @@ def train_conv(distributed, channels_last=True, **options):
     return model
 
 
+def check_groups_leave_the_predivide_factor_out():
+    """As Horovod's grouped reduction: with `groups` (an int or lists), the gradients are
+    bitwise those without gradient_predivide_factor; without groups the factor is used, and
+    sum(g / 3) * 3 / n differs from sum(g) / n in the last bits."""
+    x, y = data(0)
+
+    def gradients(groups, factor):
+        model = fresh_model()
+        params = list(model.parameters())
+        if groups == "lists":
+            groups = [params[:2], params[3:]]
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), model.named_parameters(),
+                                       groups=groups, gradient_predivide_factor=factor)
+        F.cross_entropy(model(shard(x)), shard(y)).backward()
+        opt.synchronize()
+        with opt.skip_synchronize():
+            opt.step()
+        return [p.grad.clone() for p in params]
+
+    for groups in (2, "lists"):
+        plain, predivided = gradients(groups, 1.0), gradients(groups, 3.0)
+        assert all(torch.equal(a, b) for a, b in zip(plain, predivided)), \
+            f"groups={groups}: the predivide factor changed the gradients"
+    if n > 1:
+        plain, predivided = gradients(None, 1.0), gradients(None, 3.0)
+        assert not all(torch.equal(a, b) for a, b in zip(plain, predivided)), \
+            "without groups the predivide factor changed nothing"
+
+
 def check_channels_last():
     """A channels_last model: its buckets hold each weight in the weight's memory layout, so a
     gradient made a view of one keeps autograd's layout contract (the layout of its parameter),
@@ -417,5 +446,6 @@ def check_state_helpers_refuse_a_mistake_on_one_rank():
 
 run_cases([then_barrier(check) for check in (
     check_equivalence, check_inheritance, check_features, check_unused_and_frozen, check_errors,
-    check_channels_last, check_overlap, check_state_helpers, check_sync_batch_norm)], r)
+    check_groups_leave_the_predivide_factor_out, check_channels_last, check_overlap,
+    check_state_helpers, check_sync_batch_norm)], r)
 print(f"OK rank {r}", flush=True)
