@@ -28,8 +28,8 @@ How a reset differs from Horovod's, and why:
   reset too. (If they have left the function already, it waits there, and the stall report
   says so.)
 - A bounded number of resets. Under plain mpirun a `HorovodInternalError` is a program error
-  (a `MismatchError`, a misuse of the optimizer) or one raised on purpose, so Horovod's unbounded
-  loop would retry a deterministic error forever. More failures than
+  (a `MismatchError`, say) or one raised on purpose, so Horovod's unbounded loop would retry
+  a deterministic error forever. More failures than
   `RINGREDUCE_ELASTIC_RESET_LIMIT` (default 5, 0 = never reset) in one call of the decorated
   function end it on every rank with a `RingReduceError` naming each rank's error.
 """
@@ -47,7 +47,8 @@ from .elastic_state import (ROOT_RANK, HostsUpdatedInterrupt, HostUpdateResult,
                             OptimizerStateHandler, SamplerStateHandler, State, StateHandler,
                             TorchState, abandon_pending_steps, get_handler_registry,
                             set_handler_registry)
-from .errors import HorovodInternalError, RingReduceError, ShutDownError
+from .errors import (HorovodInternalError, NotInitializedError, RingReduceError, ShutDownError,
+                     UnsupportedError, UsageError)
 from .negotiation import RESET_GIVEN, ResetPending
 from .objects import allgather_object
 from .process_sets import failed_sets
@@ -62,7 +63,9 @@ T = TypeVar("T")
 
 def run(func: Callable[..., T]) -> Callable[..., T]:
     """Decorator: `func(state, *args, **kwargs)` with the state synchronised from rank 0 first,
-    and run again after a reset. On `HorovodInternalError` every rank restores the last commit;
+    and run again after a reset. On `HorovodInternalError` every rank restores the last commit
+    (not on the errors Horovod raises as other types: a misuse of the optimizer, `UsageError`,
+    Horovod's AssertionError; `UnsupportedError`; `NotInitializedError`: these leave `func`);
     on `HostsUpdatedInterrupt` it keeps its state. Then the ranks reset together (see the
     module's docstring), the reset callbacks run, and the state is synchronised again (unless
     hosts were only removed)."""
@@ -77,6 +80,8 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                 if not skip_sync:
                     state.sync()
                 return func(state, *args, **kwargs)
+            except (UsageError, UnsupportedError, NotInitializedError):
+                raise       # Horovod's AssertionError, NotImplementedError, ValueError: no reset
             except HorovodInternalError as error:
                 failures += 1
                 state.restore()

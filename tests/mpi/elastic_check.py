@@ -426,6 +426,48 @@ def check_reset_limit():
     del os.environ[elastic.RESET_LIMIT_VARIABLE]
 
 
+def check_misuse_is_not_reset():
+    """As Horovod's run, which resets on HorovodInternalError only: the errors Horovod raises
+    as other types (a misuse of the optimizer: AssertionError) leave the function at once, on
+    every rank, with no reset; the optimizer is usable after zero_grad()."""
+    calls = []
+    for error in (hvd.UsageError, hvd.UnsupportedError, hvd.NotInitializedError):
+        @elastic.run
+        def fails(state):
+            calls.append(error)
+            raise error(f"injected {error.__name__} on rank {r}")
+
+        try:
+            fails(elastic.ObjectState(x=r))
+            raise AssertionError(f"{error.__name__} did not leave the function")
+        except error as e:
+            assert f"on rank {r}" in str(e), e
+    assert calls == [hvd.UsageError, hvd.UnsupportedError, hvd.NotInitializedError], calls
+    if n == 1:
+        return      # (one rank has no hooks, so no misuse to make: as Horovod's)
+    model = make_model(5)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   model.named_parameters())
+    passes = []
+
+    @elastic.run
+    def two_passes(state):      # a second backward pass with backward_passes_per_step=1
+        passes.append(1)
+        for _ in range(2):
+            model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+
+    try:
+        two_passes(elastic.TorchState(model=model, optimizer=opt))
+        raise AssertionError("a second backward pass went unnoticed")
+    except AssertionError as e:
+        assert isinstance(e, hvd.UsageError), repr(e)
+    assert passes == [1], passes
+    opt.zero_grad()
+    local_steps(model, opt, 2, seed=r)
+    same_bytes_everywhere(model.parameters(), "after a misuse left an elastic run")
+
+
 def check_killed_rank_ends_the_job():
     @elastic.run
     def train(state):      # plain collectives: no optimizer, whose first import is slow
@@ -458,7 +500,8 @@ def check_restart_refused_when_a_rank_left_for_good():
 CHECKS = {"all": (check_sampler, check_sync_and_round_trip, check_object_state,
                   check_host_updates, check_training_with_failures,
                   check_lone_failure_with_plain_collectives,
-                  check_failure_inside_a_process_set, check_reset_limit),
+                  check_failure_inside_a_process_set, check_reset_limit,
+                  check_misuse_is_not_reset),
           "kill": (check_killed_rank_ends_the_job,),
           "leave": (check_restart_refused_when_a_rank_left_for_good,)}
 for check in CHECKS[(sys.argv[1:] or ["all"])[0]]:
