@@ -17,12 +17,22 @@ import torch
 from . import fusion
 from .errors import UnsupportedError, UsageError
 from .gradient_reduction import GradientReduction
+from .wrapped_optimizer import Options
 
 
 class AdasumOptimizer(GradientReduction):
     """See the module's docstring."""
 
     _direct_buckets = False     # every delta goes into a bucket's buffer
+
+    def _setup(self, options: Options) -> None:
+        """As Horovod's Adasum optimizer, every trainable parameter starts with a zero
+        gradient, so one without a gradient at the first step still steps (weight decay)."""
+        super()._setup(options)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    p.grad = p.new_zeros(p.shape)
 
     def _plan(self) -> None:
         super()._plan()

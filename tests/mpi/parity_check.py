@@ -203,6 +203,15 @@ def check_adasum():
     hvd.check_consistency(model)
     if n > 1:
         expect(AssertionError, "Adasum", lambda: opt.skip_synchronize().__enter__())
+    # Horovod's Adasum optimizer gives every trainable parameter a zero gradient as it wraps
+    # (one rank alone gets the plain optimizer): an unused one steps by its weight decay
+    used, unused = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([used, unused], lr=1.0, weight_decay=0.5),
+                                   [("used", used), ("unused", unused)], op=hvd.Adasum)
+    assert (unused.grad is not None) == (n > 1), unused.grad
+    (used * (r + 1)).sum().backward()
+    opt.step()
+    assert torch.equal(unused.detach(), torch.full((2,), 0.5 if n > 1 else 1.0)), unused
 
 
 def check_build_queries():
