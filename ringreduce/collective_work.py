@@ -341,6 +341,12 @@ def allgather_work(tensors: Sequence[torch.Tensor], name: Optional[str],
     return ps, names[0], lambda: [_as(gather(), tensor) for gather, tensor in gathers]
 
 
+def tupled(work: Work) -> Work:
+    """A group's work yielding a tuple of results, as Horovod's grouped handles do."""
+    ps, name, fn = work
+    return ps, name, lambda: tuple(fn())
+
+
 def first(work: Work) -> Work:
     """A one-tensor group's work, yielding that tensor's result instead of a list."""
     ps, name, fn = work

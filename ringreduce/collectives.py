@@ -20,7 +20,7 @@ import torch
 from . import differentiable
 from .collective_work import (allgather_work, allreduce_work, alltoall_work, barrier_work,
                               broadcast_work, first, grouped_allreduce_work, reduce_op,
-                              reducescatter_work, run, sparse_allreduce_work, submit)
+                              reducescatter_work, run, sparse_allreduce_work, submit, tupled)
 from .compression import Compression, Compressor
 from .engine import Handle
 from .kernels import ReduceOp
@@ -108,22 +108,24 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set,
                             compression: type[Compressor] = Compression.none) -> Handle:
-    """Start one fused allreduce of several tensors; the handle yields a list of results."""
+    """Start one fused allreduce of several tensors; the handle yields a tuple of results."""
     name = qualified("grouped_allreduce", name)
-    return submit(grouped_allreduce_work(list(tensors), name, op, average, prescale_factor,
-                                         postscale_factor, compression, False,
-                                         "grouped_allreduce", process_set))
+    return submit(tupled(grouped_allreduce_work(list(tensors), name, op, average,
+                                                prescale_factor, postscale_factor, compression,
+                                                False, "grouped_allreduce", process_set)))
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                              name: Optional[str] = None, op: Any = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> Handle:
-    """Start one fused in-place allreduce of several tensors."""
+    """Start one fused in-place allreduce of several tensors; the handle yields them, a
+    tuple."""
     name = qualified("grouped_allreduce", name)
-    return submit(grouped_allreduce_work(list(tensors), name, op, average, prescale_factor,
-                                         postscale_factor, Compression.none, True,
-                                         "grouped_allreduce_", process_set))
+    return submit(tupled(grouped_allreduce_work(list(tensors), name, op, average,
+                                                prescale_factor, postscale_factor,
+                                                Compression.none, True, "grouped_allreduce_",
+                                                process_set)))
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -140,12 +142,14 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                        name: Optional[str] = None, op: Any = None, prescale_factor: float = 1.0,
                        postscale_factor: float = 1.0,
-                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """Reduce several tensors in one fused allreduce, in place, and return them."""
+                       process_set: ProcessSet = global_process_set
+                       ) -> tuple[torch.Tensor, ...]:
+    """Reduce several tensors in one fused allreduce, in place, and return them (a tuple, as
+    Horovod's)."""
     name = qualified("grouped_allreduce", name)
-    return run(grouped_allreduce_work(list(tensors), name, op, average, prescale_factor,
-                                      postscale_factor, Compression.none, True,
-                                      "grouped_allreduce_", process_set))
+    return tuple(run(grouped_allreduce_work(list(tensors), name, op, average, prescale_factor,
+                                            postscale_factor, Compression.none, True,
+                                            "grouped_allreduce_", process_set)))
 
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
@@ -188,16 +192,17 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None,
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                             process_set: ProcessSet = global_process_set) -> Handle:
-    """Start allgathers of several tensors as one collective; the handle yields a list."""
+    """Start allgathers of several tensors as one collective; the handle yields a tuple."""
     name = qualified("grouped_allgather", name)
-    return submit(allgather_work(list(tensors), name, process_set, "grouped_allgather"))
+    return submit(tupled(allgather_work(list(tensors), name, process_set, "grouped_allgather")))
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
-                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """Allgather several tensors as one collective (differentiable)."""
+                      process_set: ProcessSet = global_process_set
+                      ) -> tuple[torch.Tensor, ...]:
+    """Allgather several tensors as one collective (differentiable; a tuple, as Horovod's)."""
     name = qualified("grouped_allgather", name)
-    return differentiable.allgather(tensors, name, process_set, "grouped_allgather")
+    return tuple(differentiable.allgather(tensors, name, process_set, "grouped_allgather"))
 
 
 # ---------------------------------------------------------------- broadcast
@@ -279,10 +284,12 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[
                                 op: Any = Average, process_set: ProcessSet = global_process_set,
                                 prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> Handle:
-    """Start reduce-scatters of several tensors as one collective; the handle yields a list."""
+    """Start reduce-scatters of several tensors as one collective; the handle yields a
+    tuple."""
     name = qualified("grouped_reducescatter", name)
-    return submit(reducescatter_work(list(tensors), name, op, prescale_factor, postscale_factor,
-                                     Compression.none, process_set, "grouped_reducescatter"))
+    return submit(tupled(reducescatter_work(list(tensors), name, op, prescale_factor,
+                                            postscale_factor, Compression.none, process_set,
+                                            "grouped_reducescatter")))
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,

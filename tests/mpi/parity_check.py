@@ -56,6 +56,32 @@ def check_grouped_allgather_and_reducescatter():
     expect(hvd.UnsupportedError, "Adasum", hvd.reducescatter, x, op=hvd.Adasum)
 
 
+def check_grouped_results_are_horovods_containers():
+    """Horovod's grouped handles and in-place and allgather calls give tuples (its
+    synchronize() returns the handle's tuple of outputs, and autograd's apply a tuple); its
+    grouped_allreduce and grouped_reducescatter lists."""
+    x, y = torch.ones(2 * n), torch.ones(n, 3)
+    calls = {
+        "grouped_allreduce": (list, lambda: hvd.grouped_allreduce([x, y])),
+        "grouped_allreduce_": (tuple, lambda: hvd.grouped_allreduce_([x.clone(), y.clone()])),
+        "grouped_allreduce_async": (tuple, lambda: hvd.synchronize(
+            hvd.grouped_allreduce_async([x, y]))),
+        "grouped_allreduce_async_": (tuple, lambda: hvd.synchronize(
+            hvd.grouped_allreduce_async_([x.clone(), y.clone()]))),
+        "grouped_allgather": (tuple, lambda: hvd.grouped_allgather([x, y])),
+        "grouped_allgather, needing a gradient": (tuple, lambda: hvd.grouped_allgather(
+            [x.clone().requires_grad_(), y])),
+        "grouped_allgather_async": (tuple, lambda: hvd.synchronize(
+            hvd.grouped_allgather_async([x, y]))),
+        "grouped_reducescatter": (list, lambda: hvd.grouped_reducescatter([x, y])),
+        "grouped_reducescatter_async": (tuple, lambda: hvd.synchronize(
+            hvd.grouped_reducescatter_async([x, y]))),
+    }
+    for what, (container, call) in calls.items():
+        got = call()
+        assert type(got) is container and len(got) == 2, f"{what}: {type(got).__name__}"
+
+
 def check_sparse_allreduce():
     # rank k contributes value k + 1 at rows k and k + 1 of a (n + 1) x 2 matrix
     indices = torch.tensor([[r, r + 1], [0, 1]])
@@ -368,7 +394,8 @@ def check_schedulers_closures_early_steps_and_release():
 
 
 run_cases([then_barrier(check) for check in (
-    check_grouped_allgather_and_reducescatter, check_sparse_allreduce,
+    check_grouped_allgather_and_reducescatter, check_grouped_results_are_horovods_containers,
+    check_sparse_allreduce,
     check_sparse_gradients_in_the_optimizer, check_adasum, check_build_queries,
     check_broadcast_optimizer_state, check_optimizer_behaviours,
     check_schedulers_closures_early_steps_and_release, check_gradients)], r)
