@@ -97,6 +97,17 @@ def _life_cycle(optimizer: torch.optim.Optimizer, options: Options) -> type[Wrap
     return AdasumOptimizer
 
 
+def _class_defaults(plain_class: type, given: dict) -> dict:
+    """The defaults of Horovod's wrapped optimizer, which its class's __init__ made from the
+    param_groups alone: the class's own, so that a param group added later without `lr` gets
+    the class's default, as on Horovod. A class that cannot be made from parameters alone
+    (which Horovod cannot wrap) keeps the `given` ones."""
+    try:
+        return dict(plain_class([torch.zeros(1, requires_grad=True)]).defaults)
+    except Exception:
+        return dict(given)
+
+
 def _outside(process_set: ProcessSet) -> bool:
     """Whether this rank is outside `process_set`, a registered set (an unregistered one is
     left to `active()` to refuse)."""
@@ -112,13 +123,14 @@ def _wrap(optimizer: torch.optim.Optimizer, life_cycle: type[WrappedOptimizer],
     plain_class = type(optimizer)
     cls = type(plain_class.__name__, (life_cycle, plain_class), {})
     wrapped = cls.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)   # share param_groups, defaults, hooks
+    wrapped.__dict__.update(optimizer.__dict__)   # share param_groups and hooks
     if optimizer.state:
         warnings.warn(f"ringreduce: DistributedOptimizer starts with empty state, as Horovod's "
                       f"does: the state the wrapped optimizer holds for {len(optimizer.state)} "
                       "parameter(s) is not carried over. Load a checkpoint into the "
                       "DistributedOptimizer (then broadcast_optimizer_state) instead.")
     wrapped.state = defaultdict(dict)
+    wrapped.defaults = _class_defaults(plain_class, optimizer.defaults)
     # An LR scheduler made before wrapping replaced the plain optimizer's step() with its own
     # (an instance attribute): copied, it would hide the life cycle's step() and step the plain
     # optimizer, unreduced. That step() (torch's, which tells the scheduler a step happened) is

@@ -330,6 +330,21 @@ def check_optimizer_behaviours():
                             "context after optimizer.synchronize()") for t in texts), texts
     check_equal(model["a"].weight.grad, averaged, "no second reduction")
     expect(ValueError, "DistributedOptimizer already", hvd.DistributedOptimizer, opt)
+    # Horovod makes the wrapped optimizer with its class's __init__ over the param_groups
+    # alone: its defaults are the class's, so a group added without an lr gets SGD's 1e-3
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.5,
+                                                   momentum=0.9))
+    assert opt.defaults == torch.optim.SGD([torch.zeros(1, requires_grad=True)]).defaults
+    assert opt.param_groups[0]["lr"] == 0.5 and opt.param_groups[0]["momentum"] == 0.9
+    opt.add_param_group({"params": [nn.Parameter(torch.ones(1))]})
+    assert opt.param_groups[1]["lr"] == 1e-3 and opt.param_groups[1]["momentum"] == 0
+
+    class Scaled(torch.optim.SGD):      # (no class default for `scale`: Horovod cannot wrap it)
+        def __init__(self, params, scale, **options):
+            super().__init__(params, **options)
+
+    opt = hvd.DistributedOptimizer(Scaled(nn.Linear(2, 1).parameters(), 2.0, lr=0.5))
+    assert opt.defaults["lr"] == 0.5, opt.defaults
 
 
 def check_schedulers_closures_early_steps_and_release():
