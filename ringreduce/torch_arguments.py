@@ -61,6 +61,31 @@ def logical(tensor: torch.Tensor, op: ReduceOp, pre: float,
                             f"(any), PRODUCT or MIN (all), not {refused}")
 
 
+def reducible(tensor: torch.Tensor, op: ReduceOp, pre: float,
+              what: str) -> tuple[torch.Tensor, ReduceOp]:
+    """`tensor` as ringreduce reduces it, and the op to reduce it by, as gloo reduces it: a
+    bool one by `logical`; a complex one as its real and imaginary parts (torch's all_reduce
+    does that before it calls the backend, its reduce and reduce_scatter do not), by SUM, AVG
+    or PREMUL_SUM. `restored` views a result as the tensor's dtype again."""
+    if tensor.dtype is torch.bool:
+        return logical(tensor, op, pre, what)
+    if tensor.is_complex():
+        if op not in (Sum, Average):
+            raise ArgumentTypeError(f"ringreduce backend: {what} of a complex tensor takes "
+                                    f"SUM, AVG or PREMUL_SUM, not {op.name.upper()}")
+        return torch.view_as_real(tensor), op
+    return tensor, op
+
+
+def restored(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A result reduced as `reducible` made `like` reducible, viewed as `like`'s dtype."""
+    if like.dtype is torch.bool:
+        return result.view(torch.bool)
+    if like.is_complex():
+        return torch.view_as_complex(result.reshape(-1, 2))
+    return result
+
+
 def one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     if len(tensors) != 1:
         raise UnsupportedError(f"ringreduce backend: {what} takes one tensor per call, got "

@@ -31,13 +31,13 @@ from .collective_work import (allgather_work, allreduce_work, alltoall_work, bar
                               sparse_allreduce_work, submit)
 from .collectives import Average, Sum
 from .compression import Compression
-from .errors import RingReduceError, UnsupportedError
+from .errors import ArgumentTypeError, RingReduceError, UnsupportedError
 from .point_to_point import Channel
 from .process_sets import (ActiveSet, ProcessSet, active, close_group, global_process_set,
                            refusing)
 from .small_way import allreduce_now, started
-from .torch_arguments import (SUM, bitwise, copy_flat, logical, one, reduction, same_size,
-                              worked_on)
+from .torch_arguments import (SUM, bitwise, copy_flat, logical, one, reducible, reduction,
+                              restored, same_size, worked_on)
 from .torch_work import FINISHED, CollectiveWork
 
 BACKEND = "ringreduce"
@@ -172,10 +172,14 @@ class RingReduceGroup(dist.ProcessGroup):
                              f"is {output.dtype} {tuple(output.shape)}, but {arrived.numel()} "
                              f"{arrived.dtype} elements arrived for it")
 
-    def _written(self, handle: Any, outputs: list, kind: str) -> CollectiveWork:
+    def _written(self, handle: Any, outputs: list, kind: str,
+                 sources: Optional[list] = None) -> CollectiveWork:
         """The Work of a coalesced call whose results (one per output) go into torch's
-        output tensors, each checked first."""
+        output tensors, each checked first (`sources`: the tensors `reducible` made the
+        results from, to view each as its source's dtype again)."""
         def finish(results: list) -> None:
+            if sources is not None:
+                results = [restored(r, source) for r, source in zip(results, sources)]
             for output, result in zip(outputs, results):
                 self._check_output(output, result, kind)
             for output, result in zip(outputs, results):
@@ -221,7 +225,8 @@ class RingReduceGroup(dist.ProcessGroup):
                 run(allreduce_work(tensor, None, name, op, pre, 1.0, Compression.none, True,
                                    self._process_set))
             if write_back is not None:
-                write_back(None)
+                with torch.no_grad():       # (as the asynchronous Work writes it)
+                    write_back(None)
             return CollectiveWork(FINISHED, tensors)
         # small (unless the first try above was this very call: the same tensor and op)
         retry = pre == 1.0 and (op is not Sum or tensor is not tensors[0])
@@ -267,11 +272,17 @@ class RingReduceGroup(dist.ProcessGroup):
         return CollectiveWork(handle, [tensor], finish)
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> CollectiveWork:
-        ps, name, checks = self._call("allreduce_coalesced")
-        with checks:
-            op, pre = (self._op(opts, "allreduce_coalesced") if opts is not None
-                       else (Sum, 1.0))
+        what = "allreduce_coalesced"
+        ps, name, checks = self._call(what)
         targets, write_back = worked_on(tensors)
+        with checks:
+            op, pre = self._op(opts, what) if opts is not None else (Sum, 1.0)
+            reduced = [reducible(t, op, pre, f"{what} on rank {self.rank()}") for t in targets]
+            ops = {reduced_op for _, reduced_op in reduced}
+            if len(ops) > 1:
+                raise ArgumentTypeError(f"ringreduce backend: {what} on rank {self.rank()} "
+                                        "mixes bool tensors with others: pass one dtype")
+            targets, op = [t for t, _ in reduced], ops.pop() if ops else op
         handle = submit(grouped_allreduce_work(targets, name, op, None, pre, 1.0,
                                                Compression.none, True, "grouped_allreduce_",
                                                ps))
@@ -287,8 +298,7 @@ class RingReduceGroup(dist.ProcessGroup):
             folding = bitwise(opts.reduceOp)
             if folding is None:
                 op, pre = self._op(opts, "reduce")
-                if tensor.dtype is _BOOL:
-                    tensor, op = logical(tensor, op, pre, f"reduce on rank {self.rank()}")
+                tensor, op = reducible(tensor, op, pre, f"reduce on rank {self.rank()}")
         if folding is not None:
             return self._bitwise(name, tensor, folding, root)
         handle = submit(allreduce_work(tensor.contiguous(), None, name, op, pre, 1.0,
@@ -324,10 +334,12 @@ class RingReduceGroup(dist.ProcessGroup):
                         value: list, name: str) -> CollectiveWork:
         """Row r of `rows` reduced over the group lands in rank r's `output`."""
         op, pre = self._op(opts, kind)
-        handle = submit(first(reducescatter_work([rows], name, op, pre, 1.0, Compression.none,
-                                                 self._process_set)))
+        reduced, op = reducible(rows, op, pre, f"{kind} on rank {self.rank()}")
+        handle = submit(first(reducescatter_work([reduced], name, op, pre, 1.0,
+                                                 Compression.none, self._process_set)))
 
         def finish(mine: torch.Tensor) -> None:
+            mine = restored(mine, rows)
             self._check_output(output, mine, kind)
             copy_flat(output, mine)
 
@@ -340,9 +352,15 @@ class RingReduceGroup(dist.ProcessGroup):
         with checks:
             rows = [self._rows(i, what) for i in inputs]
             op, pre = self._op(opts, what)
-            handle = submit(reducescatter_work(rows, name, op, pre, 1.0, Compression.none, ps,
-                                               "grouped_reducescatter"))
-        return self._written(handle, outputs, what)
+            reduced = [reducible(t, op, pre, f"{what} on rank {self.rank()}") for t in rows]
+            ops = {reduced_op for _, reduced_op in reduced}
+            if len(ops) > 1:
+                raise ArgumentTypeError(f"ringreduce backend: {what} on rank {self.rank()} "
+                                        "mixes bool tensors with others: pass one dtype")
+            handle = submit(reducescatter_work([t for t, _ in reduced], name,
+                                               ops.pop() if ops else op, pre, 1.0,
+                                               Compression.none, ps, "grouped_reducescatter"))
+        return self._written(handle, outputs, what, rows)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -362,7 +380,7 @@ class RingReduceGroup(dist.ProcessGroup):
         ps, name, checks = self._call("allgather")
         with checks:
             outputs, tensor = one(output_tensors, "allgather"), one(input_tensors, "allgather")
-        return self._gather_rows(ps, name, tensor, "allgather", output_tensors, outputs)
+        return self._gather_rows(ps, name, tensor, "allgather", outputs, outputs)
 
     def gather(self, output_tensors: list, input_tensors: list, opts: Any) -> CollectiveWork:
         """Every rank's tensor, kept by the root (an allgather)."""
@@ -371,7 +389,7 @@ class RingReduceGroup(dist.ProcessGroup):
             tensor, root = one(input_tensors, "gather"), opts.rootRank
             root_rank = self._global(root, "gather")
             outputs = one(output_tensors, "gather") if self.rank() == root else None
-        return self._gather_rows(ps, name, tensor, "gather", output_tensors, outputs,
+        return self._gather_rows(ps, name, tensor, "gather", outputs or [], outputs,
                                  root_rank)
 
     def _gather_rows(self, ps: ProcessSet, name: str, tensor: torch.Tensor, kind: str,
@@ -408,7 +426,8 @@ class RingReduceGroup(dist.ProcessGroup):
             self._check_output(output, rows, what)
             copy_flat(output, rows)
 
-        return CollectiveWork(handle, [output], finish)
+        # (the future's value: the output's chunk per rank, as gloo's)
+        return CollectiveWork(handle, list(output.tensor_split(self.size())), finish)
 
     _allgather_base = all_gather_single
 

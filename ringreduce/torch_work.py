@@ -136,8 +136,16 @@ class CollectiveWork(dist.Work):
         self._future.set_result(self._value)
 
     def is_completed(self) -> bool:
-        """Done, and torch's outputs written."""
-        return self._handle.done() and self._finish is None
+        """Done, and torch's outputs written: where the handle is done and they are not yet,
+        they are written here, so that a caller polling it (as gloo's may) needs no wait()."""
+        if not self._handle.done():
+            return False
+        if self._finish is not None:
+            try:
+                self._settle()
+            except BaseException:
+                pass        # (completed with an error: wait() and exception() raise or give it)
+        return True
 
     def is_success(self) -> bool:
         if not self._handle.done():

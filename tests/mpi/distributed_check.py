@@ -876,6 +876,118 @@ def case_dtypes_moved_and_bool_reduced():
     same_model(train(Masked, DDP), train(Masked), "DDP with a bool buffer")
 
 
+def case_bool_and_complex_in_every_reduction():
+    """Bool tensors reduce as gloo reduces them in every reduction (reduce_scatter in both
+    forms, all_reduce_coalesced, the coalescing manager's all_reduce), and complex ones in
+    reduce and reduce_scatter, which torch hands the backend as they are (all_reduce's it
+    turns into real ones first)."""
+    flags = torch.stack([moved(torch.bool, k, rows=n).reshape(-1) for k in range(n)])
+    width = flags.shape[1] // n
+    for op, want in ((SUM, flags.any(0)), (dist.ReduceOp.MAX, flags.any(0)),
+                     (dist.ReduceOp.MIN, flags.all(0)), (dist.ReduceOp.PRODUCT, flags.all(0))):
+        mine = want[r * width:(r + 1) * width]
+        out = torch.empty(width, dtype=torch.bool)
+        dist.reduce_scatter_tensor(out, flags[r].clone(), op=op)
+        check_equal(out, mine, f"bool reduce_scatter_tensor {op}")
+        out = torch.empty(width, dtype=torch.bool)
+        dist.reduce_scatter(out, list(flags[r].clone().chunk(n)), op=op)
+        check_equal(out, mine, f"bool reduce_scatter {op}")
+    pair = [flags[r][:3].clone(), flags[r][3:].clone()]
+    dist.all_reduce_coalesced(pair)
+    check_equal(torch.cat(pair), flags.any(0), "bool all_reduce_coalesced SUM")
+    pair = [flags[r][:3].clone(), flags[r][3:].clone()]
+    with dist._coalescing_manager():
+        for t in pair:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    check_equal(torch.cat(pair), flags.all(0), "bool all_reduce MIN, coalesced")
+
+    def mixed():        # (torch's all_reduce_coalesced refuses mixed dtypes itself)
+        with dist._coalescing_manager():
+            dist.all_reduce(flags[r].clone())
+            dist.all_reduce(torch.ones(2))
+    expect(hvd.ArgumentTypeError, "mixes bool tensors", mixed)
+
+    def waves(k, rows=2 * n):
+        return torch.complex(rand(rows, 3, seed=60, rank=k), rand(rows, 3, seed=61, rank=k))
+    whole = sum(waves(k) for k in range(n))
+    root = n - 1
+    for op, want in ((SUM, whole), (AVG, whole / n)):
+        kept = waves(r).t()         # (not contiguous: written in place)
+        dist.reduce(kept, dst=root, op=op)
+        close(kept.t(), want if r == root else waves(r), f"complex reduce {op}")
+        out = torch.empty(2, 3, dtype=torch.complex64)
+        dist.reduce_scatter_tensor(out, waves(r), op=op)
+        close(out, want[2 * r:2 * r + 2], f"complex reduce_scatter_tensor {op}")
+        out = torch.empty(2, 3, dtype=torch.complex64)
+        dist.reduce_scatter(out, list(waves(r).chunk(n)), op=op)
+        close(out, want[2 * r:2 * r + 2], f"complex reduce_scatter {op}")
+    expect(hvd.ArgumentTypeError, ["complex", "not MAX"], dist.reduce, waves(r), dst=0,
+           op=dist.ReduceOp.MAX)
+    check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
+
+
+def case_works_polled_and_their_values():
+    """A Work polled with is_completed() alone, as gloo's users may, completes with its outputs
+    written (without wait()); its future's value is gloo's (all_gather: the output list;
+    gather: the root's list, elsewhere none; all_gather_into_tensor: the output's chunk per
+    rank); a synchronous all_reduce of a parameter's transposed view runs, as on gloo."""
+    root = n - 1
+    gathered = [torch.empty(2) for _ in range(n)]
+    flat = torch.empty(2 * n)
+    gather_list = [torch.empty(2) for _ in range(n)] if r == root else None
+    scattered = torch.empty(2)
+    rows = torch.empty(n)
+    summed = torch.empty(2)
+    kept = rand(2, seed=71)
+    strided = rand(4, 3, seed=72).t()
+    calls = {
+        "all_gather": lambda: dist.all_gather(gathered, rand(2, seed=70), async_op=True),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(flat, rand(2, seed=70),
+                                                                      async_op=True),
+        "gather": lambda: dist.gather(rand(2, seed=70), gather_list, dst=root, async_op=True),
+        "scatter": lambda: dist.scatter(scattered, [rand(2, seed=73, rank=k) for k in range(n)]
+                                        if r == root else None, src=root, async_op=True),
+        "all_to_all_single": lambda: dist.all_to_all_single(
+            rows, torch.arange(n, dtype=torch.float32) + 10 * r, async_op=True),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(
+            summed, rand(2 * n, seed=74), async_op=True),
+        "reduce": lambda: dist.reduce(kept, dst=root, async_op=True),
+        "all_reduce, transposed": lambda: dist.all_reduce(strided, async_op=True),
+    }
+    works = {what: call() for what, call in calls.items()}
+    deadline = time.monotonic() + 30
+    for what, work in works.items():
+        while not work.is_completed():
+            assert time.monotonic() < deadline, f"{what}: never completed while polled"
+            time.sleep(0.001)
+    want = [rand(2, seed=70, rank=k) for k in range(n)]
+    for k in range(n):
+        check_equal(gathered[k], want[k], f"all_gather polled, from {k}")
+    check_equal(flat, torch.cat(want), "all_gather_into_tensor polled")
+    if r == root:
+        for k in range(n):
+            check_equal(gather_list[k], want[k], f"gather polled, from {k}")
+    check_equal(scattered, rand(2, seed=73, rank=r), "scatter polled")
+    check_equal(rows, torch.tensor([10.0 * k + r for k in range(n)]), "all_to_all_single polled")
+    close(summed, sum(rand(2 * n, seed=74, rank=k) for k in range(n))[2 * r:2 * r + 2],
+          "reduce_scatter_tensor polled")
+    close(kept, sum(rand(2, seed=71, rank=k) for k in range(n)) if r == root
+          else rand(2, seed=71), "reduce polled")
+    close(strided, sum(rand(4, 3, seed=72, rank=k) for k in range(n)).t(),
+          "all_reduce transposed, polled")
+    values = {what: work.get_future().wait() for what, work in works.items()}
+    assert len(values["all_gather"]) == n and all(
+        v is t for v, t in zip(values["all_gather"], gathered)), "all_gather's value"
+    assert len(values["gather"]) == (n if r == root else 0), "gather's value"
+    chunks = values["all_gather_into_tensor"]
+    assert len(chunks) == n and all(c.shape == (2,) for c in chunks), "into tensor's value"
+    check_equal(torch.cat(chunks), flat, "all_gather_into_tensor's value")
+    weight = nn.Parameter(rand(4, 3, seed=75))
+    dist.all_reduce(weight.t())         # (in place on a view of a leaf: as gloo, no error)
+    close(weight.detach(), sum(rand(4, 3, seed=75, rank=k) for k in range(n)),
+          "all_reduce of a parameter's transposed view")
+
+
 # ---------------------------------------------------------------- DDP, FSDP, torchmetrics
 
 BATCH = 24          # divides by 1, 2, 3 (and each half by 2 and 3)
@@ -1477,7 +1589,8 @@ cases = [case_all_reduce, case_all_reduce_coalesced, case_coalesced, case_broadc
          case_one_rank_errs, case_one_rank_refuses_its_inputs,
          case_one_rank_calls_another_kind, case_one_rank_names_another_root,
          case_sparse_all_reduce,
-         case_dtypes_moved_and_bool_reduced, case_ddp,
+         case_dtypes_moved_and_bool_reduced, case_bool_and_complex_in_every_reduction,
+         case_works_polled_and_their_values, case_ddp,
          case_ddp_hooks_that_start_collectives, case_ddp_hook_raises_on_one_rank,
          case_ddp_bucket_fails_on_one_rank, case_ddp_join_and_zero, case_fsdp,
          case_torchmetrics, case_accelerate, case_pipelining, case_tensor_parallel,
