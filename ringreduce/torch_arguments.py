@@ -77,6 +77,18 @@ def reducible(tensor: torch.Tensor, op: ReduceOp, pre: float,
     return tensor, op
 
 
+def all_reducible(tensors: Sequence[torch.Tensor], op: ReduceOp, pre: float,
+                  what: str) -> tuple[list[torch.Tensor], ReduceOp]:
+    """`reducible` for the tensors of one coalesced call, which reduce by one op: bool tensors
+    mixed with others are refused."""
+    reduced = [reducible(t, op, pre, what) for t in tensors]
+    ops = {reduced_op for _, reduced_op in reduced}
+    if len(ops) > 1:
+        raise ArgumentTypeError(f"ringreduce backend: {what} mixes bool tensors with others: "
+                                "pass one dtype")
+    return [t for t, _ in reduced], ops.pop() if ops else op
+
+
 def restored(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A result reduced as `reducible` made `like` reducible, viewed as `like`'s dtype."""
     if like.dtype is torch.bool:

@@ -31,13 +31,13 @@ from .collective_work import (allgather_work, allreduce_work, alltoall_work, bar
                               sparse_allreduce_work, submit)
 from .collectives import Average, Sum
 from .compression import Compression
-from .errors import ArgumentTypeError, RingReduceError, UnsupportedError
+from .errors import RingReduceError, UnsupportedError
 from .point_to_point import Channel
 from .process_sets import (ActiveSet, ProcessSet, active, close_group, global_process_set,
                            refusing)
 from .small_way import allreduce_now, started
-from .torch_arguments import (SUM, bitwise, copy_flat, logical, one, reducible, reduction,
-                              restored, same_size, worked_on)
+from .torch_arguments import (SUM, all_reducible, bitwise, copy_flat, logical, one, reducible,
+                              reduction, restored, same_size, worked_on)
 from .torch_work import FINISHED, CollectiveWork
 
 BACKEND = "ringreduce"
@@ -277,12 +277,7 @@ class RingReduceGroup(dist.ProcessGroup):
         targets, write_back = worked_on(tensors)
         with checks:
             op, pre = self._op(opts, what) if opts is not None else (Sum, 1.0)
-            reduced = [reducible(t, op, pre, f"{what} on rank {self.rank()}") for t in targets]
-            ops = {reduced_op for _, reduced_op in reduced}
-            if len(ops) > 1:
-                raise ArgumentTypeError(f"ringreduce backend: {what} on rank {self.rank()} "
-                                        "mixes bool tensors with others: pass one dtype")
-            targets, op = [t for t, _ in reduced], ops.pop() if ops else op
+            targets, op = all_reducible(targets, op, pre, f"{what} on rank {self.rank()}")
         handle = submit(grouped_allreduce_work(targets, name, op, None, pre, 1.0,
                                                Compression.none, True, "grouped_allreduce_",
                                                ps))
@@ -352,14 +347,9 @@ class RingReduceGroup(dist.ProcessGroup):
         with checks:
             rows = [self._rows(i, what) for i in inputs]
             op, pre = self._op(opts, what)
-            reduced = [reducible(t, op, pre, f"{what} on rank {self.rank()}") for t in rows]
-            ops = {reduced_op for _, reduced_op in reduced}
-            if len(ops) > 1:
-                raise ArgumentTypeError(f"ringreduce backend: {what} on rank {self.rank()} "
-                                        "mixes bool tensors with others: pass one dtype")
-            handle = submit(reducescatter_work([t for t, _ in reduced], name,
-                                               ops.pop() if ops else op, pre, 1.0,
-                                               Compression.none, ps, "grouped_reducescatter"))
+            reduced, op = all_reducible(rows, op, pre, f"{what} on rank {self.rank()}")
+            handle = submit(reducescatter_work(reduced, name, op, pre, 1.0, Compression.none,
+                                               ps, "grouped_reducescatter"))
         return self._written(handle, outputs, what, rows)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced

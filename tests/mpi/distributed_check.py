@@ -892,6 +892,13 @@ def case_bool_and_complex_in_every_reduction():
         out = torch.empty(width, dtype=torch.bool)
         dist.reduce_scatter(out, list(flags[r].clone().chunk(n)), op=op)
         check_equal(out, mine, f"bool reduce_scatter {op}")
+    outs = [torch.empty(width, dtype=torch.bool) for _ in range(2)]
+    with dist._coalescing_manager():
+        for out in outs:
+            dist.reduce_scatter_tensor(out, flags[r].clone())
+    for out in outs:
+        check_equal(out, flags.any(0)[r * width:(r + 1) * width],
+                    "bool reduce_scatter_tensor SUM, coalesced")
     pair = [flags[r][:3].clone(), flags[r][3:].clone()]
     dist.all_reduce_coalesced(pair)
     check_equal(torch.cat(pair), flags.any(0), "bool all_reduce_coalesced SUM")
