@@ -119,7 +119,8 @@ class Settings:
     timeline: str = _setting(
         "", str,
         "write a Chrome-trace/Perfetto timeline of every collective's phases to this path, one "
-        "file per rank ('{rank}' in the path, else '.rank<r>' before the extension); empty = off",
+        "file per rank ('{rank}' in the path, else '.rank<r>' before the extension); empty or "
+        "DYNAMIC (Horovod's: only start_timeline() starts one) = off",
         horovod="HOROVOD_TIMELINE")
 
     # What every rank must set alike: how a collective's bytes move (the ways and their sizes,

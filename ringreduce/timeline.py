@@ -48,6 +48,10 @@ def describe(name: str, **details: Any) -> None:
     _details[name] = details
 
 
+# Horovod's HOROVOD_TIMELINE=DYNAMIC: no file at init(), only start_timeline() later.
+DYNAMIC = "DYNAMIC"
+
+
 def rank_path(path: str, rank: int) -> str:
     """`{rank}` in `path` replaced by the rank, else `.rank<r>` inserted before the extension."""
     path = os.fspath(path)

@@ -72,7 +72,7 @@ def init(comm: Any = None, process_sets: Union[None, str, Iterable[ProcessSet]] 
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
-        if resolved.timeline:
+        if resolved.timeline and resolved.timeline != timeline.DYNAMIC:
             timeline.start(resolved.timeline, ours.rank)
         ignored = ignored_horovod_variables()
         if ignored and ours.rank == 0:

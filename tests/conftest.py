@@ -57,14 +57,15 @@ class Run:
 
 def run_mpi(n: int, script: str, *args: str, timeout: float = 120, env: dict | None = None,
             python: str = sys.executable, mpiexec: str | None = None,
-            launcher_flags: tuple[str, ...] = ()) -> Run:
-    """Run tests/mpi/<script> on n ranks; a run past `timeout` is killed and fails the test."""
+            launcher_flags: tuple[str, ...] = (), cwd: str | None = None) -> Run:
+    """Run tests/mpi/<script> on n ranks (in `cwd`, default this one); a run past `timeout` is
+    killed and fails the test."""
     mpiexec = mpiexec or find_mpiexec(python)
     full_env = worker_env(env)
     cmd = [mpiexec, *launcher_flags, "-n", str(n), python, str(WORKERS / script), *args]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, start_new_session=True)
+                            env=full_env, start_new_session=True, cwd=cwd)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -72,6 +72,13 @@ def test_report_prints_overlap_and_draws(traces, tmp_path):
     assert png.stat().st_size > 10_000
 
 
+def test_horovods_dynamic_timeline_writes_no_file_at_init(tmp_path):
+    """HOROVOD_TIMELINE=DYNAMIC is Horovod's switch for start_timeline() later, not a path."""
+    run_ok(1, "topology_check.py", timeout=60, env={"HOROVOD_TIMELINE": "DYNAMIC"},
+           cwd=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_rank_paths_never_collide():
     assert timeline.rank_path("out/t.json", 0) == "out/t.rank0.json"
     assert timeline.rank_path("out/t", 3) == "out/t.rank3"
