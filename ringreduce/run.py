@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -26,31 +27,75 @@ from .version import __version__
 
 HYDRA, OPEN_MPI = "MPICH Hydra", "Open MPI"
 
-# horovodrun flags that need Horovod's driver or do a job MPI does: (takes a value, why refused).
+# horovodrun flags that need Horovod's driver or do a job MPI does, by their spellings (the
+# first is the one named): (takes a value, why refused).
 _ELASTIC = "elastic jobs of changing size need Horovod's elastic driver; hvd.elastic runs here " \
            "with a fixed set of ranks"
+_AUTOTUNE = "ringreduce has no autotuner; see docs/guide/settings.md for its measured defaults"
 _REFUSED = {
-    "--gloo": (False, "ringreduce runs on MPI only (there is no Gloo controller)"),
-    "--host-discovery-script": (True, _ELASTIC),
-    "--min-np": (True, _ELASTIC),
-    "--max-np": (True, _ELASTIC),
-    "--slots-per-host": (True, _ELASTIC),
-    "--blacklist-cooldown-range": (True, _ELASTIC),
-    "--reset-limit": (True, _ELASTIC),
-    "--network-interface": (True, "MPI picks the network: use your MPI's own option (e.g. Open "
-                                  "MPI's --mca btl_tcp_if_include) through --mpi-args"),
-    "--start-timeout": (True, "MPI's launcher has its own start-up timeout"),
-    "--ssh-identity-file": (True, "MPI's launcher reaches the hosts with your ssh settings: "
-                                  "set IdentityFile for them in ~/.ssh/config"),
-    "--output-filename": (True, "pass your MPI's own option through --mpi-args (Open MPI: "
-                                "--output-filename DIR; MPICH Hydra: -outfile-pattern and "
-                                "-errfile-pattern)"),
-    "--tcp": (False, "MPI picks the transport"),
-    "--cache-capacity": (True, "ringreduce has no response cache"),
-    "--cycle-time-ms": (True, "ringreduce has no background cycle"),
-    "--autotune": (False, "ringreduce has no autotuner; see docs/guide/settings.md for its "
-                          "measured defaults"),
+    ("--gloo",): (False, "ringreduce runs on MPI only (there is no Gloo controller)"),
+    ("--host-discovery-script",): (True, _ELASTIC),
+    ("--min-np", "--min-num-proc"): (True, _ELASTIC),
+    ("--max-np", "--max-num-proc"): (True, _ELASTIC),
+    ("--slots-per-host",): (True, _ELASTIC),
+    ("--blacklist-cooldown-range",): (True, _ELASTIC),
+    ("--reset-limit",): (True, _ELASTIC),
+    ("--elastic-timeout",): (True, _ELASTIC),
+    ("--network-interface", "--network-interfaces"): (
+        True, "MPI picks the network: use your MPI's own option (e.g. Open MPI's --mca "
+              "btl_tcp_if_include) through --mpi-args"),
+    ("--start-timeout",): (True, "MPI's launcher has its own start-up timeout"),
+    ("--ssh-identity-file", "-i"): (True, "MPI's launcher reaches the hosts with your ssh "
+                                          "settings: set IdentityFile for them in ~/.ssh/config"),
+    ("--output-filename",): (True, "pass your MPI's own option through --mpi-args (Open MPI: "
+                                   "--output-filename DIR; MPICH Hydra: -outfile-pattern and "
+                                   "-errfile-pattern)"),
+    ("--tcp",): (False, "MPI picks the transport"),
+    ("--cache-capacity",): (True, "ringreduce has no response cache"),
+    ("--cycle-time-ms",): (True, "ringreduce has no background cycle"),
+    ("--autotune",): (False, _AUTOTUNE),
+    ("--autotune-log-file",): (True, _AUTOTUNE),
+    ("--autotune-warmup-samples",): (True, _AUTOTUNE),
+    ("--autotune-steps-per-sample",): (True, _AUTOTUNE),
+    ("--autotune-bayes-opt-max-samples",): (True, _AUTOTUNE),
+    ("--autotune-gaussian-process-noise",): (True, _AUTOTUNE),
+    ("--mpi-threads-disable",): (False, "ringreduce's engine threads call MPI, which needs "
+                                        "MPI's thread support"),
+    ("--config-file",): (True, "ringreduce-run reads no config file: give its settings as "
+                               "flags or RINGREDUCE_* variables (docs/guide/settings.md)"),
+    ("--jsrun",): (False, "ringreduce-run starts the ranks with mpirun/mpiexec; under LSF, "
+                          "run jsrun yourself"),
 }
+# horovodrun flags for things ringreduce has no use for: accepted, and a line on stderr says
+# why they change nothing (takes a value, why).
+_HIERARCHICAL = "ringreduce always reduces within each node first, then between the nodes"
+_IGNORED = {
+    ("--hierarchical-allreduce",): (False, _HIERARCHICAL),
+    ("--no-hierarchical-allreduce",): (False, _HIERARCHICAL),
+    ("--hierarchical-allgather",): (False, _HIERARCHICAL),
+    ("--no-hierarchical-allgather",): (False, _HIERARCHICAL),
+    ("--torus-allreduce",): (False, "ringreduce does not use NCCL"),
+    ("--no-torus-allreduce",): (False, "ringreduce does not use NCCL"),
+    ("--num-nccl-streams",): (True, "ringreduce does not use NCCL"),
+    ("--gloo-timeout-seconds",): (True, "there is no Gloo controller"),
+    ("--thread-affinity",): (True, "bind the ranks with your MPI's options (--binding-args)"),
+    ("--timeline-mark-cycles",): (False, "ringreduce has no background cycle to mark"),
+    ("--no-timeline-mark-cycles",): (False, "ringreduce has no background cycle to mark"),
+    ("--log-level",): (True, "ringreduce logs through Python's logging, as the logger "
+                             "'ringreduce'"),
+    ("--log-with-timestamp",): (False, "ringreduce logs through Python's logging"),
+    ("--log-without-timestamp",): (False, "ringreduce logs through Python's logging"),
+    ("--log-hide-timestamp",): (False, "ringreduce logs through Python's logging"),
+    ("--no-log-hide-timestamp",): (False, "ringreduce logs through Python's logging"),
+    ("--prefix-output-with-timestamp", "-prefix-timestamp"): (
+        False, "pass your MPI's own option through --mpi-args (Open MPI: --timestamp-output)"),
+}
+# horovodrun's switches for what ringreduce always does (MPI, the stall check, MPI's threads,
+# no autotuning): accepted without a word.
+_DEFAULTS = ("--mpi", "--stall-check", "--no-mpi-threads-disable", "--no-autotune")
+# Variables horovodrun does not pass on to the ranks (its env_util.is_exportable), as Open MPI's
+# `-x` would; Hydra passes the whole environment itself.
+_NOT_EXPORTED = re.compile(r"BASH_FUNC_.*|OLDPWD|.*CUDA_VISIBLE_DEVICES")
 
 
 class LaunchError(Exception):
@@ -69,8 +114,8 @@ def _positive_int(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ringreduce-run",
+    p = argparse.ArgumentParser(      # (no abbreviations: horovodrun's --mpi is not --mpi-args)
+        prog="ringreduce-run", allow_abbrev=False,
         description="Run a ringreduce training script under MPI with horovodrun's flags.")
     p.add_argument("-v", "--version", action="version", version=f"ringreduce {__version__}")
     p.add_argument("-np", "--num-proc", dest="np", type=_positive_int,
@@ -87,18 +132,27 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stall-check-shutdown-time-seconds", type=float,
                    help="seconds of stall that end the job (RINGREDUCE_STALL_SHUTDOWN_TIME)")
     p.add_argument("--no-stall-check", action="store_true", help="no stall reports")
-    p.add_argument("--check-build", action="store_true",
+    p.add_argument("-cb", "--check-build", action="store_true",
                    help="print what this build supports and exit")
     p.add_argument("--mpi-args", default="", help="extra arguments for the MPI launcher")
+    p.add_argument("--binding-args", default="",
+                   help="process binding arguments for the MPI launcher (before --mpi-args)")
     p.add_argument("--disable-cache", action="store_true",
                    help="accepted and ignored: there are no start-up checks to cache (MPI's "
                         "launcher starts the ranks)")
-    for flag, (takes_value, _) in _REFUSED.items():
-        p.add_argument(flag, dest="refused_" + flag.strip("-").replace("-", "_"),
-                       help=argparse.SUPPRESS,
-                       **({"default": None} if takes_value else {"action": "store_true"}))
+    for table, prefix in ((_REFUSED, "refused_"), (_IGNORED, "ignored_")):
+        for spellings, (takes_value, _) in table.items():
+            p.add_argument(*spellings, dest=_dest(prefix, spellings), help=argparse.SUPPRESS,
+                           **({"default": None} if takes_value else {"action": "store_true"}))
+    for flag in _DEFAULTS:
+        p.add_argument(flag, action="store_true", dest=_dest("default_", (flag,)),
+                       help=argparse.SUPPRESS)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     return p
+
+
+def _dest(prefix: str, spellings: tuple[str, ...]) -> str:
+    return prefix + spellings[0].strip("-").replace("-", "_")
 
 
 def find_launcher(python: str = sys.executable) -> str:
@@ -190,10 +244,9 @@ def build_command(args: argparse.Namespace, launcher: str, family: str,
         if args.ssh_port is not None:
             cmd += ["--mca", "plm_rsh_args", f"-p {args.ssh_port}"]
         for name in sorted(environ):
-            if name.startswith(("RINGREDUCE_", "HOROVOD_", "PYTHON", "OMP_")) or name in (
-                    "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV"):
+            if not _NOT_EXPORTED.fullmatch(name):
                 cmd += ["-x", name]
-    cmd += shlex.split(args.mpi_args)
+    cmd += shlex.split(args.binding_args) + shlex.split(args.mpi_args)
     return cmd + args.command
 
 
@@ -216,15 +269,23 @@ def check_build() -> str:
 
 def refused(args: argparse.Namespace) -> Optional[str]:
     """Why the first of horovodrun's flags that we cannot honour is refused, if one was given."""
-    for flag in _REFUSED:
-        if getattr(args, "refused_" + flag.strip("-").replace("-", "_")) not in (None, False):
-            return f"ringreduce-run: {flag} is not supported: {why_refused(flag)}"
+    for spellings in _REFUSED:
+        if getattr(args, _dest("refused_", spellings)) not in (None, False):
+            return f"ringreduce-run: {spellings[0]} is not supported: {why_refused(spellings[0])}"
     return None
 
 
+def ignored(args: argparse.Namespace) -> list[str]:
+    """A line for each of horovodrun's flags given that change nothing here, saying why."""
+    return [f"ringreduce-run: ignoring {spellings[0]}: {why}"
+            for spellings, (_, why) in _IGNORED.items()
+            if getattr(args, _dest("ignored_", spellings)) not in (None, False)]
+
+
 def why_refused(flag: str) -> str:
-    """Why horovodrun's `flag` (one we refuse, e.g. "--gloo") is not supported."""
-    return _REFUSED[flag][1]
+    """Why horovodrun's `flag` (one we refuse, e.g. "--gloo", in any of its spellings) is not
+    supported."""
+    return next(why for spellings, (_, why) in _REFUSED.items() if flag in spellings)
 
 
 def prepare(args: argparse.Namespace, environ: dict[str, str], scratch: str,
@@ -255,6 +316,8 @@ def run(argv: Sequence[str], environ: Optional[dict[str, str]] = None) -> int:
     if why:
         print(why, file=sys.stderr)
         return 2
+    for line in ignored(args):
+        print(line, file=sys.stderr)
     if args.check_build:
         print(check_build())
         return 0

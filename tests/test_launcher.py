@@ -78,6 +78,10 @@ def test_check_build(capfd):
     (["--gloo"], "--gloo is not supported: ringreduce runs on MPI only"),
     (["--host-discovery-script", "d.sh"], "elastic jobs of changing size"),
     (["--min-np", "2"], "elastic jobs of changing size"),
+    (["--max-num-proc", "4"], "--max-np is not supported: elastic jobs of changing size"),
+    (["-i", "key"], "--ssh-identity-file is not supported"),
+    (["--config-file", "c.yaml"], "reads no config file"),
+    (["--mpi-threads-disable"], "needs MPI's thread support"),
 ])
 def test_flags_it_cannot_honour_are_refused(capfd, flags, message):
     code, out, err = answer(capfd, "-np", "2", *flags, sys.executable, CHECK)
@@ -101,6 +105,38 @@ def test_unknown_flag_and_missing_np_are_errors(capfd):
     code, out, err = answer(capfd, sys.executable, CHECK, environ=env)
     assert code == 2 and "-np is required" in err
     assert "OK rank" not in out
+
+
+def test_horovodruns_other_flags_are_taken_whole_and_named_when_they_change_nothing():
+    """No abbreviations (horovodrun's --mpi is its controller switch, not --mpi-args with the
+    program as its value); flags for what ringreduce has no use for are accepted, each named
+    on stderr; the default switches silently."""
+    args = launcher.parser().parse_args(
+        ["--mpi", "-np", "2", "--hierarchical-allreduce", "--log-level", "INFO",
+         "-prefix-timestamp", "--stall-check", "--no-autotune", "-cb", "python", "x.py"])
+    assert args.mpi_args == "" and args.command == ["python", "x.py"] and args.check_build
+    assert launcher.refused(args) is None
+    assert launcher.ignored(args) == [
+        "ringreduce-run: ignoring --hierarchical-allreduce: ringreduce always reduces within "
+        "each node first, then between the nodes",
+        "ringreduce-run: ignoring --log-level: ringreduce logs through Python's logging, as the "
+        "logger 'ringreduce'",
+        "ringreduce-run: ignoring --prefix-output-with-timestamp: pass your MPI's own option "
+        "through --mpi-args (Open MPI: --timestamp-output)"]
+    with pytest.raises(SystemExit):
+        launcher.parser().parse_args(["--mpi-arg", "-x", "-np", "2", "python", "x.py"])
+
+
+def test_open_mpi_gets_the_environment_horovodrun_passes(tmp_path):
+    """Every variable but those horovodrun keeps back (env_util.is_exportable): a job's own
+    (DATA_DIR) reaches ranks on other hosts; --binding-args go before --mpi-args."""
+    args = launcher.parser().parse_args(["-np", "2", "--binding-args=--bind-to core",
+                                         "--mpi-args=--tag-output", "python", "x.py"])
+    env = {"PATH": "/bin", "DATA_DIR": "/data", "OLDPWD": "/", "CUDA_VISIBLE_DEVICES": "0",
+           "BASH_FUNC_f%%": "() {  :\n}"}
+    cmd = launcher.build_command(args, "mpirun", launcher.OPEN_MPI, env, str(tmp_path))
+    assert cmd == ["mpirun", "-n", "2", "-x", "DATA_DIR", "-x", "PATH", "--bind-to", "core",
+                   "--tag-output", "python", "x.py"]
 
 
 def test_translation_for_each_launcher(tmp_path):
