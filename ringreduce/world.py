@@ -38,7 +38,8 @@ _started_with: tuple = (None, {})    # init()'s communicator and settings, for r
 
 def init(comm: Any = None, process_sets: Union[None, str, Iterable[ProcessSet]] = None,
          **settings: Any) -> None:
-    """Start ringreduce on `comm` (default MPI.COMM_WORLD). Idempotent.
+    """Start ringreduce on `comm` (default MPI.COMM_WORLD; as in Horovod, also a list of
+    MPI_COMM_WORLD ranks, which alone then call init()). Idempotent.
 
     `process_sets`: ProcessSet objects to register now (they are ready for collectives when
     init returns), or "dynamic" (accepted for Horovod; sets may always be added later).
@@ -56,7 +57,10 @@ def init(comm: Any = None, process_sets: Union[None, str, Iterable[ProcessSet]] 
                 "ringreduce: MPI was initialised below MPI_THREAD_MULTIPLE; ringreduce runs "
                 "collectives from its engine threads while yours run. Import ringreduce (or set "
                 "mpi4py.rc.thread_level = 'multiple') before importing mpi4py.MPI.")
-        ours = _duplicate(MPI.COMM_WORLD if comm is None else comm, resolved)
+        given, made = _communicator(MPI, comm)
+        ours = _duplicate(given, resolved)
+        if made:
+            given.Free()
         aware, how = resolve_cuda_aware(resolved.cuda_aware, MPI, ours)
         resolved = dataclasses.replace(resolved, cuda_aware=aware)
         _agree_on_settings(ours, resolved)
@@ -82,6 +86,28 @@ def init(comm: Any = None, process_sets: Union[None, str, Iterable[ProcessSet]] 
         log.debug("rank %d/%d: local %d/%d, cross %d/%d", ours.rank, ours.size, glob.local.rank,
                   glob.local.size, glob.cross.rank, glob.cross.size)
     register_at_init(process_sets)
+
+
+def _communicator(MPI: Any, comm: Any) -> tuple[Any, bool]:
+    """init()'s `comm` as a communicator, and whether it was made here: an mpi4py communicator
+    as it is; None or an empty list, MPI_COMM_WORLD; Horovod's list of MPI_COMM_WORLD ranks,
+    a communicator of those ranks (only they call init(); made by MPI_Comm_create_group, as
+    Horovod makes it, so the others take no part)."""
+    if comm is None or (isinstance(comm, (list, tuple)) and not comm):
+        return MPI.COMM_WORLD, False
+    if not isinstance(comm, (list, tuple)):
+        return comm, False
+    world, ranks = MPI.COMM_WORLD, [int(r) for r in comm]
+    if world.rank not in ranks or len(set(ranks)) != len(ranks) or not all(
+            0 <= r < world.size for r in ranks):
+        raise ValueError(f"ringreduce: init(comm={list(comm)}) on rank {world.rank}: the list "
+                         f"names distinct ranks of MPI_COMM_WORLD ({world.size} ranks), this "
+                         "one among them; only the listed ranks call init()")
+    group = world.Get_group().Incl(ranks)
+    try:
+        return world.Create_group(group), True
+    finally:
+        group.Free()
 
 
 def _duplicate(comm: Any, settings: Settings) -> Any:

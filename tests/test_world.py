@@ -28,6 +28,13 @@ def test_simulated_nodes_split_ranks_into_blocks(n, shared_run):
     assert topology(shared_run()) == [[r, 4, r % 2, 2, r // 2, 2] for r in range(4)]
 
 
+def test_init_on_a_list_of_world_ranks_as_horovods():
+    """init(comm=[2, 0]): those ranks alone, ranked in the list's order; rank 1 never calls
+    init()."""
+    rows = topology(run_ok(3, "topology_check.py", "2,0", timeout=60))
+    assert rows == [[0, 2, 0, 2, 0, 1], [1, 2, 1, 2, 0, 1]]
+
+
 @pytest.mark.parametrize("n,failing", [(2, 1), (3, 0)])
 def test_uncaught_exception_on_one_rank_ends_the_job(n, failing):
     start = time.monotonic()
