@@ -9,6 +9,7 @@ joined. The public `join()` is in collectives.py; `ActiveSet.join` restarts the 
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import numpy as np
@@ -41,20 +42,28 @@ class JoinRounds:
     def join(self, device: Optional[torch.device]) -> int:
         """This member has run out of data: until every member has joined, take part in every
         allreduce the others run, with zeros (on `device`, or the one they use); returns the
-        set rank that joined last (the highest of those that joined at the same point)."""
-        point = self.watch.begun
+        set rank that joined last (`last`)."""
+        point, joined_at = self.watch.begun, time.time_ns()
         self.watch.set_joined(True)
         try:
             while True:
                 digests, points = self.negotiator.exchange(JOINED, point)
                 if (digests == JOINED).all():
                     self.watch.begun = int(points.max())    # every member counts alike again
-                    return int(np.flatnonzero(points == points.max())[-1])
+                    return self.last(points, joined_at)
                 description = self.round(None)
                 if description is not None and description[2] is not None:
                     self._zeros(description[2], device)
         finally:
             self.watch.set_joined(False)
+
+    def last(self, points: np.ndarray, joined_at: int) -> int:
+        """The member that joined last, as Horovod's coordinator, which takes joins in the
+        order they reach it: the most collectives begun before joining (a join after another's
+        collectives is after it), then the latest clock (for joins between the same two
+        collectives), then the highest rank."""
+        clocks = self.negotiator.gather(joined_at)
+        return max(range(len(clocks)), key=lambda r: (int(points[r]), clocks[r], r))
 
     def allreduce(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
         """An allreduce that met joined members: agree with the others on what runs, then run

@@ -12,6 +12,7 @@ first in turn)
 """
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +72,16 @@ def joins_in_turn(first):
     assert hvd.allgather(torch.tensor([r])).tolist() == list(range(n))
 
 
+def joins_apart_in_time(late):
+    """Every rank runs the same collectives, then rank `late` joins a second after the others:
+    join() returns it, the last to join in time (as Horovod's coordinator sees the joins)."""
+    hvd.allreduce(torch.ones(2), name="before the joins")
+    if r == late:
+        time.sleep(1.0)
+    last = hvd.join()
+    assert last == late, (last, late)
+
+
 def batch(rank, step):
     g = torch.Generator().manual_seed(1000 * rank + step)
     return torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
@@ -114,6 +125,8 @@ def check_all():
     for first in range(n) if first is None else [int(first) % n]:
         print(f"JOIN rank {r}: rank {first} joins first", flush=True)   # names the failing case
         joins_in_turn(first)
+    joins_apart_in_time(0)
+    joins_apart_in_time(n - 1)
     uneven_epoch()
 
 
