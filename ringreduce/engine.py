@@ -490,11 +490,15 @@ class Engine:
         return handle
 
     def shutdown(self) -> None:
-        """Run what is queued, then end the thread."""
+        """Run what is queued, end the thread, then wait for the collective another thread may
+        be running on its own (a synchronous call): the set's memory is freed after this.
+        Nothing more is taken meanwhile, so that thread's next call raises."""
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
         self._thread.join()
+        with self._running:
+            pass
 
     def _duplicate(self, name: str) -> str:
         return (f"ringreduce: a collective named '{name}' is still in flight on rank "

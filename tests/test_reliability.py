@@ -44,7 +44,8 @@ def test_rank_with_fewer_batches_fails_the_others_step_not_a_hang(n):
 
 
 @shared_script("reliability", "reliability_check.py", timeout=lambda n: 240,
-               args=lambda n: ["optimizer,recovery,alltoall" + (",checkpoint" if n == 3 else ""),
+               args=lambda n: ["optimizer,recovery,alltoall,threads"
+                               + (",checkpoint" if n == 3 else ""),
                                "{tmp}"])
 @pytest.mark.parametrize("n", [2, 3])
 def test_reliability_cases(n, shared_run):

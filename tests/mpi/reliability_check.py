@@ -14,12 +14,16 @@ optimizer     a parameter unfrozen after wrapping; parameters no rank has a grad
               two DistributedOptimizers in one backward
 checkpoint    load failures and unloadable extras raise the same error on every rank
 alltoall      non-integer splits are a TypeError
+threads       shutdown(), and at 3 ranks remove_process_set(), while another thread of every
+              rank runs synchronous allreduces of its own: they wait for the one in flight, and
+              the thread's next call raises (the set's memory was freed under it: a crash)
 stoppable     prints its pid, then runs allreduces for a while (the test stops rank 1)
 stall         rank 1 sleeps FAULT_SLEEP seconds before its next allreduce
 """
 import copy
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -344,6 +348,37 @@ def alltoall():
     assert hvd.alltoall(torch.ones(n, 2), splits=[1] * n)[0].shape == (n, 2)
 
 
+def threads():
+    errors = []
+
+    def loop(process_set):
+        try:
+            while True:         # 16 MB: the node's blocks, run in C without the GIL
+                hvd.allreduce(torch.ones(4_000_000), name="loop", process_set=process_set)
+        except Exception as exc:
+            errors.append(exc)
+
+    for attempt in range(6):
+        removing = attempt % 2 == 1 and n >= 3
+        ps = hvd.add_process_set([0, 1]) if removing else hvd.global_process_set
+        thread = threading.Thread(target=loop, args=(ps,), daemon=True)
+        started = not removing or r in (0, 1)
+        if started:
+            thread.start()
+            time.sleep(0.2)
+        if removing:
+            hvd.remove_process_set(ps)
+        else:
+            hvd.shutdown()
+        if started:
+            thread.join(30)
+            assert not thread.is_alive(), f"attempt {attempt}: the thread still runs"
+            assert isinstance(errors[-1], (ValueError, hvd.RingReduceError)), repr(errors[-1])
+        hvd.init()
+    check_equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)),
+                "an allreduce after them")
+
+
 def stoppable():
     print(f"PID rank {r} {os.getpid()}", flush=True)
     for i in range(int(os.environ.get("ROUNDS", "60"))):
@@ -361,7 +396,7 @@ def stall():
 
 MODES = {"leave_end": leave, "leave_exit": leave, "leave_ahead": leave, "fewer": fewer,
          "recovery": recovery, "optimizer": optimizer, "checkpoint": checkpoint,
-         "alltoall": alltoall, "stoppable": stoppable, "stall": stall}
+         "alltoall": alltoall, "threads": threads, "stoppable": stoppable, "stall": stall}
 modes = sys.argv[1].split(",")
 if len(modes) == 1:
     MODES[modes[0]]()
