@@ -355,9 +355,11 @@ class StallWatch:
         names = sorted(self.ranks[r] for r, begun in self.departures.gone.items()
                        if every or begun < self.begun)
         who = f"rank {names[0]}" if len(names) == 1 else f"ranks {names}"
-        return (head + f"{who} shut down (ringreduce.shutdown(), or the end of its script) "
-                "without it. Every rank must run the same collectives: let the ranks finish "
-                "together, or use join() for uneven data.")
+        how = ("left the set (remove_process_set(), ringreduce.shutdown(), or the end of its "
+               "script)" if self.where else
+               "shut down (ringreduce.shutdown(), or the end of its script)")
+        return (head + f"{who} {how} without it. Every rank must run the same collectives: let "
+                "the ranks finish together, or use join() for uneven data.")
 
     def _shut_down(self) -> str:
         again = ("Make the set afresh (remove_process_set() and add_process_set(), or a new "
