@@ -20,7 +20,8 @@ from . import adasum, cuda, ring, timeline
 from .buffers import CODES, NAMES, SUPPORTED, as_array, dtype_name, fresh
 from .compression import Compression, Compressor, custom
 from .engine import Handle
-from .errors import ArgumentTypeError, NotContiguousError, RingReduceError, UnsupportedError
+from .errors import (ArgumentTypeError, HorovodInternalError, NotContiguousError, RingReduceError,
+                     UnsupportedError)
 from .kernels import ReduceOp
 from .negotiation import AGREED
 from .process_sets import ActiveSet, ProcessSet, active, global_process_set, refusing
@@ -192,6 +193,11 @@ def _allreduce_spec(t: torch.Tensor, op: ReduceOp, pre: float, post: float,
     return ReduceSpec(t.dtype, op, pre, post, digest(signature), signature)
 
 
+# adasum.check_supported's error for a dtype Adasum cannot reduce (Horovod's
+# HorovodInternalError), a mistake in the arguments all the same: `refusing` shares it.
+_ADASUM_DTYPE = (HorovodInternalError,)
+
+
 def allreduce_work(tensor: torch.Tensor, average: Optional[bool], name: Optional[str], op: Any,
                    pre: float, post: float, compression: type[Compressor], in_place: bool,
                    process_set: ProcessSet, root: Optional[int] = None) -> Work:
@@ -205,12 +211,12 @@ def allreduce_work(tensor: torch.Tensor, average: Optional[bool], name: Optional
         return ps, name, lambda: grouped()[0]
     ps = active(process_set, f"{kind}()")
     name = ps.auto_name(kind) if name is None else name
-    with refusing(ps, name, kind):
+    with refusing(ps, name, kind, also=_ADASUM_DTYPE):
         op = reduce_op(op, average, kind, adasum_ok=True)
         _adasum_set(op, process_set, kind, name, ps)
         t = _tensor(tensor, kind, name, ps)
-    if op == ReduceOp.Adasum:
-        adasum.check_supported(ps.size, t.dtype)
+        if op == ReduceOp.Adasum:
+            adasum.check_supported(ps.size, t.dtype)
     spec = _allreduce_spec(t, op, pre, post, name, root)
 
     def work() -> torch.Tensor:
@@ -240,16 +246,17 @@ def grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str],
     dtype, or one tensor straight from its input into the output; its result is the list."""
     ps = active(process_set, f"{kind}()")
     name = ps.auto_name(kind) if name is None else name
-    with refusing(ps, name, kind):
+    with refusing(ps, name, kind, also=_ADASUM_DTYPE):
         op = reduce_op(op, average, kind, adasum_ok=True)
         _adasum_set(op, process_set, kind, name, ps)
         checked = [_tensor(t, kind, f"{name}[{i}]" if len(tensors) > 1 else name, ps)
                    for i, t in enumerate(tensors)]
-    wires, contexts = zip(*(compression.compress(t) for t in checked)) if checked else ((), ())
+        wires, contexts = zip(*(compression.compress(t) for t in checked)) if checked \
+            else ((), ())
+        if op == ReduceOp.Adasum:
+            for wire in wires:
+                adasum.check_supported(ps.size, wire.dtype)
     mine = custom(compression)      # the user's decompress is called whatever its context
-    if op == ReduceOp.Adasum:
-        for wire in wires:
-            adasum.check_supported(ps.size, wire.dtype)
     signature = {"collective": "allreduce", "name": name, "op": op.name,
                  "prescale": prescale, "postscale": postscale}
     if len(wires) == 1:

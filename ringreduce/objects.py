@@ -14,7 +14,7 @@ import torch
 
 from .collectives import broadcast_async_, synchronize
 from .errors import ConsistencyError
-from .process_sets import ActiveSet, ProcessSet, active, global_process_set
+from .process_sets import ActiveSet, ProcessSet, active, global_process_set, refusing
 from .signature import qualified
 from .wrapped_optimizer import WrappedOptimizer
 
@@ -143,7 +143,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     """Global rank root_rank's `obj` (any picklable object), on every member."""
     ps = active(process_set, "broadcast_object()")
     name = qualified("broadcast_object", name) or ps.auto_name("broadcast_object")
-    root = ps.root(root_rank, "broadcast_object", name)
+    with refusing(ps, name, "broadcast_object"):
+        root = ps.root(root_rank, "broadcast_object", name)
     signature = {"collective": "broadcast_object", "name": name, "root_rank": int(root_rank)}
     return ps.engine.run(name, lambda: ps.transport.broadcast_object(obj, root, signature))
 

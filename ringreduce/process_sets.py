@@ -205,18 +205,20 @@ class refusing:
     so theirs fails at once with a MismatchError quoting it (instead of waiting for a call
     never made) and the automatic names stay in step. The meeting is over before the error
     leaves the block (the name is free again). Once per error: a front end whose checks wrap
-    these calls refuses only what is new."""
+    these calls refuses only what is new. `also`: more error types that are mistakes here
+    (Adasum's HorovodInternalError for a dtype it cannot reduce, say)."""
 
-    __slots__ = ("ps", "name", "kind")
+    __slots__ = ("ps", "name", "kind", "mistakes")
 
-    def __init__(self, ps: ActiveSet, name: str, kind: str) -> None:
+    def __init__(self, ps: ActiveSet, name: str, kind: str, also: tuple = ()) -> None:
         self.ps, self.name, self.kind = ps, name, kind
+        self.mistakes = _MISTAKES + also if also else _MISTAKES
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, _type: Any, error: Any, _traceback: Any) -> bool:
-        if isinstance(error, _MISTAKES) and not getattr(error, "refused", False):
+        if isinstance(error, self.mistakes) and not getattr(error, "refused", False):
             error.refused = True
             try:
                 self.ps.agree({"collective": self.kind, "name": self.name,

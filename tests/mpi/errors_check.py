@@ -228,6 +228,9 @@ if n > 1:
         expect(TypeError, ["'sparse_allreduce.one_bad_sparse'", "sparse COO"],
                hvd.sparse_allreduce_async,
                torch.ones(3), "one_bad_sparse", hvd.Sum)
+        expect(ValueError, ["root_rank"], hvd.broadcast_object, {"a": r}, root_rank=n + 5)
+        expect(hvd.HorovodInternalError, ["Adasum"], hvd.allreduce,
+               torch.ones(2, dtype=torch.int32), op=hvd.Adasum)
     else:
         expect(hvd.MismatchError, refused + ["'allreduce.one_bad'", "bool"], hvd.allreduce, flags,
                name="one_bad")
@@ -245,6 +248,10 @@ if n > 1:
         expect(hvd.MismatchError, refused + ["sparse COO"],
                lambda: hvd.sparse_allreduce_async(torch.eye(3).to_sparse(), "one_bad_sparse",
                                                   hvd.Sum)())
+        expect(hvd.MismatchError, refused + ["root_rank"], hvd.broadcast_object, {"a": r},
+               root_rank=0)
+        expect(hvd.MismatchError, refused + ["Adasum"], hvd.allreduce,
+               torch.ones(2, dtype=torch.int32), op=hvd.Sum)
     assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
     assert torch.equal(hvd.alltoall(torch.ones(n, 2)), torch.ones(n, 2))
     # The last rank's tensor alone is not contiguous (the others' are): NotContiguousError
