@@ -398,7 +398,10 @@ class Engine:
         settling that finds every member so, and nothing pending on all of them, is a
         deadlock of the program (negotiation.py), not a slow rank. A thread that never
         submitted, or one that waits in another way (a C++ future, a sleep), is not counted
-        as stuck: then the settling waits, with stall reports."""
+        as stuck: then the settling waits, with stall reports. An engine shutting down takes
+        nothing more: stuck, whoever waits where."""
+        if self._stopping:
+            return True
         if self._due:
             return False
         for ident, thread in list(self._submitters.items()):

@@ -44,7 +44,7 @@ def test_rank_with_fewer_batches_fails_the_others_step_not_a_hang(n):
 
 
 @shared_script("reliability", "reliability_check.py", timeout=lambda n: 240,
-               args=lambda n: ["optimizer,recovery,alltoall,threads"
+               args=lambda n: ["optimizer,recovery,alltoall,threads,pending"
                                + (",checkpoint" if n == 3 else ""),
                                "{tmp}"])
 @pytest.mark.parametrize("n", [2, 3])

@@ -17,6 +17,9 @@ alltoall      non-integer splits are a TypeError
 threads       shutdown(), and at 3 ranks remove_process_set(), while another thread of every
               rank runs synchronous allreduces of its own: they wait for the one in flight, and
               the thread's next call raises (the set's memory was freed under it: a crash)
+pending       each rank leaves an asynchronous allreduce it never synchronizes, its name
+              differing on rank 0, then shuts down: shutdown() ends (nothing more can come, so
+              the collectives fail) instead of waiting for ever
 stoppable     prints its pid, then runs allreduces for a while (the test stops rank 1)
 stall         rank 1 sleeps FAULT_SLEEP seconds before its next allreduce
 """
@@ -379,6 +382,19 @@ def threads():
                 "an allreduce after them")
 
 
+def pending():
+    hvd.allreduce(torch.ones(2), name="before")
+    handle = hvd.allreduce_async(torch.ones(2), name="pending.x" if r == 0 else "pending.y")
+    start = time.monotonic()
+    hvd.shutdown()
+    assert time.monotonic() - start < 20, "shutdown waited for a collective that cannot come"
+    if n > 1:
+        expect(hvd.MismatchError, "cannot run", hvd.synchronize, handle)
+    hvd.init()
+    check_equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)),
+                "an allreduce after them")
+
+
 def stoppable():
     print(f"PID rank {r} {os.getpid()}", flush=True)
     for i in range(int(os.environ.get("ROUNDS", "60"))):
@@ -396,7 +412,8 @@ def stall():
 
 MODES = {"leave_end": leave, "leave_exit": leave, "leave_ahead": leave, "fewer": fewer,
          "recovery": recovery, "optimizer": optimizer, "checkpoint": checkpoint,
-         "alltoall": alltoall, "threads": threads, "stoppable": stoppable, "stall": stall}
+         "alltoall": alltoall, "threads": threads,
+         "pending": pending, "stoppable": stoppable, "stall": stall}
 modes = sys.argv[1].split(",")
 if len(modes) == 1:
     MODES[modes[0]]()
