@@ -564,10 +564,10 @@ class GradientReduction(WrappedOptimizer):
                 warnings.warn(STEP_AFTER_SYNCHRONIZE)
             self.synchronize()
         elif not self._synchronized and not self._fresh:
-            raise UsageError(
+            self._break_step(       # (it meets the others' step, which they then skip)
                 f"ringreduce: step() inside skip_synchronize() on rank {self._rank} before "
                 "synchronize(), while this step's gradients are reduced; call "
-                "optimizer.synchronize() first")
+                "optimizer.synchronize() first.")
         else:
             self._check_unbroken()
         result = self._step_wrapped()

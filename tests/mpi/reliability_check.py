@@ -245,6 +245,27 @@ def recovery():
             train(model, opt, reference, ref_opt, 3)       # the recipe: zero_grad(), again
             matches_one_process(model, reference, what)
 
+    # one rank alone steps inside skip_synchronize() without synchronize(): its step meets
+    # the others' and every rank skips it, naming the culprit; after zero_grad() (which used to
+    # raise on the culprit for ever) the step redone gives every rank one process's parameters
+    for culprit in range(n):
+        model, opt, reference, ref_opt = models(8)
+        what = f"step() in skip_synchronize() without synchronize() on rank {culprit} alone"
+        train(model, opt, reference, ref_opt, 0)
+        opt.zero_grad()
+        model(batch(r, 1)).sum().backward()
+        skipped = [f"skipped on every rank because ranks [{culprit}] broke it",
+                   f"skip_synchronize() on rank {culprit} before synchronize()", "zero_grad()"]
+        if r == culprit:
+            def skipping():
+                with opt.skip_synchronize():
+                    opt.step()
+            expect(hvd.UsageError, skipped[1], skipping)
+        else:
+            expect(hvd.UsageError, skipped, opt.step)
+        train(model, opt, reference, ref_opt, 2)       # the recipe: zero_grad(), again
+        matches_one_process(model, reference, what)
+
     # a backward pass that raises on one rank alone after its first bucket went (an out-of-
     # memory error that the script catches, to skip the batch): the culprit's zero_grad(), or
     # its step(), meets the others' step, and every rank skips it, naming the culprit; the next
