@@ -64,6 +64,13 @@ class GradientReduction(WrappedOptimizer):
         mistakes = refusing(ps, f"{self._prefix}plan", "DistributedOptimizer")
         with mistakes:
             op = self._check_arguments(options, ps.ranks[ps.rank])
+            if isinstance(self, torch.optim.LBFGS):
+                raise UnsupportedError(
+                    f"ringreduce: DistributedOptimizer on rank {ps.ranks[ps.rank]} cannot wrap "
+                    "torch.optim.LBFGS, whose step() evaluates its closure (a backward pass) "
+                    "several times, as many as its line search takes on each rank; "
+                    "DistributedOptimizer reduces the gradients of backward_passes_per_step "
+                    "passes per step (Horovod's cannot wrap it either)")
         # Average with a predivide factor f: sum(g / f) * f / size. With `groups`, Horovod's
         # grouped allreduce leaves the factor out (its `_grouped_allreduce_grad_async`).
         factor = options.gradient_predivide_factor if options.groups is None else 1.0
@@ -536,6 +543,10 @@ class GradientReduction(WrappedOptimizer):
         return p.grad is not None and p.grad is stepped_on() and p.grad._version == version
 
     # ------------------------------------------------------------ public methods
+
+    def gradients_sent(self) -> bool:
+        return (not self._synchronized and not self._fresh
+                and self._next_bucket == len(self._buckets))
 
     def synchronize(self) -> None:
         """Finish reducing every gradient of this step (zeros for gradients a rank lacks).

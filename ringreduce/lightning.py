@@ -21,8 +21,9 @@ What the strategy does, in Lightning's terms:
 - each optimizer step: the closure's backward feeds the buckets, `synchronize()` waits for
   them before Lightning's hooks read the gradients (`on_after_backward`, clipping, AMP's
   unscale), then the wrapped optimizer steps inside `skip_synchronize()`. Manual
-  optimization: `opt.step()` does the same; call `opt.optimizer.synchronize()` first if you
-  read gradients (clip) between `manual_backward` and `step`, as with Horovod;
+  optimization: a `manual_backward` that completes an optimizer's gradients synchronizes it
+  (as DDP's gradients are final after backward), so clipping before `opt.step()` reads
+  averages; `opt.step()` then steps as above;
 - reduce / all_gather / broadcast / barrier for metrics (`self.log(..., sync_dist=True)`) and
   callbacks; checkpoints are written by rank 0 only;
 - torch.distributed's default group, on the "ringreduce" backend (ringreduce.distributed),
@@ -49,6 +50,7 @@ from .objects import broadcast_object, broadcast_optimizer_state, broadcast_para
 from .optimizer import DistributedOptimizer
 from .process_sets import ProcessSet, global_process_set
 from .sync_batch_norm import SyncBatchNorm
+from .torch_group import RingReduceGroup
 from .wrapped_optimizer import WrappedOptimizer
 
 # Each Lightning package that can be installed, with the fabric package it builds on.
@@ -124,6 +126,7 @@ def strategy_classes(package: str) -> SimpleNamespace:
                 sparse_as_dense=sparse_as_dense, gradient_as_bucket_view=gradient_as_bucket_view)
             self._backward_passes = backward_passes_per_step
             self._stepping: Optional[torch.optim.Optimizer] = None   # inside optimizer_step
+            self._reduced: set[int] = set()     # optimizers synchronized by backward, unstepped
 
         # ------------------------------------------------------------ where this rank runs
 
@@ -233,7 +236,8 @@ def strategy_classes(package: str) -> SimpleNamespace:
 
             def closure_then_synchronize() -> Any:
                 result = closure()
-                optimizer.synchronize()    # no-op after backward's; needed if it was skipped
+                if id(optimizer) not in self._reduced:   # backward did not (none ran): meet
+                    optimizer.synchronize()             # the other ranks' step all the same
                 return result
 
             self._stepping = optimizer
@@ -243,19 +247,27 @@ def strategy_classes(package: str) -> SimpleNamespace:
                                                   **kwargs)
             finally:
                 self._stepping = None
+                self._reduced.discard(id(optimizer))
 
         def backward(self, closure_loss: torch.Tensor, optimizer: Optional[torch.optim.Optimizer],
                      *args: Any, **kwargs: Any) -> torch.Tensor:
             """Lightning's backward, with `synchronize()` right after the last pass before a step:
             before `on_after_backward`, gradient clipping and AMP's unscale read the gradients
-            (as after DDP's backward)."""
+            (as after DDP's backward). In manual optimization, every optimizer whose gradients
+            of the step have all gone to their reductions (its last pass before a step) is
+            synchronized there, so that `clip_gradients` before `opt.step()` reads averages."""
             module = self.lightning_module
             assert module is not None
             self.pre_backward(closure_loss)
             closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-            if self._stepping is not None:
-                self._stepping.synchronize()
+            stepping = [self._stepping] if self._stepping is not None else [
+                o for o in self.optimizers if not module.automatic_optimization
+                and isinstance(o, WrappedOptimizer) and not isinstance(o, AdasumOptimizer)
+                and o.gradients_sent()]
+            for reducing in stepping:
+                reducing.synchronize()
+                self._reduced.add(id(reducing))
             closure_loss = self.precision_plugin.post_backward(closure_loss, module)
             self.post_backward(closure_loss)
             return closure_loss
@@ -328,13 +340,19 @@ def _reduce_op(reduce_op: Any, torch_reduce_op: Any):
 
 
 def _process_set(group: Any) -> ProcessSet:
+    """A collective's `group` as a process set: None, a ProcessSet, or a torch.distributed group
+    on the "ringreduce" backend (LightningModule.all_gather passes torch's WORLD, which the
+    strategy started on it)."""
     if group is None:
         return global_process_set
     if isinstance(group, ProcessSet):
         return group
+    if isinstance(group, RingReduceGroup):
+        return group.process_set
     raise UsageError(f"ringreduce: group={group!r} is not a ringreduce ProcessSet; the "
                      "RingReduceStrategy reduces over ringreduce process sets (hvd."
-                     "add_process_set), not torch.distributed groups")
+                     "add_process_set) and torch.distributed groups on the \"ringreduce\" "
+                     "backend")
 
 
 def _register(package: str, qualified: str) -> SimpleNamespace:

@@ -116,6 +116,12 @@ class RingReduceGroup(dist.ProcessGroup):
         name = ps.auto_name(_SEQUENCE)
         return self._process_set, name, refusing(ps, name, kind)
 
+    @property
+    def process_set(self) -> ProcessSet:
+        """The ringreduce process set this group runs on (the global one for the default
+        group), for code that takes either (the Lightning strategy's collectives)."""
+        return self._process_set
+
     def _active(self, kind: str) -> ActiveSet:
         if self._closed:
             raise RingReduceError(f"ringreduce backend: {kind} on {self._label}, which was "

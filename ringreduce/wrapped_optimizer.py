@@ -87,6 +87,12 @@ class WrappedOptimizer:
         """Forget the step begun: nothing is pending any more (moves no data)."""
         self._synchronized = False
 
+    def gradients_sent(self) -> bool:
+        """Whether every gradient of this step has gone to its reduction, none waited for yet
+        (synchronize() would only wait): a front end may synchronize at the end of a backward
+        pass then, where DDP's gradients are final. (Here: nothing is sent.)"""
+        return False
+
     @contextlib.contextmanager
     def skip_synchronize(self):
         """step() inside this block does not synchronize: call synchronize() yourself first

@@ -214,8 +214,9 @@ def case_checkpoint_resume():
 
 
 class TwoHeads(pl.LightningModule):
-    """Manual optimization, two optimizers over disjoint parameters; head a clips after
-    synchronizing, as Horovod's pattern."""
+    """Manual optimization, two optimizers over disjoint parameters, each clipping between
+    manual_backward and step, as under DDP (the strategy synchronizes at the end of the pass:
+    Lightning's documented pattern needs no synchronize() of ours)."""
 
     def __init__(self):
         super().__init__()
@@ -228,11 +229,11 @@ class TwoHeads(pl.LightningModule):
         opt_a, opt_b = self.optimizers()
         opt_a.zero_grad()
         self.manual_backward(F.mse_loss(self.a(x), y))
-        opt_a.optimizer.synchronize()
         self.clip_gradients(opt_a, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
         opt_a.step()
         opt_b.zero_grad()
         self.manual_backward(F.l1_loss(self.b(x), y))
+        self.clip_gradients(opt_b, gradient_clip_val=0.02, gradient_clip_algorithm="value")
         opt_b.step()
 
     def configure_optimizers(self):
@@ -255,8 +256,44 @@ def case_manual_optimization():
         opt_a.step()
         opt_b.zero_grad()
         F.l1_loss(b(x), y).backward()
+        nn.utils.clip_grad_value_(b.parameters(), 0.02)
         opt_b.step()
     close(flat(model), torch.cat([flat(a), flat(b)]), "manual optimization vs one process")
+
+
+class Ones(pl.LightningModule):
+    """A weight of ones whose gradient is 1 on every rank; what the step sees is recorded, and
+    LightningModule.all_gather (torch's WORLD group) runs in validation."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2))
+        self.seen, self.gathered = [], []
+
+    def training_step(self, batch, index):
+        return self.weight.sum()
+
+    def on_before_optimizer_step(self, optimizer):
+        self.seen.append(self.weight.grad.clone())
+
+    def validation_step(self, batch, index):
+        self.gathered.append(self.all_gather(torch.tensor([float(self.global_rank)])))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def case_one_reduction_a_step():
+    """With op=Sum the step sees the sum once (backward's synchronize() is not followed by
+    another, which reduced every gradient twice); self.all_gather takes torch's WORLD."""
+    model = Ones()
+    data = loader(X[:8], Y[:8])
+    trainer(strategy=RingReduceStrategy(op=hvd.Sum), max_steps=2, limit_val_batches=1,
+            val_check_interval=1).fit(model, data, data)
+    assert model.seen and all(torch.equal(g, torch.full((2,), float(n))) for g in model.seen), \
+        model.seen
+    assert model.gathered and all(torch.equal(g.reshape(-1), torch.arange(n).float())
+                                  for g in model.gathered), model.gathered
 
 
 def case_bf16_mixed():
@@ -313,7 +350,7 @@ def case_pytorch_lightning():
 
 
 CASES = [case_collectives, case_fit_matches_one_process, case_checkpoint_resume,
-         case_manual_optimization, case_bf16_mixed,
+         case_manual_optimization, case_one_reduction_a_step, case_bf16_mixed,
          *([case_pytorch_lightning] if pytorch_lightning is not None else [])]
 for case in CASES:
     try:

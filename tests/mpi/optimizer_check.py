@@ -219,6 +219,9 @@ def check_errors():
                                                               gradient_predivide_factor=2.0))
     expect(ValueError, "compression", lambda: D(opt(), named, gradient_as_bucket_view=True,
                                                 compression=hvd.Compression.fp16))
+    if n > 1:       # (one process steps the plain optimizer, closure and all)
+        expect(hvd.UnsupportedError, ["cannot wrap torch.optim.LBFGS", f"rank {r}"],
+               lambda: D(torch.optim.LBFGS(model.parameters()), named))
     dist = D(opt(), named)
     x, y = data(0)
     if n == 1:      # Horovod's in a job of one process: the plain optimizer's life cycle
