@@ -9,6 +9,7 @@ init() can say once that they are ignored.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Union
@@ -33,7 +34,14 @@ def parse_bytes(text: str) -> int:
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
     number = t[:-1] if scale != 1 else t
-    return int(float(number) * scale)
+    try:
+        value = float(number) * scale
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise ValueError("expected a byte count: a number with an optional K, M or G suffix "
+                         "(powers of 1024: 64K, 16M)")
+    return int(value)
 
 
 _GIB = 1 << 30
@@ -159,7 +167,7 @@ class Settings:
             raw = os.environ[variable]
             try:
                 values[name] = f.metadata["parse"](raw)
-            except ValueError as exc:
+            except (ValueError, OverflowError) as exc:
                 raise ValueError(f"ringreduce: bad value {raw!r} for {variable}: {exc}") from None
             if not _in_range(values[name], f.metadata["accepted"]):
                 raise ValueError(f"ringreduce: {variable}={raw} is out of range: expected "

@@ -98,6 +98,19 @@ def restored(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return result
 
 
+def dense(tensors: Any, what: str) -> None:
+    """ArgumentTypeError unless every tensor in `tensors` (nested lists) is dense: the calls
+    other than all_reduce take no sparse tensors (nor does gloo)."""
+    if isinstance(tensors, torch.Tensor):
+        if tensors.layout is not torch.strided:
+            raise ArgumentTypeError(f"ringreduce backend: {what} takes dense tensors, not "
+                                    f"{tensors.layout} ones (all_reduce alone takes sparse "
+                                    "COO tensors, as gloo)")
+    elif isinstance(tensors, (list, tuple)):
+        for t in tensors:
+            dense(t, what)
+
+
 def one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     if len(tensors) != 1:
         raise UnsupportedError(f"ringreduce backend: {what} takes one tensor per call, got "

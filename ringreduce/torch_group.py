@@ -36,8 +36,8 @@ from .point_to_point import Channel
 from .process_sets import (ActiveSet, ProcessSet, active, close_group, global_process_set,
                            refusing)
 from .small_way import allreduce_now, started
-from .torch_arguments import (SUM, all_reducible, bitwise, copy_flat, logical, one, reducible,
-                              reduction, restored, same_size, worked_on)
+from .torch_arguments import (SUM, all_reducible, bitwise, copy_flat, dense, logical, one,
+                              reducible, reduction, restored, same_size, worked_on)
 from .torch_work import FINISHED, CollectiveWork
 
 BACKEND = "ringreduce"
@@ -106,15 +106,19 @@ class RingReduceGroup(dist.ProcessGroup):
                                f"{device} (it serves {', '.join(DEVICES)})")
         return self
 
-    def _call(self, kind: str) -> tuple[ProcessSet, str, refusing]:
+    def _call(self, kind: str, *tensors: Any) -> tuple[ProcessSet, str, refusing]:
         """A call's set to run on, its automatic name ('dist.noname.<k>', the group's k-th
         call), taken before any check so that the rank keeps its place in the group's
         sequence, and what goes around its own argument checks (process_sets.refusing: a
         mistake there makes the other ranks' call fail at once with a MismatchError quoting
-        it)."""
+        it). `tensors` (tensors, or lists of them, nested): the call's, which must be dense
+        (all_reduce alone takes sparse ones, as gloo)."""
         ps = self._active(kind)
         name = ps.auto_name(_SEQUENCE)
-        return self._process_set, name, refusing(ps, name, kind)
+        checks = refusing(ps, name, kind)
+        with checks:
+            dense(tensors, f"{kind} on rank {self.rank()}")
+        return self._process_set, name, checks
 
     @property
     def process_set(self) -> ProcessSet:
@@ -279,7 +283,7 @@ class RingReduceGroup(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> CollectiveWork:
         what = "allreduce_coalesced"
-        ps, name, checks = self._call(what)
+        ps, name, checks = self._call(what, tensors)
         targets, write_back = worked_on(tensors)
         with checks:
             op, pre = self._op(opts, what) if opts is not None else (Sum, 1.0)
@@ -291,7 +295,7 @@ class RingReduceGroup(dist.ProcessGroup):
 
     def reduce(self, tensors: list, opts: Any) -> CollectiveWork:
         """An allreduce whose result only the root keeps."""
-        ps, name, checks = self._call("reduce")
+        ps, name, checks = self._call("reduce", tensors)
         with checks:
             tensor = one(tensors, "reduce")
             root = opts.rootRank
@@ -314,7 +318,7 @@ class RingReduceGroup(dist.ProcessGroup):
     def reduce_scatter(self, output_tensors: list, input_tensors: list,
                        opts: Any) -> CollectiveWork:
         kind = "reduce_scatter"
-        _, name, checks = self._call(kind)
+        _, name, checks = self._call(kind, output_tensors, input_tensors)
         with checks:
             output, inputs = one(output_tensors, kind), one(input_tensors, kind)
             self._one_per_rank(inputs, inputs[0], kind, "input")
@@ -324,7 +328,7 @@ class RingReduceGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any) -> CollectiveWork:
         kind = "reduce_scatter_tensor"
-        _, name, checks = self._call(kind)
+        _, name, checks = self._call(kind, output, input)
         with checks:
             return self._reduce_scatter(output, self._rows(input, kind), opts, kind, [output],
                                         name)
@@ -349,7 +353,7 @@ class RingReduceGroup(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs: list, inputs: list,
                                         opts: Any) -> CollectiveWork:
         what = "reduce_scatter_tensor_coalesced"
-        ps, name, checks = self._call(what)
+        ps, name, checks = self._call(what, outputs, inputs)
         with checks:
             rows = [self._rows(i, what) for i in inputs]
             op, pre = self._op(opts, what)
@@ -363,7 +367,7 @@ class RingReduceGroup(dist.ProcessGroup):
     # -------------------------------------------------- gathers and broadcasts
 
     def broadcast(self, tensors: list, opts: Any) -> CollectiveWork:
-        ps, name, checks = self._call("broadcast")
+        ps, name, checks = self._call("broadcast", tensors)
         with checks:
             tensor = one(tensors, "broadcast")
             root = self._global(opts.rootRank, "broadcast")
@@ -373,14 +377,14 @@ class RingReduceGroup(dist.ProcessGroup):
 
     def allgather(self, output_tensors: list, input_tensors: list,
                   opts: Any = None) -> CollectiveWork:
-        ps, name, checks = self._call("allgather")
+        ps, name, checks = self._call("allgather", output_tensors, input_tensors)
         with checks:
             outputs, tensor = one(output_tensors, "allgather"), one(input_tensors, "allgather")
         return self._gather_rows(ps, name, tensor, "allgather", outputs, outputs)
 
     def gather(self, output_tensors: list, input_tensors: list, opts: Any) -> CollectiveWork:
         """Every rank's tensor, kept by the root (an allgather)."""
-        ps, name, checks = self._call("gather")
+        ps, name, checks = self._call("gather", output_tensors, input_tensors)
         with checks:
             tensor, root = one(input_tensors, "gather"), opts.rootRank
             root_rank = self._global(root, "gather")
@@ -414,7 +418,7 @@ class RingReduceGroup(dist.ProcessGroup):
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> CollectiveWork:
         what = "all_gather_into_tensor"
-        ps, name, _ = self._call(what)
+        ps, name, _ = self._call(what, output, input)
         handle = submit(first(allgather_work([input.detach().unsqueeze(0).contiguous()], name,
                                              ps)))
 
@@ -430,7 +434,7 @@ class RingReduceGroup(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs: list, inputs: list,
                                     opts: Any = None) -> CollectiveWork:
         what = "all_gather_into_tensor_coalesced"
-        ps, name, _ = self._call(what)
+        ps, name, _ = self._call(what, outputs, inputs)
         rows = [i.detach().unsqueeze(0).contiguous() for i in inputs]
         handle = submit(allgather_work(rows, name, ps, "grouped_allgather"))
         return self._written(handle, outputs, what)
@@ -440,7 +444,7 @@ class RingReduceGroup(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists: list, inputs: list,
                             opts: Any = None) -> CollectiveWork:
         """Rank r's inputs[i] lands in output_lists[r][i]."""
-        ps, name, checks = self._call("allgather_coalesced")
+        ps, name, checks = self._call("allgather_coalesced", output_lists, inputs)
         with checks:
             if len(output_lists) != self.size() or any(len(o) != len(inputs)
                                                        for o in output_lists):
@@ -460,7 +464,7 @@ class RingReduceGroup(dist.ProcessGroup):
     def scatter(self, output_tensors: list, input_tensors: list, opts: Any) -> CollectiveWork:
         """The root's inputs[r] lands in rank r's output: an all-to-all in which only the
         root sends (one row to each rank)."""
-        ps, name, checks = self._call("scatter")
+        ps, name, checks = self._call("scatter", output_tensors, input_tensors)
         with checks:
             output, root = one(output_tensors, "scatter"), opts.rootRank
             root_rank = self._global(root, "scatter")
@@ -481,7 +485,7 @@ class RingReduceGroup(dist.ProcessGroup):
                           opts: Any = None) -> CollectiveWork:
         what = "all_to_all_single"
         n = self.size()
-        ps, name, checks = self._call(what)
+        ps, name, checks = self._call(what, output, input)
         with checks:
             if input_split_sizes:
                 splits = list(input_split_sizes)
@@ -518,7 +522,7 @@ class RingReduceGroup(dist.ProcessGroup):
                  opts: Any = None) -> CollectiveWork:
         """inputs[r] goes to rank r; rank r's lands in outputs[r] (flattened on the way)."""
         n = self.size()
-        ps, name, checks = self._call("all_to_all")
+        ps, name, checks = self._call("all_to_all", output_tensors, input_tensors)
         with checks:
             if len(output_tensors) != n or len(input_tensors) != n:
                 raise ValueError(f"ringreduce backend: all_to_all on rank {self.rank()} takes "

@@ -51,9 +51,11 @@ def test_settings_keyword_beats_environment(monkeypatch):
     monkeypatch.setenv("RINGREDUCE_FUSION_THRESHOLD", "32M")
     assert config.Settings.load().fusion_threshold == 32 << 20
     assert config.Settings.load(fusion_threshold=1024).fusion_threshold == 1024
-    monkeypatch.setenv("RINGREDUCE_FUSION_THRESHOLD", "lots")
-    with pytest.raises(ValueError, match="RINGREDUCE_FUSION_THRESHOLD"):
-        config.Settings.load()
+    for bad in ("lots", "inf", "nan"):      # (inf was an OverflowError naming nothing)
+        monkeypatch.setenv("RINGREDUCE_FUSION_THRESHOLD", bad)
+        with pytest.raises(ValueError, match="RINGREDUCE_FUSION_THRESHOLD: expected a byte "
+                                             "count"):
+            config.Settings.load()
     monkeypatch.delenv("RINGREDUCE_FUSION_THRESHOLD")
     assert config.Settings.load().fusion_threshold == config.Settings().fusion_threshold
     with pytest.raises(TypeError, match="fusion_treshold"):

@@ -782,6 +782,20 @@ def case_sparse_all_reduce():
     else:
         expect(hvd.MismatchError, ["mistake in the arguments of rank 0", "not MAX"],
                dist.all_reduce, sparse_entries(r))
+    # the other calls take dense tensors only, as gloo: a TypeError naming the call and rank
+    rows = 12       # (divides by 1 to 4)
+    for kind, call in (
+            ("broadcast", lambda: dist.broadcast(sparse_entries(r, rows), src=0)),
+            ("allgather", lambda: dist.all_gather([torch.empty(rows) for _ in range(n)],
+                                                  sparse_entries(r, rows))),
+            ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(
+                torch.empty(rows * n), sparse_entries(r, rows))),
+            ("reduce", lambda: dist.reduce(sparse_entries(r, rows), dst=0)),
+            ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(
+                torch.empty(rows // n), sparse_entries(r, rows))),
+            ("all_to_all_single", lambda: dist.all_to_all_single(
+                torch.empty(rows), sparse_entries(r, rows)))):
+        expect(TypeError, [kind, f"rank {r}", "dense tensors"], call)
     check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
     reference, wrapped = train(Embedder, batches=tokens), train(Embedder, DDP, batches=tokens)
     assert wrapped.embedding.weight.grad.is_sparse, "DDP's embedding gradient is not sparse"
