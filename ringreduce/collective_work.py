@@ -547,7 +547,8 @@ def bitwise_allreduce_work(tensor: torch.Tensor, name: str, op_name: str,
             raise UnsupportedError(
                 f"ringreduce backend: {kind} of tensor '{name}' on rank {ps.ranks[ps.rank]} "
                 f"with ReduceOp.{op_name} takes integer or bool tensors, not {tensor.dtype}")
-        row = _tensor(tensor.detach().reshape(1, -1), kind, name, ps, moves_only=True)
+        # (an allgather's row: a CUDA tensor's goes by a host copy, as every gather's)
+        row = _tensor(tensor.detach().reshape(1, -1), "allgather", name, ps, moves_only=True)
     signature = {"collective": kind, "name": name, "op": op_name,
                  "dtype": dtype_name(tensor.dtype), "shape": tuple(tensor.shape)}
     if root is not None:

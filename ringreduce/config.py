@@ -156,7 +156,14 @@ class Settings:
         for name, f in known.items():
             ours, horovods = cls.env_name(name), f.metadata["horovod"]
             if overrides.get(name) is not None:
-                values[name] = overrides[name]
+                value = overrides[name]
+                if isinstance(value, str):      # as the environment spells it ("0", "16M")
+                    try:
+                        value = f.metadata["parse"](value)
+                    except (ValueError, OverflowError) as exc:
+                        raise ValueError(f"ringreduce: bad value {value!r} for init({name}=): "
+                                         f"{exc}") from None
+                values[name] = overrides[name] = value
                 continue
             if ours in os.environ:
                 variable = ours

@@ -40,5 +40,5 @@ def _sparse_or_empty(p: torch.Tensor) -> torch.Tensor:
     if p.grad is not None and p.grad.layout == torch.sparse_coo:
         return p.grad
     empty_values = torch.zeros((0, *p.shape[1:]), dtype=p.dtype, device=p.device)
-    return torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.int64), empty_values,
-                                   p.shape)
+    return torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.int64, device=p.device),
+                                   empty_values, p.shape)

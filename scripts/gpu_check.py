@@ -17,6 +17,7 @@ On 2 ranks (sharing GPU 0) the MPI moves the data; on 1 rank (a set of one) the 
 run in device memory, by our CUDA kernels. Every rank prints 'OK rank <r>' at the end.
 """
 import argparse
+import functools
 import hashlib
 import json
 import time
@@ -247,6 +248,20 @@ def check_backend(device):
         dist.reduce_scatter_tensor(out, mine(n * 1000))
         check(out, every(n * 1000).sum(0).reshape(n, -1)[r], "reduce_scatter_tensor")
 
+    def case_bitwise():
+        """BAND, BOR, BXOR of CUDA integer and bool tensors: an allgather of host rows, folded
+        on the device."""
+        for op, fold in ((dist.ReduceOp.BAND, torch.bitwise_and),
+                         (dist.ReduceOp.BOR, torch.bitwise_or),
+                         (dist.ReduceOp.BXOR, torch.bitwise_xor)):
+            t = mine(1000)
+            dist.all_reduce(t, op=op)
+            check(t, functools.reduce(fold, every(1000).unbind()), f"all_reduce {op}")
+            flags = mine(100) > 0
+            dist.all_reduce(flags, op=op)
+            check(flags, functools.reduce(fold, (every(100) > 0).unbind()),
+                  f"bool all_reduce {op}")
+
     def case_all_to_all():
         out = torch.empty(n * 6, dtype=torch.int64, device=device)
         dist.all_to_all_single(out, mine(n * 6))
@@ -345,6 +360,7 @@ def check_backend(device):
 
     for case in (case_horovod_moves, case_horovod_join, case_sync_batch_norm, case_allreduce,
                  case_async_future, case_broadcast, case_all_gather, case_reduce_scatter,
+                 case_bitwise,
                  case_all_to_all, case_send_recv, case_ddp):
         try:
             case()

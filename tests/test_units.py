@@ -60,6 +60,13 @@ def test_settings_keyword_beats_environment(monkeypatch):
     assert config.Settings.load().fusion_threshold == config.Settings().fusion_threshold
     with pytest.raises(TypeError, match="fusion_treshold"):
         config.Settings.load(fusion_treshold=1)
+    # a keyword given as the environment spells it reads as the environment does ("0" for
+    # cuda_aware was true: bool("0"))
+    assert [config.Settings.load(cuda_aware=v).cuda_aware for v in ("0", "1", "auto")] == \
+        [False, True, "auto"]
+    assert config.Settings.load(fusion_threshold="16M").fusion_threshold == 16 << 20
+    with pytest.raises(ValueError, match="init\\(fusion_threshold=\\)"):
+        config.Settings.load(fusion_threshold="lots")
 
 
 _NUMERIC = [f.name for f in dataclasses.fields(config.Settings)
