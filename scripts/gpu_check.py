@@ -1,4 +1,5 @@
-"""The GPU check (run by scripts/gpu_check.sh under mpiexec -n 2; the ranks share GPU 0).
+"""The GPU check (run by scripts/gpu_check.sh under mpiexec -n 2; the ranks share GPU 0 on
+a machine with one, and take a GPU each by local rank where there are more).
 
 1. allreduce of CUDA tensors for every dtype and op, on the staging path and (where the MPI
    supports it) the CUDA-aware path, against a reference built from every rank's inputs, and
@@ -473,7 +474,7 @@ def main():
             stage(f"{label} allreduce", lambda: check_allreduce(label, device),
                   cuda_aware=setting, **env)
         stage(f"{path} training", lambda: check_training(path, device), cuda_aware=setting)
-        if not args.no_bench:
+        if not args.no_bench and world.size > 1:     # (one rank moves no bus bytes)
             def bench():
                 table[path] = [busbw(mib, device, repeats(mib)) for mib in SIZES_MIB]
             stage(f"{path} busbw", bench, cuda_aware=setting)
@@ -496,7 +497,8 @@ def main():
                            "device_copy_GBps": copy}, f, indent=2)
         columns = {f"{p} busbw": table[p] for p in table} | staging_yardsticks
         header = "".join(f"{name:>22}" for name in columns)
-        print(f"\n{'size':>8}{header}{'device copy':>16}   (GB/s, {world.size} ranks, one GPU)")
+        print(f"\n{'size':>8}{header}{'device copy':>16}   (GB/s, {world.size} ranks, "
+              f"{torch.cuda.device_count()} GPU(s) visible)")
         for i, mib in enumerate(SIZES_MIB):
             row = "".join(f"{column[i]:22.2f}" for column in columns.values())
             print(f"{str(mib) + ' MiB':>8}{row}{copy:16.1f}")
