@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import io
 import os
+import re
 from typing import Any, Optional
 
 import torch
@@ -31,17 +32,19 @@ def save(path: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Opti
     to `path` atomically; returns on every rank once the file is complete."""
     members = active(global_process_set, "checkpoint.save")
     with refusing(members, "checkpoint.save", "checkpoint.save"):
-        _check_loadable(extra)
+        _check_loadable(extra, "extra=...")
     _agree_on_path(members, "checkpoint.save", path)
     failure = None
     if rank() == 0:
         state = {"model": model.state_dict(),
                  "optimizer": optimizer.state_dict() if optimizer is not None else None,
                  "extra": extra}
-        try:
+        try:       # (the model's and optimizer's state too: a numpy learning rate, say)
+            _check_loadable(_skeleton({"model": state["model"],
+                                       "optimizer": state["optimizer"]}), "model, optimizer")
             write_atomically(path, state)
         except Exception as exc:
-            failure = f"{type(exc).__name__}: {exc}"
+            failure = f"{type(exc).__name__}: {_readable(exc)}"
     failure = broadcast_object(failure, root_rank=0, name=f"checkpoint.save {path}")
     if failure is not None:
         raise CheckpointError(f"ringreduce: checkpoint.save({path!r}) failed on rank 0: "
@@ -57,7 +60,7 @@ def load(path: str, model: torch.nn.Module,
         try:
             loaded = {"state": torch.load(path, map_location="cpu", weights_only=True)}
         except Exception as exc:
-            loaded = {"failure": f"{type(exc).__name__}: {exc}"}
+            loaded = {"failure": f"{type(exc).__name__}: {_readable(exc)}"}
     loaded = broadcast_object(loaded, root_rank=0, name=f"checkpoint.load {path}")
     if "failure" in loaded:
         raise CheckpointError(f"ringreduce: checkpoint.load({path!r}) failed on rank 0: "
@@ -86,22 +89,42 @@ def _agree_on_path(members: ActiveSet, what: str, path: str) -> None:
     members.agree({"collective": what, "name": what, "path": str(path)})
 
 
-def _check_loadable(extra: Any) -> None:
-    """Refuse, at save time and on every rank alike, an `extra` that load's weights_only=True
-    could never read back."""
+def _check_loadable(value: Any, what: str) -> None:
+    """Refuse, before anything is written, a `value` (what save() was given: `what`) that
+    load's weights_only=True could never read back."""
     buffer = io.BytesIO()
-    torch.save(extra, buffer)
+    torch.save(value, buffer)
     buffer.seek(0)
     try:
         torch.load(buffer, weights_only=True)
     except Exception as exc:
         raise ValueError(
-            "ringreduce: checkpoint.save(extra=...) holds something checkpoint.load cannot read "
+            f"ringreduce: checkpoint.save({what}) holds something checkpoint.load cannot read "
             "back (it loads with weights_only=True, which runs no code from the file): "
-            f"{str(exc).splitlines()[0]}. Store plain data: numbers, strings, lists, tuples, "
-            "dicts and tensors, e.g. torch.get_rng_state() instead of a generator, or "
-            "np.random.get_state() converted with a list of its fields (the array as "
-            ".tolist()).") from None
+            f"{_readable(exc)}. Store plain data: numbers, strings, lists, tuples, "
+            "dicts and tensors (a learning rate as float(lr), not a NumPy scalar), e.g. "
+            "torch.get_rng_state() instead of a generator, or np.random.get_state() "
+            "converted with a list of its fields (the array as .tolist()).") from None
+
+
+def _skeleton(value: Any) -> Any:
+    """`value` with every tensor in its dicts, lists and tuples left out (None): what
+    weights_only must read besides tensors, checked without copying them."""
+    if isinstance(value, torch.Tensor):
+        return None
+    if isinstance(value, dict):
+        return {key: _skeleton(item) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_skeleton(item) for item in value)
+    return value
+
+
+def _readable(error: BaseException) -> str:
+    """torch's weights_only refusal is a page of advice with the reason inside (the type it
+    will not load): the reason; another error's message as it is, without terminal colours."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    reason = re.search(r"WeightsUnpickler error: (.*?)(?:\. |\n|$)", text)
+    return f"{reason.group(1)} (weights_only=True)" if reason else text
 
 
 def write_atomically(path: str, state: Any) -> None:

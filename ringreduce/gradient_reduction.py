@@ -626,6 +626,8 @@ class GradientReduction(WrappedOptimizer):
         gradients kept as views of them."""
         for bucket in self._buckets:
             bucket.buffer.zero_()
+            if not bucket.params:       # (a plan's first bucket, where no dense gradient is)
+                continue
             p = bucket.params[0]
             if bucket.direct and p.grad is not None:    # no bucket: as torch does
                 if set_to_none:

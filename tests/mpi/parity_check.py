@@ -100,21 +100,23 @@ def check_sparse_allreduce():
 
 
 def check_sparse_gradients_in_the_optimizer():
-    """SparseAdam on sparse gradients (allgathered as Horovod does), and with sparse_as_dense
+    """SparseAdam on sparse gradients (allgathered as Horovod does), also with
+    gradient_as_bucket_view (whose plan has an empty bucket then), and with sparse_as_dense
     (reduced densely, handed back sparse, as Horovod does), each against one process on the
     whole batch."""
     def make(m):
         return [torch.optim.SparseAdam(list(m.embedding.parameters()), lr=0.05),
                 torch.optim.Adam(m.head.parameters(), lr=0.05)]
 
-    for sparse_as_dense in (False, True):
+    for sparse_as_dense, views in ((False, False), (False, True), (True, False)):
         torch.manual_seed(3)
         model = Embedder()
         reference = copy.deepcopy(model)
         opts = [hvd.DistributedOptimizer(o, [(name, p) for name, p in model.named_parameters()
                                              if any(p is q for g in o.param_groups
                                                     for q in g["params"])],
-                                         sparse_as_dense=sparse_as_dense) for o in make(model)]
+                                         sparse_as_dense=sparse_as_dense,
+                                         gradient_as_bucket_view=views) for o in make(model)]
         ref_opts = make(reference)
         for step in range(3):
             g = torch.Generator().manual_seed(step)
@@ -134,7 +136,7 @@ def check_sparse_gradients_in_the_optimizer():
                     reference.embedding.weight.grad.to_dense().to_sparse()
             for o in ref_opts:
                 o.step()
-            what = f"sparse_as_dense={sparse_as_dense} step {step}"
+            what = f"sparse_as_dense={sparse_as_dense}, views={views}, step {step}"
             for (name, p), q in zip(model.named_parameters(), reference.parameters()):
                 assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), \
                     f"{what}: {name} off by {(p - q).abs().max().item()}"

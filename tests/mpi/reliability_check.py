@@ -338,6 +338,13 @@ def checkpoint():
     good = os.path.join(directory, "good.pt")
     hvd.checkpoint.save(good, model, extra={"step": 3, "rng": torch.get_rng_state()})
     assert hvd.checkpoint.load(good, model)["step"] == 3
+    # a model's or optimizer's state that load could not read back (a NumPy learning rate)
+    # is refused before anything is written: the good checkpoint stays, and still loads
+    numpy_lr = torch.optim.SGD(model.parameters(), lr=np.float64(0.1))
+    expect(hvd.CheckpointError, ["failed on rank 0", "checkpoint.save(model, optimizer)",
+                                 "numpy", "weights_only=True", "is intact"],
+           lambda: hvd.checkpoint.save(good, model, numpy_lr, extra={"step": 4}))
+    assert hvd.checkpoint.load(good, model)["step"] == 3
     # Mistakes of the last rank alone (they waited for ever on the other ranks, or failed
     # there alone): a path of its own, an extra that cannot be read back, another model.
     last = r == n - 1
