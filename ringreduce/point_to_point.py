@@ -49,7 +49,8 @@ _LOOK_EVERY = 0.05          # seconds between looks for a peer's goodbye while w
 _LINGER = 0.1               # seconds the poller keeps advancing a channel with no receive
 _WORK_INIT = dist.Work.__init__
 _STRIDED = torch.strided
-_HEADER = struct.Struct("=qq24s")   # element count, byte count, dtype name (NUL-padded)
+_NAME_BYTES = 24            # a header's room for the dtype's name ('float8_e4m3fnuz')
+_HEADER = struct.Struct(f"=qq{_NAME_BYTES}s")   # element count, byte count, dtype name
 log = logging.getLogger("ringreduce")
 
 
@@ -59,7 +60,7 @@ _NAMES: dict[torch.dtype, bytes] = {}    # a dtype -> its name, as a header hold
 def _name(dtype: torch.dtype) -> bytes:
     name = _NAMES.get(dtype)
     if name is None:
-        name = _NAMES[dtype] = dtype_name(dtype).encode()[:24].ljust(24, b"\0")
+        name = _NAMES[dtype] = dtype_name(dtype).encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
     return name
 
 

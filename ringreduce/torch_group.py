@@ -36,8 +36,8 @@ from .point_to_point import Channel
 from .process_sets import (ActiveSet, ProcessSet, active, close_group, global_process_set,
                            refusing)
 from .small_way import allreduce_now, started
-from .torch_arguments import (SUM, all_reducible, bitwise, copy_flat, dense, logical, one,
-                              reducible, reduction, restored, same_size, worked_on)
+from .torch_arguments import (SUM, all_reducible, bitwise, copy_flat, dense, one, reducible,
+                              reduction, restored, same_size, worked_on)
 from .torch_work import FINISHED, CollectiveWork
 
 BACKEND = "ringreduce"
@@ -224,9 +224,10 @@ class RingReduceGroup(dist.ProcessGroup):
         write_back = None
         if not tensor.is_contiguous():      # (the common case pays for this test alone)
             (tensor,), write_back = worked_on([tensor])
-        if tensor.dtype is _BOOL:
+        if tensor.dtype is _BOOL or tensor.is_complex():   # (complex: a call on the group
+            # itself; dist.all_reduce makes a complex tensor real first)
             with refusing(ps, name, "allreduce"):
-                tensor, op = logical(tensor, op, pre, f"allreduce on rank {self.rank()}")
+                tensor, op = reducible(tensor, op, pre, f"allreduce on rank {self.rank()}")
         if opts is not None and not getattr(opts, "asyncOp", True):    # (torch >= 2.8 has it)
             # dist.all_reduce(t) waits at once: the synchronous call runs on this thread when
             # the set's engine is idle (the handle's queue costs as much as a small allreduce)

@@ -17,12 +17,12 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from . import ring
 from .collectives import reduce_op
 from .compression import Compressor
 from .errors import UsageError
 from .kernels import ReduceOp
 from .process_sets import ProcessSet, active, global_process_set
+from .world import split_list
 
 # Horovod's words, so that filters written for its warning match ours.
 STEP_AFTER_SYNCHRONIZE = (
@@ -234,9 +234,7 @@ def explicit_groups(groups: Any, named: Sequence[tuple[str, torch.Tensor]]
     if isinstance(groups, int):
         if groups < 1:
             raise ValueError(f"ringreduce: groups must be >= 1, got {groups}")
-        params = [p for _, p in named]      # as Horovod's split_list cuts them
-        bounds = ring.chunk_bounds(ring.balanced_counts(len(params), groups))
-        return [params[lo:hi] for lo, hi in bounds if hi > lo]
+        return [group for group in split_list([p for _, p in named], groups) if group]
     if not all(isinstance(g, (list, tuple)) for g in groups):
         raise ValueError("ringreduce: groups must be an int or a list of lists of parameters")
     seen: set[int] = set()

@@ -646,6 +646,9 @@ def case_one_rank_refuses_its_inputs():
     refused(lambda bad: dist.all_reduce(torch.ones(2, dtype=torch.bool if bad else torch.uint8),
                                         op=AVG),
             "bool tensor takes SUM")
+    refused(lambda bad: dist.broadcast(torch.ones(4).to_sparse() if bad else torch.ones(4),
+                                       src=0),
+            "dense tensors", TypeError)
     # a root or an op that rank 0 alone gets wrong (found before the call could begin)
     bad = n + 3
     refused(lambda bad_root: dist.broadcast(torch.ones(2), src=bad if bad_root else 0),

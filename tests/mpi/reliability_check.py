@@ -413,9 +413,7 @@ def threads():
 def pending():
     hvd.allreduce(torch.ones(2), name="before")
     handle = hvd.allreduce_async(torch.ones(2), name="pending.x" if r == 0 else "pending.y")
-    start = time.monotonic()
-    hvd.shutdown()
-    assert time.monotonic() - start < 20, "shutdown waited for a collective that cannot come"
+    hvd.shutdown()      # (it waited for ever: the launch's timeout fails it then)
     if n > 1:
         expect(hvd.MismatchError, "cannot run", hvd.synchronize, handle)
     hvd.init()
