@@ -56,6 +56,15 @@ def _setting(default: Any, parse: Callable[[str], Any], doc: str, horovod: str =
         "parse": parse, "doc": doc, "horovod": horovod, "accepted": accepted})
 
 
+def _parsed(field: Any, raw: str, source: str) -> Any:
+    """`raw` read by `field`'s parser, or a ValueError naming `source` (the variable, or
+    init()'s keyword)."""
+    try:
+        return field.metadata["parse"](raw)
+    except (ValueError, OverflowError) as exc:
+        raise ValueError(f"ringreduce: bad value {raw!r} for {source}: {exc}") from None
+
+
 def _in_range(value: Any, accepted: tuple[float, float]) -> bool:
     low, high = accepted
     return isinstance(value, bool) or not isinstance(value, (int, float)) or low <= value <= high
@@ -158,11 +167,7 @@ class Settings:
             if overrides.get(name) is not None:
                 value = overrides[name]
                 if isinstance(value, str):      # as the environment spells it ("0", "16M")
-                    try:
-                        value = f.metadata["parse"](value)
-                    except (ValueError, OverflowError) as exc:
-                        raise ValueError(f"ringreduce: bad value {value!r} for init({name}=): "
-                                         f"{exc}") from None
+                    value = _parsed(f, value, f"init({name}=)")
                 values[name] = overrides[name] = value
                 continue
             if ours in os.environ:
@@ -172,10 +177,7 @@ class Settings:
             else:
                 continue
             raw = os.environ[variable]
-            try:
-                values[name] = f.metadata["parse"](raw)
-            except (ValueError, OverflowError) as exc:
-                raise ValueError(f"ringreduce: bad value {raw!r} for {variable}: {exc}") from None
+            values[name] = _parsed(f, raw, variable)
             if not _in_range(values[name], f.metadata["accepted"]):
                 raise ValueError(f"ringreduce: {variable}={raw} is out of range: expected "
                                  f"{_describe_range(f.metadata['accepted'])}")

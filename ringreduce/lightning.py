@@ -261,13 +261,16 @@ def strategy_classes(package: str) -> SimpleNamespace:
             self.pre_backward(closure_loss)
             closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-            stepping = [self._stepping] if self._stepping is not None else [
-                o for o in self.optimizers if not module.automatic_optimization
-                and isinstance(o, WrappedOptimizer) and not isinstance(o, AdasumOptimizer)
-                and o.gradients_sent()]
-            for reducing in stepping:
-                reducing.synchronize()
-                self._reduced.add(id(reducing))
+            if self._stepping is not None:
+                complete = [self._stepping]
+            elif module.automatic_optimization:
+                complete = []       # (a pass that accumulates: the step's last one reduces)
+            else:
+                complete = [o for o in self.optimizers if isinstance(o, WrappedOptimizer)
+                            and not isinstance(o, AdasumOptimizer) and o.gradients_sent()]
+            for done in complete:
+                done.synchronize()
+                self._reduced.add(id(done))
             closure_loss = self.precision_plugin.post_backward(closure_loss, module)
             self.post_backward(closure_loss)
             return closure_loss

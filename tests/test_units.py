@@ -853,7 +853,6 @@ def test_a_set_is_restartable_after_a_failure_or_a_restart_and_not_after_a_membe
     assert departures.restartable()     # one restarting is enough: the failure comes later
 
 
-
 def test_a_failed_future_raises_its_error_wherever_it_is_read():
     """Python's wait() and value() raise the error itself, a callback chained by torch's own
     then() fails with it, and the value C++ readers get (DDP's reducer pickles it for its
