@@ -62,8 +62,8 @@ def _create(options: Any, backend_options: Any = None) -> RingReduceGroup:
         label = f"torch group '{options.group_id}'"
         process_set = open_group(ranks, label)
     ps = active(process_set, "the ringreduce backend")
-    headers = ps.duplicate_comm(ps.auto_name("dist.point_to_point"))
-    data = ps.duplicate_comm(ps.auto_name("dist.point_to_point"))
+    headers = ps.duplicate_comm(ps.call_order_name("dist.point_to_point"))
+    data = ps.duplicate_comm(ps.call_order_name("dist.point_to_point"))
     return RingReduceGroup(rank, size, process_set,
                            Channel(headers, data, label, ps.transport.watch), label)
 

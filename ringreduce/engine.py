@@ -40,6 +40,7 @@ import warnings
 from typing import Any, Callable, Optional
 
 from .errors import RingReduceError
+from .thread_places import internal
 
 _IDLE_POKE_SECONDS = 0.05
 _AWAKE_SECONDS = 0.005     # after a submission, the engine thread looks for more this long
@@ -305,6 +306,7 @@ class Engine:
     def _start_driver(self, thread_name: str) -> None:
         """Under the condition's lock: a new engine thread (the old one, if any, ends)."""
         self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
+        internal(self._thread)
         self._thread.start()
         self._driver = self._thread.ident
         self._driver_in_callbacks = False

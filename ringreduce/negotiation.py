@@ -24,7 +24,7 @@ from typing import Any, Callable, NoReturn, Optional, Sequence, Union
 
 import numpy as np
 
-from .auto_names import AutoNames
+from .auto_names import AutoNames, thread_advice, unnamed
 from .crossnode import BetweenNodes
 from .engine import Agreement, OutOfOrder
 from .errors import JoinedError, MismatchError, ShutDownError
@@ -235,7 +235,8 @@ class _Settling:
         deadlocked = bool((flags & _STUCK_FLAG).all())
         if dues.max() > 0 or deadlocked:
             pending = n.gather(names)
-            if self._kinds_apart(pending, now - self.started):
+            if (self._kinds_apart(pending, now - self.started)
+                    or self._threads_apart(pending, now - self.started)):
                 return None
             if deadlocked:
                 self._deadlocked(pending, now - self.started)
@@ -291,7 +292,7 @@ class _Settling:
             f"has pending ({where}; after {waited:.1f} s). The ranks' programs call "
             "different collectives here: a barrier where others allreduce, a name that "
             "differs between ranks, a collective some ranks skip. Every rank fails the first "
-            "collective it has pending.")
+            f"collective it has pending.{thread_advice(x for names in pending for x in names)}")
 
     def _kinds_apart(self, pending: list[list[str]], waited: float) -> bool:
         """(Collective: every member's `pending`, as gathered.) A name the callers gave to
@@ -327,6 +328,42 @@ class _Settling:
                 "collectives run as usual.")
         return True
 
+    def _threads_apart(self, pending: list[list[str]], waited: float) -> bool:
+        """(Collective: every member's `pending`, as gathered.) Unnamed collectives of one
+        kind pending on some members from one thread and on others from another (the ranks
+        run them on different threads: auto_names.py), each thread's missing where the other's
+        is, with nothing pending everywhere for a stall check's time (or every member stuck),
+        can never pair: a member whose first collective is such a one fails it with
+        MismatchError (raised here), the others leave the settling (True), and the counts of
+        automatic names are realigned first, so that every member goes on to its next
+        collective and its unnamed ones pair again. False: none is."""
+        held: dict[str, list[set[str]]] = {}     # a kind -> each member's threads with one
+        for member, names in enumerate(pending):
+            for kind, where in filter(None, map(unnamed, names)):
+                held.setdefault(kind, [set() for _ in pending])[member].add(where)
+        apart = {(kind, where) for kind, sets in held.items() for a in sets for b in sets
+                 if a - b and b - a for where in a - b}
+        if not apart:
+            return False
+        if self.negotiator.names is not None:
+            self.negotiator.names.realign(self.negotiator.gather)
+        me, ranks = self.negotiator.comm.rank, self.watch.ranks
+        first = unnamed(pending[me][0]) if pending[me] else None
+        if first in apart:
+            kind = first[0]
+            where = "; ".join(
+                f"ranks {[ranks[m] for m, mine in enumerate(held[kind]) if place in mine]} on "
+                f"{'thread ' + repr(place) if place else 'the main thread'}"
+                for place in dict.fromkeys(p for mine in held[kind] for p in sorted(mine)))
+            raise MismatchError(
+                f"ringreduce: rank {ranks[me]}: collective '{pending[me][0]}' cannot run: "
+                f"unnamed {kind} collectives are pending on different threads of different "
+                f"ranks ({where}), and no collective was pending on every rank for "
+                f"{waited:.0f} s (RINGREDUCE_STALL_CHECK_TIME)."
+                f"{thread_advice(x for names in pending for x in names)} "
+                "Every rank waiting in one of them fails it; later collectives run as usual.")
+        return True
+
     def _describe(self, pending: list[list[str]], waited: float) -> str:
         """Which names are pending on which members (collective: every member's `pending`)."""
         ranks = self.watch.ranks
@@ -341,4 +378,5 @@ class _Settling:
                 f"{waited:.0f} s for the members{self.watch.where} to submit a collective "
                 f"they all have pending: {where}. Collectives run by name once every member "
                 "has submitted them: the ranks missing one are stuck in their own code, or "
-                "submit it under another name, or not at all.")
+                "submit it under another name, or not at all."
+                f"{thread_advice(holders)}")

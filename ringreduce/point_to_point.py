@@ -43,6 +43,7 @@ from .failed_future import fail
 from .mpi import mpi
 from .ring import ABANDONED
 from .stall import BUSY_SECONDS, DEPARTED_GRACE, YIELD_SECONDS, StallWatch
+from .thread_places import internal
 
 _LONGEST_NAP = 0.001        # between polls of a request that is still pending
 _LOOK_EVERY = 0.05          # seconds between looks for a peer's goodbye while waiting
@@ -299,6 +300,7 @@ class _Poller:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="ringreduce-p2p",
                                             daemon=True)
+            internal(self._thread)
             self._thread.start()
         self._wake.notify()
 

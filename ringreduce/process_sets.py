@@ -26,6 +26,7 @@ from .mpi import mpi
 from .ring import ABANDONED
 from .signature import digest
 from .stall import StallWatch, wait_reporting
+from .thread_places import settle
 from .transport import Transport
 
 _MEETING_TAG = 41   # open_group's meeting of the members, on groups_comm (no other messages)
@@ -112,7 +113,7 @@ class ActiveSet:
         watch = StallWatch(comm, settings.stall_check_time, settings.stall_shutdown_time, abort,
                            self.ranks, where)
         watch.elsewhere = functools.partial(_waits_elsewhere, set_id, watch)
-        self.names = AutoNames()     # see auto_name
+        self.names = AutoNames(set_id)     # see auto_name
         self.transport = Transport(comm, self.local, self.cross, settings, watch, self.ranks,
                                    self.homogeneous, self.names)
         self.engine = Engine(f"ringreduce-set{set_id}", self.ranks[comm.rank], comm.Iprobe,
@@ -128,17 +129,24 @@ class ActiveSet:
         return "" if k == 0 else f"opt{k}."
 
     def auto_name(self, kind: str) -> str:
-        """A collective's name when the caller gives none: '<kind>.noname.<k>' for the set's
-        k-th unnamed collective of that kind, counted across this rank's threads, so members
-        that submit the same calls agree whatever other threads or sets they run (Horovod
-        counts one way per process; in-place variants count with their kind, as Horovod names
-        `allreduce_` 'allreduce.noname.N' too). Calls pair by name: threads that submit
-        unnamed collectives of one kind concurrently pair by whichever came first; name them
-        to pair them deliberately. In a callback of a collective's future, the name comes
-        from that collective instead (engine.children_of)."""
+        """A collective's name when the caller gives none: '<kind>.noname.<k>' for the k-th
+        unnamed collective of that kind that this thread submits to the set, with the thread's
+        place before k for threads other than the main one (auto_names.py), so members that
+        submit the same calls agree whatever other threads or sets they run, and threads pair
+        with themselves across ranks (in-place variants count with their kind, as Horovod
+        names `allreduce_` 'allreduce.noname.N' too). In a callback of a collective's future,
+        the name comes from that collective instead (engine.children_of)."""
         if PARENT.handle is not None:
             return child_name()
         return self.names.name(kind.rstrip("_"))
+
+    def call_order_name(self, kind: str) -> str:
+        """As `auto_name`, but counted across this rank's threads in call order: a
+        torch.distributed group's calls, which torch requires every rank to make in the same
+        order."""
+        if PARENT.handle is not None:
+            return child_name()
+        return self.names.in_call_order(kind)
 
     def agree(self, signature: dict) -> None:
         """One signature check of the members, under the name signature["name"], in order with
@@ -308,6 +316,7 @@ def active(process_set: ProcessSet, what: str) -> ActiveSet:
     if job is None:
         _state(what)
     if process_set is global_process_set:
+        settle(0)
         return job.active[0]
     if not isinstance(process_set, ProcessSet):
         raise ValueError(f"ringreduce: {what} on rank {job.rank}: process_set must be a "
@@ -320,6 +329,7 @@ def active(process_set: ProcessSet, what: str) -> ActiveSet:
     if set_id not in job.active:
         raise ValueError(f"ringreduce: {what} on rank {job.rank}: this rank is not in process "
                          f"set {set_id} (ranks {job.sets[set_id].ranks})")
+    settle(set_id)
     return job.active[set_id]
 
 

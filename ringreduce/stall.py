@@ -35,6 +35,7 @@ import numpy as np
 from .errors import RingReduceError, ShutDownError
 from .mpi import mpi
 from .ring import ABANDONED
+from .thread_places import internal
 
 log = logging.getLogger("ringreduce")
 BUSY_SECONDS = 0.00005  # poll flat out this long (as MPI does): a peer is usually close
@@ -81,6 +82,7 @@ class ProgressBoard:
             if self._reader is None or not self._reader.is_alive():
                 self._reader = threading.Thread(target=self._read,
                                                 name="ringreduce-stall-read", daemon=True)
+                internal(self._reader)
                 self._reader.start()
             reader = self._reader
         reader.join(timeout)

@@ -114,7 +114,7 @@ class RingReduceGroup(dist.ProcessGroup):
         it). `tensors` (tensors, or lists of them, nested): the call's, which must be dense
         (all_reduce alone takes sparse ones, as gloo)."""
         ps = self._active(kind)
-        name = ps.auto_name(_SEQUENCE)
+        name = ps.call_order_name(_SEQUENCE)
         checks = refusing(ps, name, kind)
         with checks:
             dense(tensors, f"{kind} on rank {self.rank()}")
@@ -203,7 +203,7 @@ class RingReduceGroup(dist.ProcessGroup):
         """(DDP's every bucket, and small ones cost what this adds to our collective: the
         common case takes the fewest steps.)"""
         ps = self._active("allreduce")
-        name = ps.auto_name(_SEQUENCE)
+        name = ps.call_order_name(_SEQUENCE)
         # (ReduceOp == RedOpType: the cheapest test torch's bindings offer)
         if len(tensors) == 1 and (opts is None or opts.reduceOp == SUM):
             tensor, op, pre = tensors[0], Sum, 1.0
