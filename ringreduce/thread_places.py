@@ -140,9 +140,11 @@ def settle(home: Union[int, str]) -> None:
     """On the calling thread, at each collective call (it costs a look at a thread-local
     once settled): the first one settles its place, `home` being the set's id (see the
     module). It may wait for the thread's elder siblings (`SIBLING_WAIT_SECONDS` at most)."""
-    if getattr(_settled, "done", False):
+    try:
+        _settled.done
         return
-    _settled.done = True
+    except AttributeError:
+        _settled.done = True
     me = threading.current_thread()
     started = me.__dict__.get(_STARTED)
     if started is None:     # the main thread, or one without a place
