@@ -18,7 +18,7 @@ import itertools
 import threading
 from typing import Callable, Iterable, Optional, Union
 
-from .thread_places import place, settle
+from .thread_places import place, fix_place
 
 _UNPLACED = "unplaced"
 _EVERY_THREAD = "*"     # the key of `in_call_order`'s counts
@@ -62,7 +62,7 @@ class AutoNames:
         """This thread's first unnamed collective on the set: its place's counts. Those of
         threads that ended are forgotten once many threads have come (one per request,
         say): no later thread has their places."""
-        settle(self.home)       # (already, where the call came through process_sets.active)
+        fix_place(self.home)       # (already, where the call came through process_sets.active)
         thread = threading.current_thread()
         where: Optional[str] = place(thread)
         key = _UNPLACED if where is None else where

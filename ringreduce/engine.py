@@ -37,10 +37,10 @@ import collections
 import threading
 import time
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from .errors import RingReduceError
-from .thread_places import internal
+from .thread_places import internal, fix_place
 
 _IDLE_POKE_SECONDS = 0.05
 _AWAKE_SECONDS = 0.005     # after a submission, the engine thread looks for more this long
@@ -282,8 +282,8 @@ class Engine:
     `_driver` is the engine thread of the moment (see the module's docstring)."""
 
     def __init__(self, thread_name: str, rank: int, poke: Callable[[], Any],
-                 agreement: Callable[[], Agreement]) -> None:
-        self.rank = rank
+                 agreement: Callable[[], Agreement], home: Union[int, str] = 0) -> None:
+        self.rank, self.home = rank, home
         self._poke, self._agreement = poke, agreement
         self._running = threading.Lock()
         self._cv = threading.Condition()        # guards the queue, the names, _stopping
@@ -313,6 +313,8 @@ class Engine:
 
     def submit(self, name: str, work: Callable[[], Any]) -> Handle:
         """Queue `work` to run after everything submitted before it; returns its handle."""
+        if threading.get_ident() not in self._submitters:
+            fix_place(self.home)
         with self._cv:
             return self._enqueue(name, work)
 
@@ -337,6 +339,8 @@ class Engine:
 
     def run(self, name: str, work: Callable[[], Any]) -> Any:
         """Run `work` now and return its result: inline when the engine is idle, else queued."""
+        if threading.get_ident() not in self._submitters:
+            fix_place(self.home)
         with self._cv:
             if not self._queue and self._running.acquire(False):
                 handle = None
@@ -374,8 +378,9 @@ class Engine:
         if self._queue or self._stopping:
             self.release_idle()
             return False
-        if threading.get_ident() not in self._submitters:     # (the lookup, without a frame)
-            self._submitted_here()
+        if threading.get_ident() not in self._submitters:     # a thread's first call here:
+            self.release_idle()         # the general path settles its place (thread_places),
+            return False                # which may wait, first
         return True
 
     def _submitted_here(self) -> None:

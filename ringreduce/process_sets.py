@@ -26,7 +26,6 @@ from .mpi import mpi
 from .ring import ABANDONED
 from .signature import digest
 from .stall import StallWatch, wait_reporting
-from .thread_places import settle
 from .transport import Transport
 
 _MEETING_TAG = 41   # open_group's meeting of the members, on groups_comm (no other messages)
@@ -117,7 +116,7 @@ class ActiveSet:
         self.transport = Transport(comm, self.local, self.cross, settings, watch, self.ranks,
                                    self.homogeneous, self.names)
         self.engine = Engine(f"ringreduce-set{set_id}", self.ranks[comm.rank], comm.Iprobe,
-                             self.transport.negotiator.agreement)
+                             self.transport.negotiator.agreement, set_id)
         self._optimizers = itertools.count()
         self.closed = False     # shut down: what holds it must find the set's new one (active)
 
@@ -316,7 +315,6 @@ def active(process_set: ProcessSet, what: str) -> ActiveSet:
     if job is None:
         _state(what)
     if process_set is global_process_set:
-        settle(0)
         return job.active[0]
     if not isinstance(process_set, ProcessSet):
         raise ValueError(f"ringreduce: {what} on rank {job.rank}: process_set must be a "
@@ -329,7 +327,6 @@ def active(process_set: ProcessSet, what: str) -> ActiveSet:
     if set_id not in job.active:
         raise ValueError(f"ringreduce: {what} on rank {job.rank}: this rank is not in process "
                          f"set {set_id} (ranks {job.sets[set_id].ranks})")
-    settle(set_id)
     return job.active[set_id]
 
 

@@ -6,9 +6,10 @@ with `threading`: its parent, what it runs, and how many threads running that it
 started before it. `Thread.start` is wrapped once, at import (as tracing and error-reporting
 libraries do), to note that.
 
-A thread's place is settled when it first calls a collective (`settle`, on its home set: the
-set of that first call): 'worker#1' is the second thread running `worker` that the main thread
-started whose home is the global set, 'worker@3#0' the first whose home is set 3, and
+A thread's place is fixed when it first calls a collective (`fix_place`, on its home set: the
+set of that first call): 'worker#1' is the second thread running `worker` among those the main
+thread started that call collectives first on the global set, 'worker@3#0' the first of those
+whose home is set 3, and
 'worker#1/poll#0' a thread running `poll` that 'worker#1' started ('/' follows the start
 order above the last step). Counting per home set keeps a thread per process set right where
 ranks belong to different sets; counting only threads that call collectives keeps a thread
@@ -34,10 +35,10 @@ SIBLING_WAIT_SECONDS = 5.0
 _POLL_SECONDS = 0.01        # (a sibling's end wakes no one: its waiters look this often)
 _STARTED = "_ringreduce_started"    # set by the start: (its _Family, what it runs, the path
 _CHILDREN = "_ringreduce_children"  # of its start order); a parent's _Family per function
-_PLACE = "_ringreduce_place"        # set when settled: its place ...
+_PLACE = "_ringreduce_place"        # set when fixed: its place ...
 _HOME = "_ringreduce_home"          # ... and its home set
-_SETTLING = threading.Condition()
-_settled = threading.local()        # .done on a thread whose place is settled
+_FIXING = threading.Condition()
+_fixed = threading.local()          # .done on a thread whose place is fixed
 log = logging.getLogger("ringreduce")
 
 
@@ -69,7 +70,7 @@ def internal(thread: threading.Thread) -> None:
 
 class _Family:
     """The threads a parent started that run one function, in start order. Those at the front
-    that have settled their place or ended are only counted, per home, so that a program
+    that have fixed their place or ended are only counted, per home, so that a program
     starting a thread per task keeps a short list."""
 
     __slots__ = ("started", "counted", "rest")
@@ -94,7 +95,7 @@ class _Family:
 
 
 def _pending(thread: threading.Thread) -> bool:
-    """Not settled yet, and not ended (one not yet running is pending)."""
+    """Place not fixed yet, and not ended (one not yet running is pending)."""
     return _HOME not in thread.__dict__ and (thread.ident is None or thread.is_alive())
 
 
@@ -105,7 +106,7 @@ def _placed(start: Any) -> Any:
             return start(self)
         parent = threading.current_thread()
         what = runs(self)
-        with _SETTLING:
+        with _FIXING:
             family = parent.__dict__.setdefault(_CHILDREN, {}).setdefault(what, _Family())
             family.rest.append(self)
             k, family.started = family.started, family.started + 1
@@ -115,9 +116,9 @@ def _placed(start: Any) -> Any:
         try:
             return start(self)
         except BaseException:
-            with _SETTLING:
+            with _FIXING:
                 family.rest.remove(self)
-                _SETTLING.notify_all()
+                _FIXING.notify_all()
             raise
 
     placing_start.ringreduce_places = True      # (wrapped once, whatever imports it again)
@@ -129,50 +130,51 @@ if not getattr(threading.Thread.start, "ringreduce_places", False):
 
 
 def place(thread: threading.Thread) -> Optional[str]:
-    """`thread`'s settled place: '' for the main thread, None where it has none or has not
-    settled it yet."""
+    """`thread`'s fixed place: '' for the main thread, None where it has none or has not
+    fixed it yet."""
     if thread is threading.main_thread():
         return ""
     return thread.__dict__.get(_PLACE)
 
 
-def settle(home: Union[int, str]) -> None:
-    """On the calling thread, at each collective call (it costs a look at a thread-local
-    once settled): the first one settles its place, `home` being the set's id (see the
-    module). It may wait for the thread's elder siblings (`SIBLING_WAIT_SECONDS` at most)."""
+def fix_place(home: Union[int, str]) -> None:
+    """On the calling thread, at its first collective call on each set (engine.py; a thread
+    whose place is fixed returns at once): the first one fixes its place, `home` being the
+    set's id (see the module). It may wait for the thread's elder siblings
+    (`SIBLING_WAIT_SECONDS` at most)."""
     try:
-        _settled.done
+        _fixed.done
         return
     except AttributeError:
-        _settled.done = True
+        _fixed.done = True
     me = threading.current_thread()
     started = me.__dict__.get(_STARTED)
     if started is None:     # the main thread, or one without a place
         return
     family, what, path = started
-    with _SETTLING:
+    with _FIXING:
         elder = family.elder(me)
         deadline = time.monotonic() + SIBLING_WAIT_SECONDS
-        unsettled = [t for t in elder if _pending(t)]
-        while unsettled and time.monotonic() < deadline:
-            _SETTLING.wait(_POLL_SECONDS)
+        passed_over = [t for t in elder if _pending(t)]
+        while passed_over and time.monotonic() < deadline:
+            _FIXING.wait(_POLL_SECONDS)
             elder = family.elder(me)
-            unsettled = [t for t in elder if _pending(t)]
+            passed_over = [t for t in elder if _pending(t)]
         index = family.index(elder, home)
         above = path.rpartition("/")[0] if path else None
         mine = (f"{above}/" if above else "") + what + ("" if home == 0 else f"@{home}") + \
-            f"#{index}" + ("?" if unsettled else "")
+            f"#{index}" + ("?" if passed_over else "")
         if path is not None:
             me.__dict__[_PLACE] = mine
         me.__dict__[_HOME] = home
         family.collapse()
-        _SETTLING.notify_all()
-    if unsettled:
+        _FIXING.notify_all()
+    if passed_over:
         log.warning("ringreduce: thread %r called its first collective after waiting %g s "
                     "for threads started before it running the same function to call theirs "
                     "or end, which %s did not: its place is %r (its unnamed collectives are "
                     "named after it), which pairs only with a thread that passed over the "
                     "same threads on every rank; name its collectives where that differs",
-                    mine, SIBLING_WAIT_SECONDS, [_path(s) for s in unsettled], mine)
+                    mine, SIBLING_WAIT_SECONDS, [_path(s) for s in passed_over], mine)
 
 

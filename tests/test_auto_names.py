@@ -7,15 +7,15 @@ import time
 
 from ringreduce import thread_places
 from ringreduce.auto_names import AutoNames, threads_named, unnamed
-from ringreduce.thread_places import internal, place, settle
+from ringreduce.thread_places import internal, place, fix_place
 
 
-def settled(home=0, delay=0.0, places=None):
+def fixing(home=0, delay=0.0, places=None):
     """A thread's work: after `delay`, its first collective call on set `home`; its place
     recorded in `places` under its own."""
     def work():
         time.sleep(delay)
-        settle(home)
+        fix_place(home)
         me = threading.current_thread()
         places[me] = place(me)
     return work
@@ -32,10 +32,10 @@ def test_places_follow_the_start_order_whoever_calls_first():
     places = {}
 
     def worker(delay):
-        settled(0, delay, places)()
+        fixing(0, delay, places)()
 
     def logger():
-        time.sleep(0.3)     # alive while the workers settle, never calls a collective
+        time.sleep(0.3)     # alive while the workers fix their places, never calls a collective
 
     idle = threading.Thread(target=logger)      # another function: moves no worker
     late = threading.Thread(target=worker, args=(0.3,))     # started first, calls last
@@ -51,7 +51,7 @@ def test_threads_that_call_no_collective_and_per_set_homes_count_apart():
 
     def worker(home):
         if home is not None:
-            settled(home, 0.0, places)()
+            fixing(home, 0.0, places)()
 
     threads = [threading.Thread(target=worker, args=(home,)) for home in (1, None, 2, 1, 0)]
     run_all(threads)
@@ -66,7 +66,7 @@ def test_an_elder_sibling_that_never_calls_is_passed_over_and_marked(monkeypatch
 
     def worker(calls):
         if calls:
-            settled(0, 0.0, places)()
+            fixing(0, 0.0, places)()
         else:
             release.wait()
 
@@ -83,7 +83,7 @@ def test_below_another_thread_internal_threads_and_what_a_thread_runs():
     places = {}
 
     def inner():
-        settled(0, 0.0, places)()
+        fixing(0, 0.0, places)()
 
     def outer():
         thread = threading.Thread(target=inner)
@@ -93,7 +93,7 @@ def test_below_another_thread_internal_threads_and_what_a_thread_runs():
 
     class Poller(threading.Thread):
         def run(self):
-            settled(0, 0.0, places)()
+            fixing(0, 0.0, places)()
 
     first = threading.Thread(target=outer)
     run_all([first])
@@ -105,7 +105,7 @@ def test_below_another_thread_internal_threads_and_what_a_thread_runs():
     assert "Poller#" in places[poller] and "<locals>" not in places[poller]
     assert thread_places.runs(threading.Thread(target=functools.partial(outer))).endswith(
         ".outer")
-    ours = threading.Thread(target=settled(0, 0.0, places))
+    ours = threading.Thread(target=fixing(0, 0.0, places))
     internal(ours)
     run_all([ours])
     assert places[ours] is None

@@ -671,6 +671,8 @@ def test_a_name_is_refused_while_a_claim_holds_it():
     same name is refused (ValueError), and a claim of a name that is queued is refused."""
     e = _Parked("parked-engine", 0, lambda: None, _no_settling)
     try:
+        assert not e.claim_idle("first")    # a thread's first call takes the general path,
+        assert e.run("first", lambda: 2) == 2     # which fixes its place (thread_places)
         assert e.claim_idle("held")
         with pytest.raises(ValueError, match="'held' is still in flight"):
             e.submit("held", lambda: None)
