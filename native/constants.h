@@ -1,6 +1,6 @@
 /* The numbers that C (kernels.c, node.c) and Python share, in one place. Python reads them
  * from ringreduce._native (module.c exports each one); the CUDA kernels
- * (ringreduce/cuda_kernels/*.cu) get the op codes from Python as -D options at compile time. */
+ * (ringreduce/gpu/cuda_kernels/*.cu) get the op codes from Python as -D options at compile time. */
 #ifndef RINGREDUCE_CONSTANTS_H
 #define RINGREDUCE_CONSTANTS_H
 

@@ -1,6 +1,6 @@
 /* ringreduce CPU kernels: every reduction op on every dtype, for the node's shared-memory
  * allreduce (node.c), recursive doubling between nodes (p2p.c) and the ring over MPI
- * (ringreduce/kernels.py, through the C extension's combine and finish, which release the
+ * (ringreduce/kernels/ops.py, through the C extension's combine and finish, which release the
  * GIL); the compression casts; and the failure text every rr_* function reports (rr_fail).
  *
  * The 16-bit floats compute in float32 and round once to nearest even, as torch does; out may
@@ -259,7 +259,7 @@ rr_status rr_check(int dtype, int op) {
         return RR_OK;
     case RR_OP_ADASUM:
         return rr_fail(RR_BAD_OP, "reduction op %d (Adasum) has no elementwise kernel: "
-                       "Adasum runs in ringreduce/adasum.py", op);
+                       "Adasum runs in ringreduce/transport/adasum.py", op);
     default:
         return rr_fail(RR_BAD_OP, "unknown reduction op %d", op);
     }

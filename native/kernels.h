@@ -1,5 +1,5 @@
 /* The CPU reduction kernels of kernels.c, for node.c, p2p.c and module.c (whose _native.combine,
- * finish and cast ringreduce/kernels.py calls). dtype and op codes are constants.h's RR_*
+ * finish and cast ringreduce/kernels/ops.py calls). dtype and op codes are constants.h's RR_*
  * values. */
 #ifndef RINGREDUCE_KERNELS_H
 #define RINGREDUCE_KERNELS_H

@@ -2,34 +2,36 @@
 
 `import ringreduce as hvd` in a script written for `horovod.torch` and run it with mpiexec.
 """
-from .collectives import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async,
-                          allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall,
-                          alltoall_async, barrier, broadcast, broadcast_, broadcast_async,
-                          broadcast_async_, grouped_allgather, grouped_allgather_async,
-                          grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
-                          grouped_allreduce_async_, grouped_reducescatter,
-                          grouped_reducescatter_async, join, poll, reducescatter,
-                          reducescatter_async, sparse_allreduce_async, synchronize)
-from .compression import Compression
-from .engine import Handle
-from . import checkpoint, compile_boundary, elastic
-from .errors import (ArgumentTypeError, CheckpointError, ConsistencyError,
-                     HorovodInternalError, JoinedError, MismatchError, NotContiguousError,
-                     NotInitializedError, RingReduceError, ShutDownError, UnsupportedError,
-                     UsageError)
-from .kernels import ReduceOp
-from .objects import (allgather_object, broadcast_object, broadcast_optimizer_state,
-                      broadcast_parameters, check_consistency)
-from .optimizer import DistributedOptimizer
-from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from .sync_batch_norm import SyncBatchNorm
-from .world import (ccl_built, check_extension, cross_rank, cross_size, cuda_built, ddl_built,
-                    gloo_built, gloo_enabled, gpu_available, init, is_homogeneous,
-                    is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
-                    mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size,
-                    split_list, start_timeline, stop_timeline)
+from .api.collectives import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async,
+                              allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall,
+                              alltoall_async, barrier, broadcast, broadcast_, broadcast_async,
+                              broadcast_async_, grouped_allgather, grouped_allgather_async,
+                              grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                              grouped_allreduce_async_, grouped_reducescatter,
+                              grouped_reducescatter_async, join, poll, reducescatter,
+                              reducescatter_async, sparse_allreduce_async, synchronize)
+from .api.compression import Compression
+from .sets.engine import Handle
+from . import checkpoint, elastic
+from .core import compile_boundary
+from .core.errors import (ArgumentTypeError, CheckpointError, ConsistencyError,
+                          HorovodInternalError, JoinedError, MismatchError, NotContiguousError,
+                          NotInitializedError, RingReduceError, ShutDownError, UnsupportedError,
+                          UsageError)
+from .kernels.ops import ReduceOp
+from .api.objects import (allgather_object, broadcast_object, broadcast_parameters,
+                          check_consistency)
+from .optim.optimizer_state import broadcast_optimizer_state
+from .optim.optimizer import DistributedOptimizer
+from .sets.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .api.sync_batch_norm import SyncBatchNorm
+from .sets.world import (ccl_built, check_extension, cross_rank, cross_size, cuda_built, ddl_built,
+                         gloo_built, gloo_enabled, gpu_available, init, is_homogeneous,
+                         is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
+                         mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size,
+                         split_list, start_timeline, stop_timeline)
 
-from .version import __version__
+from .core.version import __version__
 
 compile_boundary.install()      # torch.compile runs our code eagerly rather than tracing it
 

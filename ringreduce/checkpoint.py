@@ -20,10 +20,10 @@ from typing import Any, Optional
 
 import torch
 
-from .errors import CheckpointError
-from .objects import allgather_object, broadcast_object
-from .process_sets import ActiveSet, active, global_process_set, refusing
-from .world import rank
+from .core.errors import CheckpointError
+from .api.objects import allgather_object, broadcast_object
+from .sets.process_sets import ActiveSet, active, global_process_set, refusing
+from .sets.world import rank
 
 
 def save(path: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,

@@ -41,17 +41,19 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from . import distributed, world
-from .adasum_optimizer import AdasumOptimizer
-from .collectives import Average, Max, Min, Product, Sum, allgather, allreduce, barrier
-from .compression import Compression, Compressor
-from .errors import UsageError
-from .objects import broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from .optimizer import DistributedOptimizer
-from .process_sets import ProcessSet, global_process_set
-from .sync_batch_norm import SyncBatchNorm
-from .torch_group import RingReduceGroup
-from .wrapped_optimizer import WrappedOptimizer
+from . import distributed
+from .sets import world
+from .optim.adasum_optimizer import AdasumOptimizer
+from .api.collectives import Average, Max, Min, Product, Sum, allgather, allreduce, barrier
+from .api.compression import Compression, Compressor
+from .core.errors import UsageError
+from .api.objects import broadcast_object, broadcast_parameters
+from .optim.optimizer_state import broadcast_optimizer_state
+from .optim.optimizer import DistributedOptimizer
+from .sets.process_sets import ProcessSet, global_process_set
+from .api.sync_batch_norm import SyncBatchNorm
+from .distributed.group import RingReduceGroup
+from .optim.wrapped_optimizer import WrappedOptimizer
 
 # Each Lightning package that can be installed, with the fabric package it builds on.
 PACKAGES = {"lightning.pytorch": "lightning.fabric", "pytorch_lightning": "lightning_fabric"}

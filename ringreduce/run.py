@@ -22,8 +22,8 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
-from . import world
-from .version import __version__
+from .sets import world
+from .core.version import __version__
 
 HYDRA, OPEN_MPI = "MPICH Hydra", "Open MPI"
 

@@ -66,9 +66,9 @@ import numpy as np
 import torch
 
 import ringreduce as hvd  # before mpi4py.MPI, so MPI starts with the thread level ringreduce needs
-from ringreduce.config import parse_bytes
-from ringreduce.kernels import copy_stream
-from ringreduce.process_sets import global_set
+from ringreduce.core.config import parse_bytes
+from ringreduce.kernels.ops import copy_stream
+from ringreduce.sets.process_sets import global_set
 
 hvd.init()
 from mpi4py import MPI  # noqa: E402
@@ -174,7 +174,7 @@ def bench_copies(nbytes: int, iters: int) -> list[dict]:
     """The copy yardsticks: one thread copying SIZE bytes between two buffers, on rank 0 alone
     (the others wait in a sleeping barrier) and on every rank at once (the slowest rank's
     median, as the allreduce is timed). `memcpy` is glibc's (NumPy's copyto), `stream` ours
-    with non-temporal stores (ringreduce.kernels.copy_stream), `copy_` torch's Tensor.copy_."""
+    with non-temporal stores (ringreduce.kernels.ops.copy_stream), `copy_` torch's Tensor.copy_."""
     src, dst = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
     tsrc, tdst = torch.from_numpy(src), torch.from_numpy(dst)
     dst_address, src_address = dst.ctypes.data, src.ctypes.data     # (a microsecond each)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 import ringreduce as hvd  # before mpi4py.MPI, for the thread level
-from ringreduce.config import parse_bytes
+from ringreduce.core.config import parse_bytes
 
 hvd.init()
 from mpi4py import MPI  # noqa: E402

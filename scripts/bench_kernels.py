@@ -11,13 +11,13 @@ import argparse
 import numpy as np
 import torch
 
-from ringreduce import kernels
+from ringreduce.kernels import ops as kernels
 # The fused sum-and-average (divide while adding the last input) is what node.c runs on a
 # node's last step; Python's kernels.reducer offers only the plain sum, so the fused form is
 # benchmarked through ringreduce._native.
 from ringreduce import _native
-from ringreduce.buffers import CODES, as_array
-from ringreduce.kernels import ReduceOp
+from ringreduce.kernels.buffers import CODES, as_array
+from ringreduce.kernels.ops import ReduceOp
 
 from bench_common import metadata, time_it, write_results  # (imports mpi4py after ringreduce)
 

@@ -14,7 +14,7 @@ Methods, each a ping-pong of a float32 tensor of SIZE bytes (the even rank sends
 receives and sends it back), timed per round trip:
     dist_rr   dist.send / dist.recv on the "ringreduce" backend (ringreduce.distributed): a
               header (count, dtype) and the bytes, the receiver checking the header before
-              the bytes land (ringreduce/point_to_point.py)
+              the bytes land (ringreduce/distributed/point_to_point.py)
     mpi       mpi4py's Send / Recv of NumPy arrays on COMM_WORLD: the yardstick, MPI moving
               the bytes with nothing around it
     gloo      dist.send / dist.recv on a gloo group of every rank (loopback TCP), under
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import ringreduce as hvd  # before mpi4py.MPI, so MPI starts with the thread level ringreduce needs
-from ringreduce.config import parse_bytes
+from ringreduce.core.config import parse_bytes
 from mpi4py import MPI  # noqa: E402
 
 from bench_common import (init_torch_distributed, metadata, size_label,  # noqa: E402

@@ -102,7 +102,7 @@ from mpi4py import MPI  # noqa: E402
 
 from bench_common import (init_torch_distributed, metadata as common_metadata,  # noqa: E402
                           write_results)
-from ringreduce.process_sets import global_set  # noqa: E402
+from ringreduce.sets.process_sets import global_set  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size

@@ -36,7 +36,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
-from ringreduce.config import parse_bytes
+from ringreduce.core.config import parse_bytes
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ringreduce as hvd
 import ringreduce.distributed as rrd
 from bench_common import metadata
-from ringreduce import cuda_aware
+from ringreduce.gpu import cuda_aware
 
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
           torch.bfloat16, torch.float32, torch.float64]

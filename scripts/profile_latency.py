@@ -25,10 +25,10 @@ import ringreduce as hvd
 import ringreduce.distributed
 from mpi4py import MPI  # noqa: E402  (after ringreduce: the thread level)
 
-from ringreduce.buffers import CODES, as_array
-from ringreduce.process_sets import global_set
-from ringreduce.signature import digest
-from ringreduce.reduce_spec import ReduceSpec
+from ringreduce.kernels.buffers import CODES, as_array
+from ringreduce.sets.process_sets import global_set
+from ringreduce.transport.signature import digest
+from ringreduce.transport.reduce_spec import ReduceSpec
 
 
 def main() -> None:

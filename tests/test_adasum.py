@@ -1,12 +1,12 @@
-"""Adasum (ringreduce/adasum.py): the support check here; under a real mpiexec, the reduction
+"""Adasum (ringreduce/transport/adasum.py): the support check here; under a real mpiexec, the reduction
 against a NumPy reference of Horovod's tree, and the refusal of other rank counts (a
 sub-communicator of 3 at 4 ranks; through hvd.allreduce at 3 ranks in errors_check.py)."""
 import pytest
 import torch
 
 from conftest import shared_script
-from ringreduce import adasum
-from ringreduce.errors import HorovodInternalError
+from ringreduce.transport import adasum
+from ringreduce.core.errors import HorovodInternalError
 
 
 @shared_script("adasum", "adasum_check.py")

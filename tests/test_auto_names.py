@@ -5,9 +5,9 @@ import functools
 import threading
 import time
 
-from ringreduce import thread_places
-from ringreduce.auto_names import AutoNames, threads_named, unnamed
-from ringreduce.thread_places import internal, place, fix_place
+from ringreduce.core import thread_places
+from ringreduce.transport.auto_names import AutoNames, threads_named, unnamed
+from ringreduce.core.thread_places import internal, place, fix_place
 
 
 def fixing(home=0, delay=0.0, places=None):

@@ -1,4 +1,4 @@
-"""The torch.distributed backend "ringreduce" (ringreduce/distributed.py) under a real mpiexec:
+"""The torch.distributed backend "ringreduce" (ringreduce/distributed/__init__.py) under a real mpiexec:
 the cases are in tests/mpi/distributed_check.py, in the launches shared at 1 to 4 ranks (at 2
 with Lightning's strategies and a stalled rank too; alone, those that need no peer), and at 2
 ranks on the Open MPI wheel."""

@@ -73,7 +73,7 @@ def test_site_builds_strict(site):
 
 
 def test_settings_table_lists_every_setting(site):
-    config = _load(ROOT / "ringreduce" / "config.py", "_ringreduce_config_for_test")
+    config = _load(ROOT / "ringreduce" / "core" / "config.py", "_ringreduce_config_for_test")
     page = (site / "guide" / "settings" / "index.html").read_text()
     assert "settings-table" not in page, "the settings hook did not run"
     for field in dataclasses.fields(config.Settings):

@@ -4,7 +4,7 @@ import pytest
 
 from conftest import PATHS, run_mpi, shared_script
 from ringreduce import elastic
-from ringreduce.errors import HorovodInternalError
+from ringreduce.core.errors import HorovodInternalError
 
 BATCHES_PER_RANK = {1: 12, 2: 6, 3: 4}      # elastic_check.py: 24 samples, batches of 2
 

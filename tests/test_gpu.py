@@ -23,13 +23,16 @@ import torch
 
 from conftest import run_mpi, run_ok
 import ringreduce as hvd
-from ringreduce import collectives, config, cuda, cuda_aware, fusion
-from ringreduce.mpi import mpi
-from ringreduce.stall import StallWatch
-from ringreduce.transport import Transport
+from ringreduce.api import collectives
+from ringreduce.core import config
+from ringreduce.gpu import cuda, cuda_aware, device_kernels, staging
+from ringreduce.optim import fusion
+from ringreduce.core.mpi import mpi
+from ringreduce.transport.stall import StallWatch
+from ringreduce.transport.set_transport import Transport
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNELS = ROOT / "ringreduce" / cuda.KERNEL_DIR
+KERNELS = ROOT / "ringreduce" / "gpu" / device_kernels.KERNEL_DIR
 
 
 def _gpu_ready() -> str:
@@ -102,7 +105,7 @@ def test_staging_reduces_every_piece_once_in_place(length, piece):
         seen.append(host.copy())
         host *= 10      # stands in for the host allreduce of this piece
 
-    cuda.staged_allreduce(copies, length, piece, reduce_host)
+    staging.staged_allreduce(copies, length, piece, reduce_host)
     assert np.array_equal(device, np.arange(length) * 10)
     assert [len(s) for s in seen] == [min(piece, length - lo) for lo in range(0, length, piece)]
     assert np.array_equal(np.concatenate(seen) if seen else device, np.arange(length))
@@ -121,7 +124,7 @@ def test_staging_overlaps_copies_with_mpi_work():
         states.append((f"queued down {k + 1}" in copies.log, f"landed {k + 1}" in copies.log))
         host += 1
 
-    cuda.staged_allreduce(copies, 20, 4, reduce_host)
+    staging.staged_allreduce(copies, 20, 4, reduce_host)
     assert states[:-1] == [(True, False)] * 4       # next piece in flight during this one
     assert copies.log.index("back 0") < copies.log.index("landed 2")  # a slot is refilled
     assert np.array_equal(device, np.arange(20) + 1)                 # after its piece went back
@@ -130,48 +133,51 @@ def test_staging_overlaps_copies_with_mpi_work():
 # ---------------------------------------------------------------- kernels
 
 def test_kernel_sources_define_every_kernel_used():
-    """KERNEL_MODULES names exactly the package's .cu files and every module cuda.py launches
-    from, so the packaging test, which enumerates it, covers every kernel."""
-    assert {p.stem for p in KERNELS.glob("*.cu")} == set(cuda.KERNEL_MODULES)
-    launched = {call.args[0].value for call in ast.walk(ast.parse(Path(cuda.__file__).read_text()))
-                if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "_kernel"}
-    assert launched == set(cuda.KERNEL_MODULES)
-    sources = {name: cuda.kernel_source(name) for name in cuda.KERNEL_MODULES}
+    """KERNEL_MODULES names exactly the package's .cu files and every module device_kernels.py
+    launches from, so the packaging test, which enumerates it, covers every kernel."""
+    assert {p.stem for p in KERNELS.glob("*.cu")} == set(device_kernels.KERNEL_MODULES)
+    tree = ast.parse(Path(device_kernels.__file__).read_text())
+    launched = {call.args[0].value for call in ast.walk(tree)
+                if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "kernel"
+                and isinstance(call.args[0], ast.Constant)}
+    assert launched == set(device_kernels.KERNEL_MODULES)
+    sources = {name: device_kernels.kernel_source(name) for name in device_kernels.KERNEL_MODULES}
     for kind in ("bf16", "fp16"):
         assert f"HALF_KERNELS({kind}," in sources["half"]
     for size in (1, 2, 4, 8):
         assert f"BATCHED_COPY({size}," in sources["batched_copy"]
     for text in sources.values():   # the op codes come as -D options: nothing to include
         assert "#include" not in text
-    assert cuda.kernel_options() == ("-DRR_OP_AVERAGE=0", "-DRR_OP_SUM=1", "-DRR_OP_ADASUM=2",
-                                     "-DRR_OP_MIN=3", "-DRR_OP_MAX=4", "-DRR_OP_PRODUCT=5")
+    assert device_kernels.kernel_options() == (
+        "-DRR_OP_AVERAGE=0", "-DRR_OP_SUM=1", "-DRR_OP_ADASUM=2", "-DRR_OP_MIN=3",
+        "-DRR_OP_MAX=4", "-DRR_OP_PRODUCT=5")
 
 
 def test_a_missing_kernel_source_says_the_install_is_broken(monkeypatch):
-    monkeypatch.setattr(cuda, "KERNEL_DIR", "gone")
+    monkeypatch.setattr(device_kernels, "KERNEL_DIR", "gone")
     with pytest.raises(hvd.RingReduceError) as caught:
-        cuda.kernel_source("half")
+        device_kernels.kernel_source("half")
     message = str(caught.value)
     assert "gone/half.cu is missing from the installed package" in message
     assert "--force-reinstall" in message and "cuda12" not in message
     with pytest.raises(ValueError, match="'nope' is not one of ringreduce's CUDA kernel"):
-        cuda.kernel_source("nope")
+        device_kernels.kernel_source("nope")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not installed")
-@pytest.mark.parametrize("name", cuda.KERNEL_MODULES)
+@pytest.mark.parametrize("name", device_kernels.KERNEL_MODULES)
 def test_kernel_compiles_with_nvcc(name, tmp_path):
     """The text kernel_source() gives NVRTC, with kernel_options() and no include path."""
     ptx, copy = tmp_path / "out.ptx", tmp_path / f"{name}.cu"
-    copy.write_text(cuda.kernel_source(name))
-    done = subprocess.run(["nvcc", "--ptx", "-arch=sm_80", *cuda.kernel_options(), "-o",
+    copy.write_text(device_kernels.kernel_source(name))
+    done = subprocess.run(["nvcc", "--ptx", "-arch=sm_80", *device_kernels.kernel_options(), "-o",
                            str(ptx), str(copy)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     entries = {line.split()[-1].rstrip("(") for line in ptx.read_text().splitlines()
                if ".entry" in line}
     expected = ({f"{k}_{f}" for k in ("bf16", "fp16") for f in ("reduce", "scale")}
                 if name == "half" else {f"batched_copy_{n}" for n in (1, 2, 4, 8)})
-    assert entries == expected   # extern "C": the names cuda.py asks CuPy for
+    assert entries == expected   # extern "C": the names device_kernels.py asks CuPy for
     if name == "half":          # without the op codes it refuses to compile, and says why
         done = subprocess.run(["nvcc", "--ptx", "-arch=sm_80", "-o", str(ptx), str(copy)],
                               capture_output=True, text=True)
@@ -270,7 +276,7 @@ def test_override_wins_without_asking_mpi(monkeypatch):
 
 def test_the_real_mpi_library_answers():
     """The MPICH wheel has MPIX_Query_cuda_support and is built without CUDA."""
-    code = ("from mpi4py import MPI; from ringreduce import cuda_aware; "
+    code = ("from mpi4py import MPI; from ringreduce.gpu import cuda_aware; "
             "print(cuda_aware.query_cuda_support(MPI, MPI.COMM_WORLD))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
@@ -344,9 +350,9 @@ def test_without_cupy_the_error_says_what_to_install(monkeypatch):
 
 def test_batched_copy_declines_pairs_it_cannot_copy_in_one_launch():
     a, b = torch.zeros(3), torch.zeros(3)
-    assert cuda._batched_copy([], None)
+    assert device_kernels._batched_copy([], None)
     for moves in ([(None, a)], [(a, None)], [(a, b.double())], [(torch.zeros(3, 2).t(), b)]):
-        assert not cuda._batched_copy(moves, None)
+        assert not device_kernels._batched_copy(moves, None)
 
 
 def test_a_sparse_gradient_leaves_packing_to_the_bucket():
@@ -357,12 +363,12 @@ def test_a_sparse_gradient_leaves_packing_to_the_bucket():
                             threshold=1 << 20, first_bucket=1 << 20, direct=False)
     views = dict(zip(bucket.params, bucket.views))
     dense.grad, viewed.grad = torch.ones(3), views[viewed]
-    assert cuda._moves(bucket, to_buffer=True) == [(None, views[sparse]),
+    assert device_kernels._moves(bucket, to_buffer=True) == [(None, views[sparse]),
                                                    (dense.grad, views[dense])]
-    assert cuda._moves(bucket, to_buffer=False)[1] == (views[dense], dense.grad)
+    assert device_kernels._moves(bucket, to_buffer=False)[1] == (views[dense], dense.grad)
     sparse.grad = torch.ones(3).to_sparse()
-    assert cuda._moves(bucket, to_buffer=True) is None
-    assert cuda._moves(bucket, to_buffer=False) is None
+    assert device_kernels._moves(bucket, to_buffer=True) is None
+    assert device_kernels._moves(bucket, to_buffer=False) is None
 
 
 def test_after_sets_the_event_for_this_thread_only_inside_the_block():
@@ -432,13 +438,13 @@ def test_device_kernels_reduce_and_scale_as_torch_does(dtype):
     for op, torch_op in ops.items():
         target = a.clone()
         torch.cuda.synchronize()    # (CuPy launches on its current stream, maybe not torch's)
-        cuda._device_reducer(dtype, op, stream)(cuda.as_device_array(target),
+        device_kernels.device_reducer(dtype, op, stream)(cuda.as_device_array(target),
                                                 cuda.as_device_array(b))
         torch.cuda.synchronize()
         assert torch.equal(target, torch_op(a, b)), f"{dtype} {op.name}"
     x = a.clone()
     torch.cuda.synchronize()
-    cuda._scale(cuda.as_device_array(x), dtype, 0.37)
+    device_kernels.scale(cuda.as_device_array(x), dtype, 0.37)
     torch.cuda.synchronize()
     if dtype.is_floating_point:
         want = (a.float() * 0.37).to(dtype) if dtype in (torch.float16, torch.bfloat16) \

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import PATHS, RANK_COUNTS, run_ok, shared_script
 import ringreduce as hvd
-from ringreduce import config
+from ringreduce.core import config
 
 TENSOR_OPS = ["average", "name", "op", "prescale_factor", "postscale_factor", "process_set"]
 # name -> Horovod's parameters, in order (None: not a function, or no parameters to compare)

@@ -1,6 +1,6 @@
 """What a non-editable install ships: a wheel built from the project, installed into a fresh
 virtual environment outside the source tree, finds every CUDA kernel source the GPU path loads
-(cuda.KERNEL_MODULES, through cuda.kernel_source, the text only: no GPU needed); the sdist
+(device_kernels.KERNEL_MODULES, through device_kernels.kernel_source, the text only: no GPU needed); the sdist
 carries them too.
 
 The build runs on a copy of what a build reads (pyproject.toml, README.md, ringreduce/,
@@ -21,25 +21,26 @@ from pathlib import Path
 
 import pytest
 
-from ringreduce import cuda
+from ringreduce.gpu import device_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_INPUTS = ("pyproject.toml", "README.md", "ringreduce", "native")
-SHIPPED = {f"ringreduce/{cuda.KERNEL_DIR}/{name}.cu" for name in cuda.KERNEL_MODULES}
+SHIPPED = {f"ringreduce/gpu/{device_kernels.KERNEL_DIR}/{name}.cu"
+           for name in device_kernels.KERNEL_MODULES}
 
 CHECK = """
 import json, sys
 from pathlib import Path
 from importlib import resources
 import ringreduce
-from ringreduce import cuda
+from ringreduce.gpu import device_kernels
 venv = Path(sys.prefix).resolve()
 assert Path(ringreduce.__file__).resolve().is_relative_to(venv), ringreduce.__file__
 found = {}
-for name in cuda.KERNEL_MODULES:
-    path = resources.files("ringreduce").joinpath(cuda.KERNEL_DIR).joinpath(name + ".cu")
+for name in device_kernels.KERNEL_MODULES:
+    path = resources.files("ringreduce.gpu") / device_kernels.KERNEL_DIR / (name + ".cu")
     assert Path(str(path)).resolve().is_relative_to(venv), path
-    found[name] = len(cuda.kernel_source(name).strip())
+    found[name] = len(device_kernels.kernel_source(name).strip())
 print(json.dumps({"file": ringreduce.__file__, "kernels": found}))
 """
 
@@ -89,7 +90,7 @@ def test_an_installed_wheel_finds_every_kernel_source(source, tmp_path):
 
     found = json.loads(_run(python, "-c", CHECK, cwd=tmp_path).strip().splitlines()[-1])
     assert Path(found["file"]).is_relative_to(venv), found
-    assert set(found["kernels"]) == set(cuda.KERNEL_MODULES) and all(found["kernels"].values())
+    assert set(found["kernels"]) == set(device_kernels.KERNEL_MODULES) and all(found["kernels"].values())
 
 
 def test_the_sdist_carries_every_kernel_source(source, tmp_path):

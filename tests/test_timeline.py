@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_ok
-from ringreduce import timeline
+from ringreduce.core import timeline
 
 RANKS = 2
 STEPS = 4
@@ -88,7 +88,7 @@ def test_rank_paths_never_collide():
 def test_a_killed_process_leaves_valid_json(tmp_path):
     """Every flush rewrites the closing bracket, so SIGKILL right after one loses nothing."""
     path = tmp_path / "killed.json"
-    code = (f"import os, signal, time\nfrom ringreduce import timeline\n"
+    code = (f"import os, signal, time\nfrom ringreduce.core import timeline\n"
             f"timeline.FLUSH_SECONDS = 0\nt = timeline.Timeline({str(path)!r}, 0)\n"
             "t.instant('x', 'submitted')\nt.span('x', 'allreduce', time.perf_counter(), "
             "time.perf_counter())\n"

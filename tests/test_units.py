@@ -14,10 +14,15 @@ import pytest
 import torch
 
 import ringreduce as hvd
-from ringreduce import (_native, config, crossnode, engine, failed_future, kernels,
-                        negotiation, point_to_point, ring, signature, stall, wrapped_optimizer)
-from ringreduce.buffers import CODES, as_array
-from ringreduce.mpi import mpi
+from ringreduce import _native
+from ringreduce.core import config
+from ringreduce.distributed import failed_future, point_to_point
+from ringreduce.kernels import ops as kernels
+from ringreduce.optim import wrapped_optimizer
+from ringreduce.sets import engine
+from ringreduce.transport import crossnode, negotiation, ring, signature, stall
+from ringreduce.kernels.buffers import CODES, as_array
+from ringreduce.core.mpi import mpi
 
 
 @pytest.mark.parametrize("length,parts", [(0, 3), (1, 4), (3, 4), (10, 3), (1_000_003, 4)])

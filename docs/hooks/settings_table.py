@@ -1,11 +1,11 @@
-"""MkDocs hook: the settings table, generated at build time from `ringreduce.config.Settings`.
+"""MkDocs hook: the settings table, generated at build time from `ringreduce.core.config.Settings`.
 
 A page that contains the line `<!-- settings-table -->` gets, in its place, one row per field
 of `Settings` (its `RINGREDUCE_*` variable, the `init()` keyword, the default, the Horovod
 variable honoured in its place, the accepted range and the field's doc line), then the
 elastic reset limit, which `ringreduce.elastic` reads at each `run` call instead.
 
-`ringreduce/config.py` and `ringreduce/elastic.py` are read from the source tree, not imported
+`ringreduce/core/config.py` and `ringreduce/elastic/__init__.py` are read from the source tree, not imported
 through the package: importing `ringreduce` would import torch and start MPI inside MkDocs.
 config.py needs only the standard library, so it is loaded on its own; elastic.py's two
 constants are read from its syntax tree.
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_config():
-    path = ROOT / "ringreduce" / "config.py"
+    path = ROOT / "ringreduce" / "core" / "config.py"
     spec = importlib.util.spec_from_file_location("_ringreduce_config_for_docs", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module          # dataclasses looks the module up by name
@@ -99,7 +99,7 @@ def settings_table() -> str:
             f"`{horovod}`" if horovod else "",
             _cell(field.metadata["doc"]),
         ]) + " |")
-    elastic = _constants(ROOT / "ringreduce" / "elastic.py",
+    elastic = _constants(ROOT / "ringreduce" / "elastic" / "__init__.py",
                          {"RESET_LIMIT_VARIABLE", "DEFAULT_RESET_LIMIT"})
     rows.append(f"| `{elastic['RESET_LIMIT_VARIABLE']}` | (none: read by each "
                 f"`elastic.run` call) | `{elastic['DEFAULT_RESET_LIMIT']}` | 0 or more | | "

@@ -1,4 +1,4 @@
-"""Adasum (ringreduce/adasum.py) against a NumPy reference of Horovod's tree, and its errors.
+"""Adasum (ringreduce/transport/adasum.py) against a NumPy reference of Horovod's tree, and its errors.
 
 On a power-of-two number of ranks: several tensors fused in one buffer (empty ones, a single
 element, lengths that split unevenly, a buffer shorter than the rank count) in float16, float32
@@ -13,11 +13,11 @@ rank knows every rank's input (seeded by rank), so each builds the reference its
 import numpy as np
 import torch
 
-from ringreduce import adasum
-from ringreduce.buffers import STORAGE_DTYPES
-from ringreduce.errors import HorovodInternalError
-from ringreduce.mpi import mpi
-from ringreduce.scratch import ScratchPool
+from ringreduce.transport import adasum
+from ringreduce.kernels.buffers import STORAGE_DTYPES
+from ringreduce.core.errors import HorovodInternalError
+from ringreduce.core.mpi import mpi
+from ringreduce.kernels.scratch import ScratchPool
 
 world = mpi().COMM_WORLD
 r, n = world.rank, world.size

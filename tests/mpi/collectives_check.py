@@ -161,8 +161,8 @@ def check_inline_and_queued_small_allreduce_agree():
     """A small synchronous allreduce runs inline (in C, on one node) on a rank whose engine is
     idle, and through the engine's queue on a rank with work in flight: both ways must agree on
     the signature and on the bits. Each round another rank is the busy one."""
-    from ringreduce.process_sets import global_set
-    from ringreduce.small_way import allreduce_now
+    from ringreduce.sets.process_sets import global_set
+    from ringreduce.api.small_path import allreduce_now
 
     held = global_set("test")
     if held.transport.one_node and 16 <= held.transport.node.small_bytes:

@@ -1,4 +1,4 @@
-"""torch.compile reaching ringreduce's code runs it eagerly (ringreduce/compile_boundary.py):
+"""torch.compile reaching ringreduce's code runs it eagerly (ringreduce/core/compile_boundary.py):
 collectives and SyncBatchNorm in a compiled forward, and a compiled DDP on the "ringreduce"
 backend, whose C++ calls the group's Python methods, also under compiled autograd, as is
 DistributedOptimizer. Launched on its own, so that ringreduce is imported before dynamo (the

@@ -1,4 +1,4 @@
-"""torch.distributed on the "ringreduce" backend (ringreduce/distributed.py) under a real mpiexec.
+"""torch.distributed on the "ringreduce" backend (ringreduce/distributed/__init__.py) under a real mpiexec.
 
 Usage: distributed_check.py [lightning]
 

@@ -20,8 +20,9 @@ from mpi4py import MPI
 from torch.utils.data import DataLoader, TensorDataset
 
 import ringreduce as hvd
-from ringreduce import elastic, world
-from ringreduce.transport import Transport
+from ringreduce import elastic
+from ringreduce.sets import world
+from ringreduce.transport.set_transport import Transport
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()

@@ -8,10 +8,11 @@ import torch
 
 import ringreduce as hvd
 from checks import expect
-from ringreduce import collective_work, world
-from ringreduce.process_sets import active
-from ringreduce.transport import Transport
-from ringreduce.ways import SetParts
+from ringreduce.api import collective_work
+from ringreduce.sets import world
+from ringreduce.sets.process_sets import active
+from ringreduce.transport.set_transport import Transport
+from ringreduce.transport.ways import SetParts
 
 try:
     hvd.allreduce(torch.ones(3))
@@ -121,7 +122,7 @@ expect(ValueError, ["'reducescatter.rs0'", "at least one dimension"], hvd.reduce
 
 # A name reused while the first collective is still in flight (the engine is held on an
 # event so that "in flight" is certain, not a race).
-from ringreduce.process_sets import global_set
+from ringreduce.sets.process_sets import global_set
 
 release = threading.Event()
 blocker = global_set("test").engine.submit("test.blocker", release.wait)

@@ -19,7 +19,7 @@ import torch.nn as nn
 from mpi4py import MPI
 
 import ringreduce as hvd
-from ringreduce import negotiation
+from ringreduce.transport import negotiation
 
 mode, victim = sys.argv[1], int(sys.argv[2])
 if mode == "skip_init" and MPI.COMM_WORLD.rank == victim:

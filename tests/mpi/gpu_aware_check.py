@@ -9,7 +9,7 @@ import sys
 logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
 
 import ringreduce as hvd  # noqa: E402
-from ringreduce.process_sets import global_set  # noqa: E402
+from ringreduce.sets.process_sets import global_set  # noqa: E402
 
 for value in json.loads(sys.argv[1]):
     os.environ.pop("RINGREDUCE_CUDA_AWARE", None)

@@ -1,4 +1,4 @@
-"""Both GPU ways of the transport (`cuda.reduce_in_device_memory`, `cuda.reduce_staged`)
+"""Both GPU ways of the transport (`gpu_ways.reduce_in_device_memory`, `gpu_ways.reduce_staged`)
 under a real mpiexec, without a GPU.
 
 No CUDA array, stream or event can exist on a machine without a device, so NumPy stands in:
@@ -113,16 +113,17 @@ torch.cuda.Stream, torch.cuda.Event, torch.cuda.device = TorchStream, TorchEvent
 torch.cuda.current_stream = lambda device=None: TorchStream()
 
 import ringreduce as hvd  # noqa: E402
-from ringreduce import cuda  # noqa: E402
-from ringreduce.buffers import as_array, as_tensor  # noqa: E402
-from ringreduce.collective_work import _allreduce_spec  # noqa: E402
-from ringreduce.process_sets import active, global_set  # noqa: E402
-from ringreduce.reduce_spec import ReduceSpec  # noqa: E402
+from ringreduce.gpu import staging  # noqa: E402
+from ringreduce.transport import gpu_ways  # noqa: E402
+from ringreduce.kernels.buffers import as_array, as_tensor  # noqa: E402
+from ringreduce.api.collective_work import _allreduce_spec  # noqa: E402
+from ringreduce.sets.process_sets import active, global_set  # noqa: E402
+from ringreduce.transport.reduce_spec import ReduceSpec  # noqa: E402
 from checks import horovod_scaled  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 if len(sys.argv) > 2:
-    cuda.STAGING_PIECE_BYTES = int(sys.argv[2])
+    staging.STAGING_PIECE_BYTES = int(sys.argv[2])
 r, n = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
 
 
@@ -132,12 +133,12 @@ def reduce_device(transport, array, spec, aware):
     staged through host memory, each piece reduced by the transport's host ways."""
     if aware or transport.comm.size == 1:
         settings = transport.settings
-        cuda.reduce_in_device_memory(array, spec.dtype, spec.op, spec.prescale, spec.postscale,
+        gpu_ways.reduce_in_device_memory(array, spec.dtype, spec.op, spec.prescale, spec.postscale,
                                      transport.comm, settings.small_message_bytes,
                                      settings.segment_bytes, transport.device_scratch,
                                      transport.watch.wait_request)
     else:
-        cuda.reduce_staged(array, transport.host_pieces(spec), transport.device_scratch)
+        gpu_ways.reduce_staged(array, transport.host_pieces(spec), transport.device_scratch)
 
 
 def inputs(rank, length, dtype, op):

@@ -25,7 +25,7 @@ import traceback
 
 import ringreduce as hvd
 from checks import variables_set
-from ringreduce.mpi import mpi
+from ringreduce.core.mpi import mpi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The runner's own communicator: its barrier never meets a collective of a script's.

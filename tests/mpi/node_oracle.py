@@ -15,7 +15,7 @@ from mpi4py import MPI
 import ringreduce as hvd
 from ringreduce import _native
 from checks import horovod_scaled
-from ringreduce.buffers import as_array, as_tensor
+from ringreduce.kernels.buffers import as_array, as_tensor
 
 LINE, PAGE, WORDS = _native.LINE, _native.PAGE, _native.HEADER_WORDS
 

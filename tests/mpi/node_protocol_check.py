@@ -8,8 +8,8 @@ import torch
 
 import ringreduce as hvd
 from node_oracle import NodeOracle
-from ringreduce.buffers import as_array, as_tensor
-from ringreduce.process_sets import global_set
+from ringreduce.kernels.buffers import as_array, as_tensor
+from ringreduce.sets.process_sets import global_set
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()

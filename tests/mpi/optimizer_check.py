@@ -11,7 +11,7 @@ import ringreduce as hvd
 from checks import expect, run_cases, then_barrier
 from models import Net
 from sync_bn_check import check_sync_batch_norm
-from ringreduce import timeline
+from ringreduce.core import timeline
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()

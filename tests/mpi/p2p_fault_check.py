@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import ringreduce as hvd
 import ringreduce.distributed as rrd
-from ringreduce import process_sets
+from ringreduce.sets import process_sets
 
 hvd.init(stall_check_time=1.0)
 rrd.init_process_group()

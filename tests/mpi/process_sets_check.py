@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 import ringreduce as hvd
 from checks import check_equal, expect, horovod_scaled, per_setting
-from ringreduce.process_sets import close_group, open_group
+from ringreduce.sets.process_sets import close_group, open_group
 from models import Net
 
 world = MPI.COMM_WORLD

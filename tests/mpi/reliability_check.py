@@ -35,7 +35,7 @@ import torch.nn as nn
 
 import ringreduce as hvd
 from checks import check_equal, expect, run_cases
-from ringreduce import process_sets
+from ringreduce.sets import process_sets
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()

@@ -15,7 +15,7 @@ import torch
 
 import ringreduce as hvd
 from mpi4py import MPI
-from ringreduce.sync_batch_norm import _global_stats
+from ringreduce.api.sync_batch_norm import _global_stats
 
 r, n = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
 SHOW = os.environ.get("RINGREDUCE_SYNC_BN_ERRORS") == "1"

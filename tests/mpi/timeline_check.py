@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import ringreduce as hvd
 from models import Net
-from ringreduce import timeline
+from ringreduce.core import timeline
 
 out = Path(sys.argv[1])
 hvd.init()

@@ -1,0 +1,105 @@
+"""Model state across a process set: broadcast parameters and objects; check that tensors are
+bitwise identical everywhere. (The optimizer's state: optim/optimizer_state.py.)
+
+Objects travel pickled (mpi4py's lowercase calls), through the set's engine like every
+collective.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Iterable, Mapping, Optional, Union
+
+import torch
+
+from .collectives import broadcast_async_, synchronize
+from ..core.errors import ConsistencyError
+from ..sets.process_sets import ActiveSet, ProcessSet, active, global_process_set, refusing
+from ..transport.signature import qualified
+
+Params = Union[Mapping[str, torch.Tensor], Iterable[Any]]
+
+
+def broadcast_parameters(params: Params, root_rank: int, prefix: Optional[str] = None,
+                         process_set: ProcessSet = global_process_set) -> None:
+    """Overwrite every member's tensors with global rank root_rank's, in place: a state_dict, a
+    dict of tensors, model.named_parameters(), or a list of tensors. `prefix` goes in front of
+    the collectives' names (to tell two models' broadcasts apart)."""
+    ps = active(process_set, "broadcast_parameters()")
+    if isinstance(params, Mapping):
+        items = sorted(params.items())
+    else:
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    named = [(f"broadcast_parameters.{prefix or ''}{name if name is not None else index}",
+              tensor) for index, (name, tensor) in enumerate(items)
+             if isinstance(tensor, torch.Tensor)]
+    agree_on_names(ps, "broadcast_parameters", prefix, [name for name, _ in named])
+    handles = [broadcast_async_(tensor, root_rank, name, process_set) for name, tensor in named]
+    for handle in handles:
+        synchronize(handle)
+
+
+def agree_on_names(ps: ActiveSet, helper: str, prefix: Optional[str],
+                    names: list[str]) -> None:
+    """One signature check of the names a helper is about to broadcast under: where some rank
+    has others (another model, a parameter with optimizer state on some ranks only, other
+    param_groups), every rank gets a MismatchError naming them, instead of each waiting for
+    broadcasts the others never submit (Horovod's stall)."""
+    name = helper if prefix is None else f"{helper}[{prefix}]"
+    ps.agree({"collective": helper, "name": name, "tensors": tuple(names)})
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Global rank root_rank's `obj` (any picklable object), on every member."""
+    ps = active(process_set, "broadcast_object()")
+    name = qualified("broadcast_object", name) or ps.auto_name("broadcast_object")
+    with refusing(ps, name, "broadcast_object"):
+        root = ps.root(root_rank, "broadcast_object", name)
+    signature = {"collective": "broadcast_object", "name": name, "root_rank": int(root_rank)}
+    return ps.engine.run(name, lambda: ps.transport.broadcast_object(obj, root, signature))
+
+
+def allgather_object(obj: Any, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> list:
+    """Every member's `obj`, as a list in set rank order."""
+    ps = active(process_set, "allgather_object()")
+    name = qualified("allgather_object", name) or ps.auto_name("allgather_object")
+    signature = {"collective": "allgather_object", "name": name}
+    return ps.engine.run(name, lambda: ps.transport.allgather_object(obj, signature))
+
+
+def check_consistency(tensors: Union[torch.nn.Module, Params], name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> None:
+    """Raise `ConsistencyError` on every member unless every tensor (a module's parameters and
+    buffers, a state_dict, named tensors or a list) is bitwise identical on all of them; the
+    error names the first tensor that differs and which ranks hold which version."""
+    ps = active(process_set, "check_consistency()")
+    if isinstance(tensors, torch.nn.Module):
+        items = list(tensors.named_parameters()) + list(tensors.named_buffers())
+    elif isinstance(tensors, Mapping):
+        items = sorted(tensors.items())
+    else:
+        items = [t if isinstance(t, tuple) else (str(i), t) for i, t in enumerate(tensors)]
+    items = [(n, t) for n, t in items if isinstance(t, torch.Tensor)]
+    digests = torch.tensor([[_digest(t) for _, t in items]], dtype=torch.int64)
+    name = qualified("check_consistency", name) or ps.auto_name("check_consistency")
+    signature = {"collective": "check_consistency", "name": name,
+                 "tensors": tuple(n for n, _ in items)}
+    everyone = ps.engine.run(name, lambda: ps.transport.allgather(digests, signature)).numpy()
+    for index, (tensor_name, _) in enumerate(items):
+        column = everyone[:, index]
+        if (column != column[0]).any():
+            groups: dict[int, list[int]] = {}
+            for member, value in enumerate(column):
+                groups.setdefault(int(value), []).append(ps.ranks[member])
+            versions = "; ".join(f"ranks {ranks} hold version {v & 0xFFFFFFFF:08x}"
+                                 for v, ranks in groups.items())
+            raise ConsistencyError(
+                f"ringreduce: tensor '{tensor_name}' differs across ranks ({versions}); the "
+                "ranks have diverged: broadcast_parameters() from one rank, and look for "
+                "updates made on some ranks only")
+
+
+def _digest(tensor: torch.Tensor) -> int:
+    raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)

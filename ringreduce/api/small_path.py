@@ -1,0 +1,73 @@
+"""The small path's entry from the public calls (both front doors): a small allreduce taken
+straight to the set's small way (transport/small_way.py), on the caller's thread when the set's
+engine is idle. Each returns None where the call does not take the small way, and the caller
+goes the general way (collective_work.py)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..core import timeline
+from ..sets.engine import Handle
+from ..transport.negotiation import OutOfOrder
+
+
+def allreduce_now(ps: Any, tensor: Any, name: Optional[str], op: Any, postscale: float,
+                  in_place: bool) -> Optional[torch.Tensor]:
+    """A small synchronous allreduce on the active set `ps`, run at once on this thread when
+    the set's engine is idle; None when the call does not take the small way (or the engine is
+    busy), and the general path takes it. If the members' next collectives differ, the engine
+    settles their order and this call waits its turn."""
+    small = ps.transport.small
+    if small is None:
+        return None
+    case = small.case(tensor, op)
+    if case is None or not ps.engine.claim_idle(name):
+        return None
+    try:
+        if name is None:
+            name = ps.auto_name("allreduce")
+        work = small.work(tensor, name, case, postscale, in_place)
+        return work()
+    except OutOfOrder:
+        handle = ps.engine.reorder(name, work)
+    finally:
+        ps.engine.release_idle()
+    return handle.wait()
+
+
+def started(ps: Any, tensor: Any, name: Optional[str], op: Any,
+            postscale: float) -> Optional[Handle]:
+    """A small asynchronous in-place allreduce, started: begun on this thread when the set's
+    engine is idle and its way `begins` (our part is posted at once, and if every member's is
+    there already it completes here: a synchronous call's cost, not a hand-off's; otherwise
+    the rest runs first in the queue), else queued whole. None when the call is not small
+    (the general path takes it)."""
+    small = ps.transport.small
+    case = None if small is None else small.case(tensor, op)
+    if case is None:
+        return None
+    if small.begins and ps.engine.claim_idle(name):
+        try:
+            name = ps.auto_name("allreduce") if name is None else name
+            handle = ps.engine.begin_now(name, small.begin, tensor, name, case, postscale)
+        finally:
+            ps.engine.release_idle()
+    else:
+        name = ps.auto_name("allreduce") if name is None else name
+        handle = ps.engine.submit(name, small.work(tensor, name, case, postscale, True))
+    timeline.record(name, "submitted")
+    return handle
+
+
+def queued_work(ps: Any, tensor: Any, name: Optional[str], op: Any,
+                postscale: float) -> Optional[tuple]:
+    """An asynchronous out-of-place allreduce's work (set, name, what runs) by the small way,
+    where the call takes it (a handle costs enough already); else None."""
+    small = ps.transport.small
+    case = None if small is None else small.case(tensor, op)
+    if case is None:
+        return None
+    name = ps.auto_name("allreduce") if name is None else name
+    return ps, name, small.work(tensor, name, case, postscale, False)

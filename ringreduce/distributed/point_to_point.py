@@ -1,0 +1,508 @@
+"""torch.distributed's send and recv on a ringreduce group: MPI's non-blocking `Isend`/`Irecv`
+on communicators of the group's own (duplicates of its set's, made when the group is), so that
+no message of theirs can match one of the set's collectives; torch's tags are MPI tags.
+
+Unlike the collectives, these run on the caller's thread (MPI_THREAD_MULTIPLE): a receive must
+not wait in the set's engine, which would hold back every collective behind it. A send is two
+messages: a header (the tensor's element count, bytes and dtype) on the channel's header
+communicator, then the bytes on its data communicator. A receive takes the header first and
+only then posts the receive of the bytes (`Channel.advance`), into the caller's tensor where
+the sender's count and dtype are the receiver's, else into a scratch buffer that is dropped:
+a tensor of another size or dtype is an error on the receiving rank naming both, the
+caller's tensor is left untouched, and the channel stays usable. (Sending a small tensor's
+bytes inside its header saved nothing measurable on one node: Python's part of a message
+outweighs MPI's.)
+
+`wait()` polls the requests (flat out, then yielding the core, then sleeping a little longer
+each time: the peer may need the core), and never waits silently: past the set's stall check
+time it logs a report naming the peer and the tag, every interval, and at the stall shutdown
+time it ends the job, as a collective's wait does; a peer that shuts down without the message
+raises ShutDownError; and torch's `wait(timeout)` raises past its timeout (`_Overdue`). A
+thread shared by every channel (`_Poller`), asleep while there is nothing to do, posts the
+receives of bytes whose header came while no caller waits for them, and completes
+`get_future()`'s futures, reporting and failing the messages it waits for in the same way.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import struct
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from ..kernels.buffers import dtype_name
+from ..core.errors import RingReduceError, ShutDownError
+from .failed_future import fail
+from ..core.mpi import mpi
+from ..transport.ring import ABANDONED
+from ..transport.stall import BUSY_SECONDS, DEPARTED_GRACE, YIELD_SECONDS, StallWatch
+from ..core.thread_places import internal
+
+_LONGEST_NAP = 0.001        # between polls of a request that is still pending
+_LOOK_EVERY = 0.05          # seconds between looks for a peer's goodbye while waiting
+_LINGER = 0.1               # seconds the poller keeps advancing a channel with no receive
+_WORK_INIT = dist.Work.__init__
+_STRIDED = torch.strided
+_NAME_BYTES = 24            # a header's room for the dtype's name ('float8_e4m3fnuz')
+_HEADER = struct.Struct(f"=qq{_NAME_BYTES}s")   # element count, byte count, dtype name
+log = logging.getLogger("ringreduce")
+
+
+_NAMES: dict[torch.dtype, bytes] = {}    # a dtype -> its name, as a header holds it
+
+
+def _name(dtype: torch.dtype) -> bytes:
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = dtype_name(dtype).encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
+    return name
+
+
+def _header(tensor: torch.Tensor) -> bytes:
+    """What a send tells the receiver first: the tensor's element count, byte count and dtype
+    name. (struct, not NumPy: at a few microseconds a message, NumPy's calls show.)"""
+    return _HEADER.pack(tensor.numel(), tensor.nbytes, _name(tensor.dtype))
+
+
+def _fits(header: tuple, tensor: torch.Tensor) -> bool:
+    """Whether a header's count and dtype (`_HEADER.unpack`ed) are `tensor`'s."""
+    return header[0] == tensor.numel() and header[2] == _name(tensor.dtype)
+
+
+def _memory(tensor: torch.Tensor) -> list:
+    """An MPI message of a contiguous CPU tensor's bytes (the caller keeps the tensor)."""
+    MPI = mpi()
+    return [MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes), MPI.BYTE]
+
+
+def _described(header: tuple) -> str:
+    """A header's count, dtype and bytes, in words."""
+    count, nbytes, name = header
+    return f"{count} {name.rstrip(bytes(1)).decode()} elements ({nbytes} bytes)"
+
+
+class MessageWork(dist.Work):
+    """One send or receive with group rank `peer` (None: any), on the channel `channel`:
+    torch's Work on MPI requests. `requests`: what it waits for (None: a receive whose bytes'
+    receive `Channel.advance` has not posted yet), `buffers` what they read or write;
+    `arrived`: a receive's, run once they have come (it raises if the sender's tensor differs,
+    or copies them in). `wait()` returns True once the message has gone (or arrived, checked
+    and copied in) or raises why not."""
+
+    __slots__ = ("_channel", "_peer", "_what", "_tensor", "_requests", "_buffers", "_arrived",
+                 "_source", "_lock", "_done", "_error", "_future")
+
+    def __init__(self, channel: "Channel", what: str, peer: Optional[int],
+                 tensor: torch.Tensor, requests: Optional[list] = None, buffers: tuple = (),
+                 arrived: Optional[Callable[[], None]] = None) -> None:
+        _WORK_INIT(self)    # (as torch_work's: super() and a __dict__ cost a microsecond)
+        self._channel, self._peer, self._what, self._tensor = channel, peer, what, tensor
+        self._requests, self._buffers, self._arrived = requests, buffers, arrived
+        self._source = peer                 # a receive's sender, once its header came
+        self._lock = threading.Lock()      # MPI forbids two threads testing one request
+        self._done = False
+        self._error: Optional[BaseException] = None
+        self._future: Optional[Future] = None
+
+    def _test(self) -> bool:
+        """Whether the message is complete (then checked, copied in, and its future set)."""
+        with self._lock:
+            if self._done:
+                return True
+            try:
+                if self._channel.waiting():     # (a send's too: the peer's may wait for it)
+                    self._channel.advance()
+                if self._requests is None:
+                    return False
+                if not mpi().Request.Testall(self._requests):
+                    return False
+                if self._arrived is not None:
+                    self._arrived()
+            except Exception as exc:        # our size and dtype check, or an MPI error
+                self._error = exc if isinstance(exc, RingReduceError) else RingReduceError(
+                    f"ringreduce: {self._what} failed: {type(exc).__name__}: {exc}")
+                self._error.__cause__ = exc
+                if self._requests is None:      # (its bytes are not to land in it later)
+                    self._channel.abandon(self)
+            self._done = True
+            future = self._future
+        if future is not None:
+            self._settle(future)
+        return True
+
+    def _settle(self, future: Future) -> None:
+        if self._error is not None:
+            fail(future, self._error)
+        else:
+            future.set_result([self._tensor])
+
+    def _fail(self, error: BaseException) -> None:
+        """End the work with `error` though its requests are still pending (a peer that left):
+        they, and with them the buffers MPI may still write, are kept (ring.ABANDONED)."""
+        with self._lock:
+            if self._done:
+                return
+            self._error, self._done = error, True
+            if self._requests is None:
+                self._channel.abandon(self)
+            else:
+                ABANDONED.extend([*self._requests, *self._buffers])
+            future = self._future
+        if future is not None:
+            self._settle(future)
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        if not self._test():
+            overdue, nap = _Overdue(self, timeout), 0.0
+            while not self._test():     # (as StallWatch.wait: flat out, yielding, napping)
+                waited = time.monotonic() - overdue.start
+                if waited < BUSY_SECONDS:
+                    continue
+                if waited < YIELD_SECONDS:
+                    os.sched_yield()
+                    continue
+                time.sleep(nap)
+                nap = min(_LONGEST_NAP, 2 * nap + 1e-5)
+                try:
+                    overdue.check(time.monotonic())
+                except ShutDownError as exc:
+                    self._fail(exc)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._test()
+
+    def is_success(self) -> bool:
+        return self._test() and self._error is None
+
+    def exception(self) -> Optional[BaseException]:
+        return self._error if self._test() else None
+
+    def result(self) -> list:
+        self.wait()
+        return [self._tensor]
+
+    def get_future(self) -> Future:
+        with self._lock:
+            if self._future is None:
+                self._future = Future()
+                if self._done:
+                    self._settle(self._future)
+                else:
+                    _POLLER.watch(self)
+            return self._future
+
+    def source_rank(self) -> int:
+        """The group rank a receive from any source got its message from (the channel's
+        communicators rank the group's members as the group does)."""
+        self.wait()
+        return self._source
+
+    _source_rank = source_rank
+
+
+class _Overdue:
+    """A message's wait, past what it should take (the module docstring): `check(now)` logs
+    the stall reports when due, ends the job at the stall shutdown time, and raises
+    ShutDownError for a peer that has left without its side, RingReduceError past torch's
+    `timeout`."""
+
+    def __init__(self, work: MessageWork, timeout: Optional[datetime.timedelta]) -> None:
+        self.work, self.timeout, watch = work, timeout, work._channel.watch
+        start = self.start = time.monotonic()
+        never = float("inf")
+        self.limit = (start + timeout.total_seconds()
+                      if timeout is not None and timeout.total_seconds() > 0 else never)
+        self.report_at = start + watch.check_time if watch.check_time > 0 else never
+        self.shutdown_at = start + watch.shutdown_time if watch.shutdown_time > 0 else never
+        self.look_at, self.gone_at = start + _LOOK_EVERY, never
+
+    def check(self, now: float) -> None:
+        work, watch = self.work, self.work._channel.watch
+        me = work._channel.comm.rank
+        if now >= self.look_at and work._peer is not None:
+            self.look_at = now + _LOOK_EVERY
+            watch.departures.look()
+            if work._peer in watch.departures.gone:
+                self.gone_at = min(self.gone_at, now + DEPARTED_GRACE)
+        if now >= self.gone_at and not work._test():
+            raise ShutDownError(
+                f"ringreduce: {work._what}, rank {me}: rank {work._peer} shut down "
+                "(ringreduce.shutdown(), or the end of its script) without its side of this "
+                "message: every send needs its recv, on the peer, before it leaves")
+        if now >= self.limit:
+            raise RingReduceError(f"ringreduce: {work._what}, rank {me}: not complete after "
+                                  f"wait()'s timeout of {self.timeout}")
+        if now >= self.report_at:
+            log.warning(self._stalled(now - self.start))
+            self.report_at += watch.check_time
+        if now >= self.shutdown_at:
+            watch.on_shutdown(f"{self._stalled(now - self.start)} Shutting the job down after "
+                              f"{watch.shutdown_time:g} s (RINGREDUCE_STALL_SHUTDOWN_TIME).")
+            self.shutdown_at = float("inf")
+
+    def _stalled(self, waited: float) -> str:
+        """The stall report, with where the peer waits in a collective of a set this rank
+        shares with it (StallWatch.waits: one this rank has not begun, say, while it waits
+        here)."""
+        work = self.work
+        peer = "any rank" if work._peer is None else f"rank {work._peer}"
+        text = (f"ringreduce: stall: rank {work._channel.comm.rank} has waited {waited:.0f} s "
+                f"in {work._what}: {peer} has not made the matching "
+                f"{'send' if work._arrived is not None else 'recv'} (same tag, same group)")
+        watch = work._channel.watch
+        return text if work._peer is None else text + watch.meanwhile([watch.ranks[work._peer]])
+
+
+class _Poller:
+    """Progress for messages that no caller waits on, by one thread for every channel, asleep
+    while there is none: it posts the bytes' receives of receives whose headers have come
+    (`Channel.advance`, every millisecond while a channel has receives, and for a while
+    after; a peer's large send waits for that receive, while the receiving caller may be
+    waiting for something else, a collective with that peer, say), and completes the futures
+    of pending messages, reporting their stalls and failing those whose peer left, as `wait()`
+    does."""
+
+    def __init__(self) -> None:
+        self._wake = threading.Condition()
+        self._pending: dict[MessageWork, _Overdue] = {}
+        self._channels: dict[Channel, float] = {}   # -> when it last had receives waiting
+        self._thread: Optional[threading.Thread] = None
+
+    def watch(self, work: MessageWork) -> None:
+        with self._wake:
+            self._pending[work] = _Overdue(work, None)
+            self._rouse()
+
+    def advance(self, channel: "Channel") -> None:
+        """Advance `channel` while it has receives waiting (call after adding one)."""
+        if channel in self._channels:   # (polled already; _loop looks again after dropping one)
+            return
+        with self._wake:
+            if channel not in self._channels:
+                self._channels[channel] = time.monotonic()
+                self._rouse()
+
+    def forget(self, channel: "Channel") -> None:
+        with self._wake:
+            self._channels.pop(channel, None)
+
+    def _rouse(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="ringreduce-p2p",
+                                            daemon=True)
+            internal(self._thread)
+            self._thread.start()
+        self._wake.notify()
+
+    def _loop(self) -> None:
+        nap = 0.0
+        while True:
+            with self._wake:
+                while not self._pending and not self._channels:
+                    self._wake.wait()
+                    nap = 0.0
+                pending, channels = list(self._pending.items()), list(self._channels)
+            for channel in channels:
+                if channel.waiting():
+                    try:
+                        channel.advance()
+                    except Exception:       # (MPI's: the waiting callers meet it too)
+                        log.exception("ringreduce: the point-to-point thread could not "
+                                      "advance the receives of %s", channel.label)
+                        self.forget(channel)
+            finished = []
+            for work, overdue in pending:
+                if not work._test():
+                    try:
+                        overdue.check(time.monotonic())
+                        continue
+                    except ShutDownError as exc:
+                        work._fail(exc)
+                finished.append(work)
+            now = time.monotonic()
+            with self._wake:
+                for work in finished:
+                    del self._pending[work]
+                for channel in channels:
+                    if channel in self._channels:
+                        if channel.waiting():
+                            self._channels[channel] = now
+                        elif now - self._channels[channel] > _LINGER:
+                            del self._channels[channel]
+                            if channel.waiting():   # (a receive added as it went: `advance`
+                                self._channels[channel] = now   # saw it still polled)
+                busy = bool(self._pending)
+            nap = (0.0 if finished else min(_LONGEST_NAP, 2 * nap + 1e-5)) if busy \
+                else _LONGEST_NAP
+            time.sleep(nap)
+
+
+_POLLER = _Poller()
+
+
+class _Incoming:
+    """A receive waiting for its header (`request`, into `message`) or for its turn to post
+    the receive of its bytes (`Channel.advance`): `source` and `tag` as asked (MPI's
+    ANY_SOURCE for any rank); once the header came, `sender` and `header` (unpacked);
+    `landing` where the bytes go if they fit (`fits`: whether the header's count and dtype
+    are its own)."""
+
+    __slots__ = ("work", "message", "header", "request", "status", "source", "tag", "sender",
+                 "landing", "fits")
+
+    def __init__(self, work: MessageWork, message: bytearray, source: int, tag: int,
+                 landing: torch.Tensor) -> None:
+        self.work, self.message, self.source, self.tag = work, message, source, tag
+        self.header: tuple = ()
+        self.landing, self.status = landing, mpi().Status()
+        self.request: Any = None
+        self.sender: Optional[int] = None
+        self.fits = False
+
+
+class Channel:
+    """Point-to-point messages between the members of one group: headers on `comm`, bytes on
+    `data_comm` (both ours to free: duplicates of the group's set's communicator, so their
+    ranks are the group's ranks); `watch` is the set's (its stall settings, and the members
+    that have shut down)."""
+
+    def __init__(self, comm: Any, data_comm: Any, label: str, watch: StallWatch) -> None:
+        self.comm, self.data_comm, self.label, self.watch = comm, data_comm, label, watch
+        self.tag_limit, self.size = comm.Get_attr(mpi().TAG_UB), comm.size
+        self._order = threading.Lock()          # over _incoming and its header requests
+        self._incoming: list[_Incoming] = []    # in the order the receives were made
+
+    def _check(self, what: str, tensor: torch.Tensor, peer: Optional[int], tag: int) -> None:
+        """(Each test written for the common case's speed: a message costs microseconds.)"""
+        def where() -> str:
+            return f"ringreduce: {what}, rank {self.comm.rank}"
+
+        if not isinstance(tensor, torch.Tensor) or tensor.layout is not _STRIDED:
+            raise TypeError(f"{where()}: expected a dense torch.Tensor")
+        if not (tensor.is_cpu or tensor.is_cuda):
+            raise ValueError(f"{where()}: send and recv take CPU and CUDA tensors, not "
+                             f"{tensor.device}")
+        if peer is not None and not 0 <= peer < self.size:
+            raise ValueError(f"{where()}: peer rank {peer} is not in this group of "
+                             f"{self.size}")
+        if not 0 <= tag <= self.tag_limit:
+            raise ValueError(f"{where()}: tag {tag} is outside MPI's tags 0..{self.tag_limit}")
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> MessageWork:
+        """Start sending `tensor` to group rank `peer`: its header, then its bytes."""
+        what = f"send to rank {peer} (tag {tag}) on {self.label}"
+        self._check(what, tensor, peer, tag)
+        data = (tensor if tensor.is_cpu and tensor.is_contiguous()     # (only its bytes read)
+                else tensor.detach().contiguous().cpu())     # (a CUDA tensor: a host copy)
+        header = _header(data)
+        requests = [self.comm.Isend(header, dest=peer, tag=tag),
+                    self.data_comm.Isend(_memory(data), dest=peer, tag=tag)]
+        return MessageWork(self, what, peer, tensor, requests, (header, data))
+
+    def recv(self, tensor: torch.Tensor, peer: Optional[int], tag: int) -> MessageWork:
+        """Start receiving into `tensor` from group rank `peer` (None: any): its header's
+        receive is posted now, its bytes' once the header has come (`advance`)."""
+        what = (f"recv from {'any rank' if peer is None else f'rank {peer}'} (tag {tag}) on "
+                f"{self.label}")
+        self._check(what, tensor, peer, tag)
+        direct = tensor.is_contiguous() and not tensor.is_cuda     # (else: lands on the host)
+        landing = (tensor if direct     # (only its memory written: no autograd record)
+                   else torch.empty(tensor.shape, dtype=tensor.dtype))
+        source = mpi().ANY_SOURCE if peer is None else peer
+        header = bytearray(_HEADER.size)
+
+        def arrived() -> None:
+            if not incoming.fits:
+                raise RingReduceError(
+                    f"ringreduce: {what}, rank {self.comm.rank}: rank {incoming.sender} sent "
+                    f"{_described(incoming.header)} for a tensor of {landing.numel()} "
+                    f"{dtype_name(landing.dtype)} elements ({tuple(tensor.shape)}, "
+                    f"{landing.nbytes} bytes), which is left as it was; send and recv "
+                    "tensors of the same dtype and element count")
+            if not direct:
+                with torch.no_grad():
+                    tensor.copy_(landing)
+
+        work = MessageWork(self, what, peer, tensor, arrived=arrived)
+        incoming = _Incoming(work, header, source, tag, landing)
+        with self._order:
+            incoming.request = self.comm.Irecv(header, source=source, tag=tag)
+            self._incoming.append(incoming)
+        _POLLER.advance(self)       # (after the append: see _Poller._loop)
+        return work
+
+    def waiting(self) -> int:
+        """How many receives wait for their header, or for their turn (`advance`)."""
+        return len(self._incoming)
+
+    def advance(self) -> int:
+        """Post the receive of the bytes of each receive whose header has come, from its
+        sender with its tag, in the order the receives were made among those that a message
+        could match (same tag; the same sender, or any): MPI keeps one sender's messages of a
+        tag in order and matches them to receives in the order these were posted, so the
+        bytes then reach the receive that got their header. They go into the receive's
+        landing tensor where the header's count and dtype are its own, else into a scratch
+        buffer that is dropped (the receive fails; the channel stays in step). Returns how
+        many it posted."""
+        MPI = mpi()
+        if MPI.Is_finalized():      # (a receive left pending at the end of the script)
+            return 0
+        with self._order:
+            held: list[tuple[int, int]] = []    # (source, tag) of the receives left waiting
+            waiting = []
+            for incoming in self._incoming:
+                if incoming.sender is None and incoming.request.Test(incoming.status):
+                    incoming.sender = incoming.status.Get_source()
+                    incoming.header = _HEADER.unpack(incoming.message)
+                sender, tag = incoming.sender, incoming.tag
+                if sender is None or any(t == tag and s in (sender, MPI.ANY_SOURCE)
+                                         for s, t in held):
+                    held.append((incoming.source if sender is None else sender, tag))
+                    waiting.append(incoming)
+                    continue
+                landing, work = incoming.landing, incoming.work
+                incoming.fits = _fits(incoming.header, landing)
+                if incoming.fits:
+                    into, message = landing, _memory(landing)
+                else:
+                    into = np.empty(incoming.header[1], dtype=np.uint8)
+                    message = [into, MPI.BYTE]
+                work._source, work._buffers = sender, (into,)
+                work._requests = [self.data_comm.Irecv(message, source=sender, tag=tag)]
+            posted = len(self._incoming) - len(waiting)
+            self._incoming = waiting
+        return posted
+
+    def abandon(self, work: MessageWork) -> None:
+        """Forget a receive whose bytes' receive was never posted (its peer left): its header
+        request and buffers are kept (ring.ABANDONED)."""
+        with self._order:
+            for incoming in self._incoming:
+                if incoming.work is work:
+                    ABANDONED.extend([incoming.request, incoming.message, incoming.landing])
+            self._incoming = [i for i in self._incoming if i.work is not work]
+
+    def free(self) -> None:
+        """(destroy_process_group.) A receive still waiting for its header fails, its request
+        and buffers kept (ring.ABANDONED)."""
+        _POLLER.forget(self)
+        with self._order:
+            dropped = [incoming.work for incoming in self._incoming]
+        for work in dropped:
+            work._fail(RingReduceError(f"ringreduce: {work._what}, rank {self.comm.rank}: "
+                                       "the group was destroyed before the message came"))
+        MPI = mpi()
+        if not MPI.Is_finalized():
+            for comm in (self.comm, self.data_comm):
+                if comm != MPI.COMM_NULL:
+                    comm.Free()

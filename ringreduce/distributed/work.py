@@ -1,0 +1,171 @@
+"""torch.distributed's Work for ringreduce's collectives (the backend's groups return these).
+
+A `CollectiveWork` wraps a collective's `Handle`: `wait()` waits for it (running the set's
+queue on the caller's thread when the engine is idle, as `synchronize()` does), then copies
+the result into torch's output tensors where the collective does not write them in place;
+`get_future()` is completed from the handle's done-callback (`Future.set_result`, or
+with our error: failed_future.fail), so DDP's reducer and FSDP chain on it; Python callbacks
+chained on it run as the collective's (`CollectiveFuture`). `FINISHED` stands for
+the handle of a collective that already ran on the caller's thread (a synchronous all_reduce).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from ..sets.engine import Finished, Handle, children_end, children_of
+from .failed_future import fail
+
+_FUTURES = threading.Lock()     # a work's future is made once
+_WORK_INIT = dist.Work.__init__
+
+
+FINISHED = Finished("dist.allreduce", None, None)     # (done: shared by every such Work)
+
+
+class CollectiveFuture(Future):
+    """The future of a collective's Work (`get_future()`). Callbacks given to `then()` or
+    `add_done_callback()`, and to the futures `then()` returns, run as the collective's
+    (engine.children_of), at once or later, on whichever thread completes it: the collectives
+    they start get names that agree across ranks (DDP's PowerSGD hook starts two a bucket).
+    A callback's error completes the future `then()` returned, as torch's message has it, and
+    ends the collective's children on this rank (engine.children_end): the other ranks fail
+    the ones they wait for, rather than stall."""
+
+    def __init__(self, origin: Handle) -> None:
+        super().__init__()
+        self._origin = origin
+
+    def then(self, callback: Callable[[Future], Any]) -> "CollectiveFuture":
+        chained = CollectiveFuture(self._origin)
+
+        def run(future: Future) -> None:     # (as the collective's: add_done_callback)
+            try:
+                value = callback(future)
+            except Exception as exc:
+                children_end(self._origin, exc)
+                error = RuntimeError("Got the following error when running the callback: "
+                                     f"{type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+                fail(chained, error)
+            else:
+                chained.set_result(value)
+
+        self.add_done_callback(run)
+        return chained
+
+    def add_done_callback(self, callback: Callable[[Future], None]) -> None:
+        origin = self._origin
+
+        def run(future: Future) -> None:
+            with children_of(origin):
+                try:
+                    callback(future)
+                except Exception as exc:
+                    children_end(origin, exc)
+                    raise
+
+        super().add_done_callback(run)
+
+
+class CollectiveWork(dist.Work):
+    """torch's Work for one of our collectives: `handle` is its ringreduce Handle, `value`
+    what its future yields (torch's output tensors), `finish` what turns the handle's result
+    into them (copies; None when the collective writes them itself). `finish` runs once, on
+    whichever thread first sees the handle done, before `wait()` returns or the future
+    completes."""
+
+    __slots__ = ("_handle", "_value", "_finish", "_finishing", "_error", "_future")
+
+    def __init__(self, handle: Handle, value: list,
+                 finish: Optional[Callable[[Any], None]] = None) -> None:
+        # dist.Work's __init__ called straight, and slots: one Work a call was a tenth of a
+        # small all_reduce's time
+        _WORK_INIT(self)
+        self._handle, self._value, self._finish = handle, value, finish
+        self._error: Optional[BaseException] = None
+        self._future: Optional[Future] = None
+        self._finishing = None if finish is None else threading.Lock()
+
+    def _settle(self) -> None:
+        """Wait for the handle and, where torch's outputs are to be written, write them once:
+        a thread that comes while another writes them waits for it. Raises the collective's
+        error, or the writing's (every time it is asked)."""
+        result = self._handle.wait()
+        if self._finishing is None:
+            return
+        with self._finishing:
+            if self._finish is not None:
+                try:
+                    with torch.no_grad():
+                        self._finish(result)
+                except BaseException as exc:
+                    self._error = exc
+                self._finish = None
+        if self._error is not None:
+            raise self._error
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block until the collective is done and the outputs are written; raises its error
+        (MismatchError, ShutDownError ...). torch's timeout is not used: a stalled peer gets
+        ringreduce's stall report (RINGREDUCE_STALL_CHECK_TIME) instead."""
+        if self._finishing is None:     # (nothing to write: one frame less, for small calls)
+            self._handle.wait()
+        else:
+            self._settle()
+        return True
+
+    def get_future(self) -> Future:
+        with _FUTURES:
+            if self._future is not None:
+                return self._future
+            self._future = future = CollectiveFuture(self._handle)
+        self._handle.add_done_callback(self._complete)
+        return future
+
+    def _complete(self, handle: Handle) -> None:
+        try:
+            self._settle()
+        except BaseException as exc:
+            fail(self._future, exc)
+            return
+        self._future.set_result(self._value)
+
+    def is_completed(self) -> bool:
+        """Done, and torch's outputs written: where the handle is done and they are not yet,
+        they are written here, so that a caller polling it (as gloo's may) needs no wait()."""
+        if not self._handle.done():
+            return False
+        if self._finish is not None:
+            try:
+                self._settle()
+            except BaseException:
+                pass        # (completed with an error: wait() and exception() raise or give it)
+        return True
+
+    def is_success(self) -> bool:
+        if not self._handle.done():
+            return False
+        try:
+            self._settle()
+        except BaseException:
+            return False
+        return True
+
+    def exception(self) -> Optional[BaseException]:
+        """The error, once done (None before: it does not wait)."""
+        if not self._handle.done():
+            return None
+        try:
+            self._settle()
+        except BaseException as exc:
+            return exc
+        return None
+
+    def result(self) -> list:
+        self._settle()
+        return self._value

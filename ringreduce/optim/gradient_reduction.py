@@ -1,0 +1,664 @@
+"""The life cycle of a `DistributedOptimizer` step on a member of its process set: gradients are
+reduced (averaged, by default) across the set's ranks while backward runs.
+
+  wrapping: the first plan (buckets over the trainable parameters), checked alike on every
+      member in one signature check.
+  backward: the step's first gradient checks the plan (which parameters train, which have
+      sparse gradients); a change re-plans the buckets, the same way on every rank. As in
+      Horovod, a parameter trainable when wrapped stays in the plan when frozen (its gradient
+      is reduced as zeros); one made trainable since joins it (Horovod would leave it
+      unreduced, and the ranks' parameters would drift apart). Each
+      parameter's post-accumulate hook counts its passes; on the last pass its gradient is
+      packed into its bucket; a full bucket is handed to the set's engine (in bucket order, the
+      same on every rank), which reduces it on its thread while backward goes on.
+  synchronize(): buckets that never filled are packed with zeros where this rank has no
+      gradient and submitted, so every rank reduces the same buckets (and, as in Horovod, a
+      gradient no rank had is zeros); sparse gradients are allgathered (Horovod's sparse
+      allreduce); the step's agreement (step_agreement.py) tells whether the step is broken
+      (on some rank, or a second step() on some ranks only); then wait. Called again before
+      the step, it reduces every gradient again, as Horovod's does.
+  step(): synchronize() unless inside skip_synchronize(), then the wrapped optimizer's step.
+
+A compressor of the user's own (compression.custom) is called on each gradient, as Horovod
+calls it: every parameter is a bucket of its own, its gradient compressed when ready, the
+compressed tensor reduced, and decompressed into `.grad` at synchronize().
+"""
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+from typing import Any, Callable, NoReturn, Optional
+
+import torch
+from torch.autograd import Variable
+
+from ..gpu import cuda, device_kernels
+from . import fusion, sparse_gradients
+from ..core import timeline
+from ..kernels.buffers import CODES, dtype_name
+from ..api.collectives import submit
+from ..core.compile_boundary import in_compiled_backward
+from ..api.compression import custom
+from ..sets.engine import Handle
+from ..core.errors import MismatchError, UnsupportedError, UsageError
+from ..kernels.ops import ReduceOp
+from ..api.objects import check_consistency
+from ..sets.process_sets import active, refusing
+from ..transport.reduce_spec import ReduceSpec
+from ..transport.signature import digest, with_device
+from .step_agreement import StepAgreement
+from .wrapped_optimizer import (STEP_AFTER_SYNCHRONIZE, Options, WrappedOptimizer, explicit_groups,
+                                remove_hooks)
+
+
+class GradientReduction(WrappedOptimizer):
+    """See the module's docstring; `AdasumOptimizer` changes what a final gradient does."""
+
+    # A parameter alone in its bucket is reduced in place in its `.grad`, without a buffer.
+    _direct_buckets = True
+
+    def _setup(self, options: Options) -> None:
+        ps = self._set = active(options.process_set, "DistributedOptimizer()")
+        settings = ps.transport.settings
+        self._prefix = ps.optimizer_prefix()
+        # (a mistake in this rank's arguments meets the others' check of the plan instead)
+        mistakes = refusing(ps, f"{self._prefix}plan", "DistributedOptimizer")
+        with mistakes:
+            op = self._check_arguments(options, ps.ranks[ps.rank])
+            if isinstance(self, torch.optim.LBFGS):
+                raise UnsupportedError(
+                    f"ringreduce: DistributedOptimizer on rank {ps.ranks[ps.rank]} cannot wrap "
+                    "torch.optim.LBFGS, whose step() evaluates its closure (a backward pass) "
+                    "several times, as many as its line search takes on each rank; "
+                    "DistributedOptimizer reduces the gradients of backward_passes_per_step "
+                    "passes per step (Horovod's cannot wrap it either)")
+        # Average with a predivide factor f: sum(g / f) * f / size. With `groups`, Horovod's
+        # grouped allreduce leaves the factor out (its `_grouped_allreduce_grad_async`).
+        factor = options.gradient_predivide_factor if options.groups is None else 1.0
+        predivided = factor != 1.0
+        self._reduction = (ReduceOp.Sum if predivided else op, 1.0 / factor,
+                           factor / ps.size if predivided else 1.0)
+        self._op = op                # sparse gradients: Horovod's op, without the predivision
+        self._sparse_as_dense = options.sparse_as_dense
+        self._consistency_every = settings.consistency_check_steps
+        self._steps_taken = 0
+        self._compression = options.compression
+        self._custom = custom(options.compression)
+        self._groups = options.groups
+        self._threshold = settings.fusion_threshold if options.fusion_threshold is None \
+            else options.fusion_threshold
+        self._first_bucket = settings.first_bucket_bytes if options.first_bucket_bytes is None \
+            else options.first_bucket_bytes
+        self._views = options.gradient_as_bucket_view
+        self._broken: Optional[str] = None     # why this step cannot be completed
+        self._in_backward = False    # a backward pass reached our hooks and has not finished
+        self._stepped_on: Optional[tuple] = None    # see _steps_again
+        self._sparse: set[int] = set()         # parameters whose gradients come sparse
+        self._hooked: set[int] = set()
+        self._ever_planned: set[int] = set()   # see _trainable
+        weakref.finalize(self, remove_hooks, self._hooks)
+        with mistakes:
+            self._plan()
+        self._agree_on_plan()
+        self._reset_step()
+
+    # ------------------------------------------------------------ the plan
+
+    def _trainable(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters reduced: those trainable now or in an earlier plan (Horovod keeps
+        reducing a parameter frozen after wrapping)."""
+        return [(n, p) for n, p in self._named if p.requires_grad or id(p) in self._ever_planned]
+
+    def _plan(self) -> None:
+        """Buckets over the trainable parameters with dense gradients, their reductions, the
+        step's agreement, and a gradient hook on every trainable parameter."""
+        trainable = self._trainable()
+        self._ever_planned.update(id(p) for _, p in trainable)
+        dense = [(n, p) for n, p in trainable if id(p) not in self._sparse]
+        wire = None if self._custom else self._compression.wire_dtype
+
+        def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+            return wire if wire is not None and self._compression.applies_to(dtype) else dtype
+
+        self._buckets = fusion.plan(dense, 0 if self._custom else self._threshold,
+                                    self._first_bucket, wire_dtype,
+                                    explicit_groups(self._groups, dense), self._prefix,
+                                    direct=self._direct_buckets)
+        op, prescale, postscale = self._reduction
+        for b in self._buckets:     # (a rank given another op or factor: MismatchError)
+            b.signature.update(op=op.name, prescale=prescale, postscale=postscale)
+        # The first bucket (a plan has one, maybe empty) carries the plan: see _submit_bucket.
+        self._plan_signed = self._plan_fields()
+        self._buckets[0].signature.update(self._plan_signed)
+        self._specs = [ReduceSpec(b.buffer.dtype, op, prescale, postscale, digest(b.signature),
+                                  b.signature, [p.numel() for p in b.params])
+                       for b in self._buckets]
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        self._view_of = {id(p): v for b in self._buckets for p, v in zip(b.params, b.views)}
+        self._sparse_params = [(n, p) for n, p in trainable if id(p) in self._sparse]
+        self._planned = frozenset(id(p) for _, p in trainable)
+        self._planned_sparse = frozenset(self._sparse)
+        self._agreement = StepAgreement(self._set, self._process_set, self._prefix,
+                                        [n for n, _ in dense])
+        self._agrees = self._set.size > 1
+        for bucket in self._buckets:
+            describe(bucket)
+        if self._views:
+            self._point_grads_at_buckets()
+        self._hook([p for _, p in trainable])
+
+    def _agree_on_plan(self) -> None:
+        """One signature check of the first plan, as every member wraps its optimizer: the
+        parameters in bucket order, how many go in each bucket, the reduction and the passes
+        per step. A rank wrapped otherwise (num_groups, groups, a fusion threshold, another
+        model, op ...) makes a MismatchError on every rank here, rather than at the first
+        step, where a rank with more buckets than the others then waited for ever for theirs.
+        (The plans made again later, at a step, change alike on every rank: a parameter
+        frozen or unfrozen on some ranks only meets the others' first bucket at that step,
+        which carries the plan, see _submit_bucket.)"""
+        if self._set.size == 1:
+            return
+        op, prescale, postscale = self._reduction
+        signature = {"collective": "DistributedOptimizer", "name": f"{self._prefix}plan",
+                     **self._plan_signed,
+                     "reduction": (op.name, prescale, postscale),
+                     "backward_passes_per_step": self._passes,
+                     "sparse_as_dense": self._sparse_as_dense}
+        self._set.agree(signature)
+
+    def _plan_fields(self) -> dict:
+        """What makes two ranks' plans the same: the parameters in bucket order, and how many
+        go in each bucket."""
+        return {"plan": tuple(n for b in self._buckets for n in b.names),
+                "bucket sizes": tuple(len(b.params) for b in self._buckets)}
+
+    def _hook(self, params: list[torch.Tensor]) -> None:
+        # The hooks live in torch's C++ parameter objects, which the garbage collector cannot
+        # see through: hold the optimizer weakly there.
+        me = weakref.ref(self)
+
+        def on_gradient(p: torch.Tensor) -> None:
+            optimizer = me()
+            if optimizer is not None:
+                optimizer._on_gradient(p)
+
+        for p in params:
+            if id(p) not in self._hooked:
+                self._hooked.add(id(p))
+                self._hooks.append(p.register_post_accumulate_grad_hook(on_gradient))
+
+    def _replan_if_changed(self) -> None:
+        """Before anything of a step is submitted: a parameter frozen or unfrozen since the
+        plan, a gradient found sparse, or the set made anew by init(), re-plans the buckets.
+        Every rank that makes the same change re-plans alike; a rank that does not fails the
+        buckets' signature check (MismatchError naming the parameters)."""
+        trainable = frozenset(id(p) for _, p in self._trainable())
+        if (self._found_new_set() or trainable != self._planned
+                or self._sparse != self._planned_sparse):
+            self._plan()
+            self._reset_step()
+
+    def _found_new_set(self) -> bool:
+        """After shutdown() and init() (Horovod's way on after an error, which its optimizers
+        survive), the set this optimizer reduced on is closed: take the set's new one (a
+        process set other than the global one must be registered again first, as in
+        Horovod), and a new prefix of bucket names there, as every rank does at the same
+        step. True where it did."""
+        if not self._set.closed:
+            return False
+        self._set = active(self._process_set, "DistributedOptimizer's step")
+        self._prefix = self._set.optimizer_prefix()
+        return True
+
+    def _point_grads_at_buckets(self) -> None:
+        for bucket in self._buckets:
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                p.grad = view
+
+    # ------------------------------------------------------------ backward
+
+    def _reset_step(self) -> None:
+        self._fresh = True                   # nothing of this step seen yet
+        self._in_backward = False
+        self._pass_count = dict.fromkeys(self._planned, 0)
+        self._waiting = [len(b.params) for b in self._buckets]  # params not ready, per bucket
+        self._next_bucket = 0                # buckets are submitted strictly in order
+        self._handles: list[Handle] = []
+        self._compressed: list[tuple] = []     # (params, handle, contexts): see _submit_custom
+        self._found_sparse: set[int] = set()   # parameters with sparse gradients this step
+        self._densified: set[int] = set()      # sparse gradients this step, sparse_as_dense
+        self._agreement.clear()
+        self._first_bucket_failed: Optional[MismatchError] = None    # see _submit_bucket
+        self._synchronized = False
+        self._first_gradient_at: dict[int, float] = {}  # bucket index -> time (timeline only)
+
+    def _begin_step(self) -> None:
+        """At the step's first gradient (or its synchronize, if none came): re-plan if needed.
+        `_fresh` is cleared again after, since a re-plan resets the step."""
+        if self._fresh:
+            self._fresh = False
+            self._replan_if_changed()
+            self._fresh = False
+
+    def _on_gradient(self, p: torch.Tensor) -> None:
+        self._begin_step()
+        if not self._in_backward and not in_compiled_backward():
+            self._in_backward = True        # (compiled, no callback would clear it)
+            Variable._execution_engine.queue_callback(self._backward_finished)
+        key = id(p)
+        if key not in self._pass_count:      # trainable only since this step began
+            return
+        count = self._pass_count[key] = self._pass_count[key] + 1
+        if count > self._passes:
+            self._break_step(
+                f"ringreduce: gradient of '{self._names[key]}' was computed {count} times on "
+                f"rank {self._rank} before step(); backward_passes_per_step is {self._passes}. "
+                "Increase backward_passes_per_step to accumulate gradients locally, or call "
+                "step()/synchronize() between backward passes.")
+        if p.grad is not None and p.grad.requires_grad:
+            p.grad = p.grad.detach()     # (the broken step's collectives still pack it)
+            self._break_step(f"ringreduce: gradient of '{self._names[key]}' on rank {self._rank} "
+                             "requires grad (backward(create_graph=True)): DistributedOptimizer "
+                             "reduces plain gradients, as Horovod's, which asserts the same")
+        if count < self._passes:
+            return
+        if (p.grad is not None and p.grad.layout != torch.strided
+                and self._sparse_gradient_leaves(p)):
+            return
+        bucket = self._bucket_of[key]
+        if timeline.running():      # "waiting for gradients" starts at the first
+            self._first_gradient_at.setdefault(bucket.index, time.perf_counter())
+        view = self._view_of.get(key)   # None: a direct bucket
+        if (self._views and view is not None and p.grad is not None
+                and p.grad.data_ptr() != view.data_ptr()):
+            view.copy_(p.grad)   # the gradient was re-created (set_to_none): view it again
+            p.grad = view
+        self._gradient_ready(p)
+        self._waiting[bucket.index] -= 1
+        if self._waiting[bucket.index] == 0:
+            timeline.record(bucket.name, "gradients ready")
+        self._submit_ready_buckets()
+
+    def _break_step(self, why: str) -> NoReturn:
+        """This rank's step cannot be completed: meet the other ranks' collectives of the step
+        now, telling them to skip it, then raise. Settled here rather than at the next
+        zero_grad() or step(), so that what the script does after catching the error (a
+        metric's allreduce, the end of training) finds nothing of this step still pending on
+        the other ranks, and, where it is not caught, the others learn why before the job
+        ends. A later pass of a step already settled only raises."""
+        if self._broken is None:
+            self._broken = why
+        if not self._synchronized:
+            try:
+                self._complete_collectives()
+            except UsageError:
+                pass        # (the skip this rank caused; its own reason is raised below)
+        raise UsageError(why)
+
+    def _backward_finished(self) -> None:
+        """Run by autograd at the end of a backward pass that reached our hooks, and only if
+        it finished: a pass that raises skips its queued callbacks."""
+        self._in_backward = False
+
+    def _break_if_backward_failed(self) -> None:
+        """After a backward pass that raised on this rank before it finished (an out-of-memory
+        error caught by the script, say), its gradients are incomplete, and the buckets it
+        submitted wait for the other ranks' buckets: the step is broken, so that zero_grad() or
+        step() meets the others' collectives and every rank skips the step. Without this, the
+        next step's buckets would pair with the others' buckets of this one. (Not in a backward
+        that compiled autograd runs, which calls no end-of-backward callback: there a pass that
+        raised part-way leaves its missing gradients as a parameter without one does.)"""
+        if self._in_backward:
+            self._in_backward = False
+            if self._broken is None:
+                self._broken = (f"a backward pass on rank {self._rank} raised before it "
+                                "finished, so its gradients are incomplete")
+
+    def _sparse_gradient_leaves(self, p: torch.Tensor) -> bool:
+        """A final sparse gradient, as Horovod treats it: with sparse_as_dense in a set of more
+        than one, densified here and handed back sparse after the reduction; else allgathered
+        on its own at synchronize() (its bucket holds zeros for it until the next plan leaves
+        it out). True where it has left its bucket."""
+        key = id(p)
+        if self._sparse_as_dense and self._set.size > 1:
+            p.grad = p.grad.to_dense()
+            self._densified.add(key)
+            return False
+        self._found_sparse.add(key)
+        return key in self._planned_sparse
+
+    def _gradient_ready(self, p: torch.Tensor) -> None:
+        """What a final gradient does before its bucket is packed (Adasum: the local step)."""
+
+    def _submit_ready_buckets(self, force: bool = False) -> None:
+        while self._next_bucket < len(self._buckets) and (
+                force or self._waiting[self._next_bucket] == 0):
+            bucket = self._buckets[self._next_bucket]
+            self._trace_waiting(bucket)
+            if self._custom:
+                self._submit_custom(bucket)
+                self._next_bucket += 1
+                continue
+            ready = None   # GPU: an event on torch's stream, after which the bucket is packed
+            gradient = None
+            with timeline.span(bucket.name, "pack"):
+                if bucket.direct:
+                    gradient = self._direct_gradient(bucket)
+                else:
+                    ready = self._pack(bucket)
+            self._submit_bucket(bucket, self._reduce_work(bucket, ready, gradient))
+            self._next_bucket += 1
+
+    def _submit_bucket(self, bucket: fusion.Bucket, work: Callable[[], Any]) -> Handle:
+        """Queue a bucket's reduction. Where the step's first bucket failed its signature check
+        (a MismatchError, which every rank gets for it), the later ones fail without meeting
+        the others: the first bucket carries the whole plan, and plans that differ (a
+        parameter unfrozen on one rank only) may differ in how many buckets they have, where a
+        rank's extra ones would wait for ever."""
+        def guarded() -> Any:
+            if self._first_bucket_failed is not None:
+                raise self._first_bucket_failed
+            try:
+                return work()
+            except MismatchError as exc:
+                if bucket.index == 0:
+                    self._first_bucket_failed = exc
+                raise
+
+        handle = submit((self._set, bucket.name, guarded))
+        self._handles.append(handle)
+        return handle
+
+    def _submit_custom(self, bucket: fusion.Bucket) -> None:
+        """A bucket under a compressor of the user's own, as Horovod runs one: each gradient
+        (made zeros where this rank has none; zeros stand in for a sparse one, which travels
+        on its own) compressed here, each compressed tensor reduced in place, and
+        decompressed at synchronize()."""
+        wires, contexts = [], []
+        for p in bucket.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            gradient = p.grad if p.grad.layout == torch.strided else torch.zeros_like(p)
+            wire, context = self._compression.compress(gradient)
+            if wire.dtype not in CODES:
+                raise UnsupportedError(f"ringreduce: the compressor {self._compression!r} "
+                                       f"made {wire.dtype} from parameter "
+                                       f"'{self._names[id(p)]}' on rank {self._rank}, which "
+                                       "cannot be reduced")
+            wires.append(wire.contiguous())
+            contexts.append(context)
+        op, prescale, postscale = self._reduction
+        specs = []
+        for wire, name in zip(wires, bucket.names):
+            signature = with_device({
+                "collective": "allreduce", "name": bucket.name, "parameter": name,
+                "compressed": True, "dtype": dtype_name(wire.dtype),
+                "shape": tuple(wire.shape), "op": op.name, "prescale": prescale,
+                "postscale": postscale}, wire.is_cuda)
+            if bucket.index == 0 and not specs:     # the whole plan: see _submit_bucket
+                signature.update(self._plan_signed)
+            specs.append(ReduceSpec(wire.dtype, op, prescale, postscale, digest(signature),
+                                    signature))
+        transport = self._set.transport
+
+        def work() -> list[torch.Tensor]:
+            for wire, spec in zip(wires, specs):
+                transport.allreduce(wire, wire, spec)
+            return wires
+
+        handle = self._submit_bucket(bucket, work)
+        self._compressed.append((bucket.params, handle, contexts))
+
+    def _decompress(self) -> None:
+        """synchronize()'s end under a compressor of the user's own: each reduced tensor
+        decompressed into its dense gradient (`set_`, as Horovod's)."""
+        for params, handle, contexts in self._compressed:
+            for p, wire, context in zip(params, handle.wait(), contexts):
+                if p.grad.layout == torch.strided:
+                    p.grad.set_(self._compression.decompress(wire, context))
+        self._compressed = []
+
+    def _pack(self, bucket: fusion.Bucket) -> Any:
+        """Gradients into the bucket's buffer; on a GPU, returns the event the reduction waits
+        for."""
+        if bucket.buffer.is_cuda:
+            return device_kernels.pack(bucket)
+        bucket.pack()
+        return None
+
+    def _unpack(self, bucket: fusion.Bucket) -> None:
+        """The reduced buffer back into the gradients (on a GPU it waits: complete before
+        synchronize() returns)."""
+        with timeline.span(bucket.name, "unpack"):
+            if bucket.buffer.is_cuda:
+                device_kernels.unpack(bucket)
+            else:
+                bucket.unpack()
+
+    def _direct_gradient(self, bucket: fusion.Bucket) -> torch.Tensor:
+        """The tensor a direct bucket reduces in place: its parameter's gradient, or zeros
+        standing in for a sparse one (which travels on its own)."""
+        p = bucket.params[0]
+        if p.grad is not None and p.grad.layout != torch.strided:
+            return torch.zeros_like(p)
+        return bucket.gradient()
+
+    def _reduce_work(self, bucket: fusion.Bucket, ready: Any = None,
+                     gradient: Optional[torch.Tensor] = None):
+        """The engine's work for a bucket: reduce its buffer (or, for a direct bucket,
+        `gradient` in place), then unpack."""
+        transport, spec = self._set.transport, self._specs[bucket.index]
+
+        def work() -> None:
+            timeline.record(bucket.name, "reduce start")
+            tensor = bucket.buffer if gradient is None else gradient
+            with timeline.span(bucket.name, "allreduce"), cuda.after(ready):
+                transport.allreduce(tensor, tensor, spec)
+            if not bucket.direct:
+                self._unpack(bucket)
+            timeline.record(bucket.name, "reduce done")
+
+        return work
+
+    def _trace_waiting(self, bucket: fusion.Bucket) -> None:
+        """While a timeline runs: name the bucket's parameters for its events, and emit its
+        "waiting for gradients" span, from its first gradient hook of the step until now (its
+        submission), the part of backward that its communication can overlap."""
+        if not timeline.running():
+            return
+        describe(bucket)
+        start = self._first_gradient_at.get(bucket.index)
+        if start is not None:
+            timeline.add_span(bucket.name, "waiting for gradients", start, time.perf_counter())
+
+    def _complete_collectives(self, again: bool = False) -> None:
+        """Submit whatever of this step's collectives are left, in the same order on every
+        rank, and wait for all of them, also after one fails (so that the next step starts
+        with nothing of this one pending, on every rank); then raise the first failure. After
+        the buckets comes the step's agreement: where any rank's step is broken (an extra
+        backward pass), or some ranks step again on the same gradients (or reduce them `again`:
+        synchronize() twice) while others do not, every rank raises UsageError, so that no
+        rank steps. The sparse gradients' allgathers follow it, once it has passed on every
+        rank (it names them)."""
+        self._break_if_backward_failed()
+        again = again or self._steps_again()
+        self._begin_step()                   # also when no gradient came this step
+        self._submit_ready_buckets(force=True)
+        seen_sparse = self._planned_sparse | self._found_sparse
+        sparse = [(n, p) for n, p in self._named if id(p) in seen_sparse] if seen_sparse else []
+        self._sparse |= self._found_sparse    # the next step's plan reduces them on their own
+        agreement = (self._agreement.submit(self._broken is not None, again,
+                                            [n for n, _ in sparse]) if self._agrees else None)
+        failures: list[BaseException] = []
+
+        def wait(outcome: Callable[[], Any]) -> Any:
+            try:
+                return outcome()
+            except Exception as exc:     # every handle is waited for; the first error wins
+                failures.append(exc)
+
+        try:
+            for handle in self._handles:
+                wait(handle.wait)
+            agreed = True       # (a failed agreement failed on every rank: see its submit)
+            if agreement is not None:
+                failed_before = len(failures)
+                wait(agreement.wait)
+                agreed = len(failures) == failed_before
+            if sparse and agreed:
+                for p, handle in sparse_gradients.gather(sparse, self._prefix, self._op,
+                                                         self._process_set):
+                    gathered = wait(handle)
+                    if gathered is not None:
+                        p.grad = gathered
+        finally:
+            self._handles = []
+            self._synchronized = True       # nothing of this step is pending any more
+        if failures:
+            self._compressed = []
+            raise failures[0]
+        if self._compressed:
+            self._decompress()
+        if self._densified:     # sparse_as_dense
+            sparse_gradients.hand_back_sparse(self._named, self._densified)
+            self._densified = set()
+        if (self._agreement.broken() if agreement is not None else self._broken is not None):
+            own = self._broken
+            if own is None and again and self._agreement.steps_differ():
+                own = (f"optimizer.step() on rank {self._rank} came again on the gradients of "
+                       "its last step, with no backward pass or zero_grad() since (or "
+                       "synchronize() reduced them again), while other ranks stepped on new "
+                       "gradients")
+            self._broken = self._agreement.why_skipped(own)
+            self._check_unbroken()
+
+    def _steps_again(self) -> bool:
+        """Whether this step comes with no backward pass since the last step, on its gradients
+        unchanged (no zero_grad(), no gradient set or changed in place: a tensor's version
+        counts in-place changes)."""
+        if not self._fresh or self._stepped_on is None:
+            return False
+        p, stepped_on, version = self._stepped_on
+        return p.grad is not None and p.grad is stepped_on() and p.grad._version == version
+
+    # ------------------------------------------------------------ public methods
+
+    def gradients_sent(self) -> bool:
+        return (not self._synchronized and not self._fresh
+                and self._next_bucket == len(self._buckets))
+
+    def synchronize(self) -> None:
+        """Finish reducing every gradient of this step (zeros for gradients a rank lacks).
+        UsageError on every rank when some rank's step is broken. Called again before the
+        step, it reduces the gradients again (Horovod's does: with op=Sum they grow)."""
+        self._check_usable()
+        again = self._synchronized
+        if again:       # (where only some ranks do, the step's agreement says so: see above)
+            self._check_unbroken()
+            self._reset_step()
+        try:
+            self._complete_collectives(again)
+        finally:
+            self._synchronized = True
+
+    def step(self, closure=None):
+        """`closure` (re-evaluates the loss, with backward) runs first, so that its gradients
+        are the ones reduced; the wrapped optimizer then steps without it. Returns what the
+        wrapped step returns, or else the closure's loss (what torch's steps return)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._skip_sync:
+            if self._synchronized and closure is None and self._broken is None:
+                warnings.warn(STEP_AFTER_SYNCHRONIZE)
+            self.synchronize()
+        elif not self._synchronized and not self._fresh:
+            self._break_step(       # (it meets the others' step, which they then skip)
+                f"ringreduce: step() inside skip_synchronize() on rank {self._rank} before "
+                "synchronize(), while this step's gradients are reduced; call "
+                "optimizer.synchronize() first.")
+        else:
+            self._check_unbroken()
+        result = self._step_wrapped()
+        self._finish_step()
+        return loss if result is None else result
+
+    def _check_unbroken(self) -> None:
+        if self._broken is not None:
+            raise UsageError(f"{self._broken} This step's gradients are incomplete: call "
+                             "optimizer.zero_grad() on every rank and run the step again.")
+
+    def _finish_step(self) -> None:
+        self._reset_step()
+        self._steps_taken += 1
+        p = next((p for _, p in self._named if p.grad is not None), None)    # see _steps_again
+        self._stepped_on = None if p is None else (p, weakref.ref(p.grad), p.grad._version)
+        if self._consistency_every and self._steps_taken % self._consistency_every == 0:
+            check_consistency(self._named, name=f"check_consistency.step{self._steps_taken}",
+                              process_set=self._process_set)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._break_if_backward_failed()
+        if self._set.closed:    # shutdown() and init() since: the step's collectives are gone
+            self._synchronized, self._handles = True, []
+        if not self._synchronized and not self._fresh:      # a gradient came this step
+            if self._broken is None:
+                raise UsageError(
+                    f"ringreduce: optimizer.zero_grad() on rank {self._rank} was called after "
+                    "loss.backward() but before optimizer.step() or optimizer.synchronize(); "
+                    "the gradients are being reduced (or counted towards "
+                    "backward_passes_per_step). Call zero_grad() before backward.")
+            try:        # a broken step still meets the other ranks' collectives, and tells
+                self._complete_collectives()        # them to skip the step
+            except UsageError:
+                pass
+        self._broken = None
+        if self._views:
+            self._zero_bucket_views(set_to_none)
+        else:
+            super().zero_grad(set_to_none)      # type: ignore[misc]  (the wrapped class's)
+        self._reset_step()
+
+    def _zero_bucket_views(self, set_to_none: bool) -> None:
+        """gradient_as_bucket_view's zero_grad(): the buckets zeroed in place, and the
+        gradients kept as views of them."""
+        for bucket in self._buckets:
+            bucket.buffer.zero_()
+            if not bucket.params:       # (a plan's first bucket, where no dense gradient is)
+                continue
+            p = bucket.params[0]
+            if bucket.direct and p.grad is not None:    # no bucket: as torch does
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+        for _, p in self._sparse_params:
+            p.grad = None
+        for _, p in self._named:    # handed back sparse (sparse_as_dense): not a view
+            if p.grad is not None and p.grad.layout != torch.strided:
+                p.grad = None
+        self._point_grads_at_buckets()
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        super().set_backward_passes_per_step(passes)
+        self._count_again()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._count_again()
+        super().load_state_dict(state_dict)     # type: ignore[misc]  (the wrapped class's)
+
+    def _count_again(self) -> None:
+        """As Horovod's: the backward passes counted for this step start again, where none of
+        its collectives is submitted yet (submitted ones are still waited for at the step)."""
+        if not self._handles:
+            self._reset_step()
+
+
+def describe(bucket: fusion.Bucket) -> None:
+    """Tell the timeline which parameters a bucket's events are about."""
+    timeline.describe(bucket.name, parameters=bucket.names, bytes=bucket.nbytes,
+                      in_place=bucket.direct)

@@ -1,0 +1,148 @@
+"""`DistributedOptimizer`: gradients are averaged across a process set's ranks while backward runs.
+
+The returned object is an instance of a subclass of the wrapped optimizer's class, sharing its
+param_groups, so isinstance checks, LR schedulers and state_dict keep working. As Horovod's
+(which makes a new optimizer of the class over the same groups), it starts with empty state.
+Its life cycle comes first in the subclass's bases, so it overrides the wrapped class's step()
+and zero_grad() and reaches them with `super()`:
+- on a member of the process set, gradients are reduced while backward runs
+  (`GradientReduction`, gradient_reduction.py);
+- with op=Adasum, Horovod's Adasum optimizer: each rank steps its own optimizer, and the
+  parameter deltas are combined (`AdasumOptimizer`, adasum_optimizer.py);
+- on a rank outside the process set, and in a job of one process, as in Horovod, nothing is
+  hooked or reduced and step() steps with the local gradients (`LocalOptimizer`,
+  wrapped_optimizer.py).
+"""
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from typing import Any, Iterable, Optional
+
+import torch
+
+from ..transport import adasum
+from .adasum_optimizer import AdasumOptimizer
+from ..api.collectives import reduce_op
+from ..api.compression import Compression, Compressor, custom
+from ..core.errors import UnsupportedError
+from .gradient_reduction import GradientReduction
+from ..kernels.ops import ReduceOp
+from ..sets.process_sets import ProcessSet, active, global_process_set
+from .wrapped_optimizer import LocalOptimizer, Options, WrappedOptimizer
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
+                         compression: type[Compressor] = Compression.none,
+                         backward_passes_per_step: int = 1, op: Any = ReduceOp.Average,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups: Any = None, sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set,
+                         gradient_as_bucket_view: bool = False,
+                         fusion_threshold: Optional[int] = None,
+                         first_bucket_bytes: Optional[int] = None) -> torch.optim.Optimizer:
+    """Wrap `optimizer` so that step() uses gradients averaged over the process set's ranks
+    (Horovod's signature, then ours).
+
+    `gradient_as_bucket_view=True` makes each .grad a view into its bucket's buffer (as DDP's
+    option of that name): no pack/unpack copies, and zero_grad() zeroes the buckets in place.
+    A parameter alone in its bucket (a layer above the fusion threshold, say) is reduced in
+    place in its .grad either way, with no buffer.
+    `groups`: an int (that many buckets, cut as Horovod's `split_list` cuts the parameters) or
+    lists of parameters that each travel as one bucket; `num_groups` is Horovod's older spelling
+    of an int `groups`. With `groups`, as in Horovod, `gradient_predivide_factor` is not used.
+    `op=Adasum` combines parameter deltas instead of averaging gradients (Horovod's Adasum
+    optimizer; a power-of-two number of ranks).
+    """
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed "
+                      "in v0.23.0.", DeprecationWarning)     # (Horovod's words)
+    if isinstance(optimizer, WrappedOptimizer):
+        raise ValueError("ringreduce: this optimizer is a DistributedOptimizer already; wrap "
+                         "the plain torch optimizer once")
+    options = Options(named_parameters, compression, backward_passes_per_step, op,
+                      gradient_predivide_factor,
+                      groups if groups is not None or not num_groups else num_groups,
+                      sparse_as_dense, process_set, gradient_as_bucket_view, fusion_threshold,
+                      first_bucket_bytes)
+    return _wrap(optimizer, _life_cycle(optimizer, options), options)
+
+
+def _life_cycle(optimizer: torch.optim.Optimizer, options: Options) -> type[WrappedOptimizer]:
+    """Which life cycle the wrapped optimizer gets; Adasum's arguments checked here, as
+    Horovod checks them before wrapping."""
+    alone = active(global_process_set, "DistributedOptimizer()").size == 1
+    adasum_op = (options.op is not None and reduce_op(options.op, None, "DistributedOptimizer",
+                                                      adasum_ok=True) == ReduceOp.Adasum)
+    if adasum_op and not alone and options.process_set is not global_process_set:
+        raise NotImplementedError("Adasum does not support non-global process sets yet.")
+    if alone or _outside(options.process_set):
+        return LocalOptimizer
+    ps = active(options.process_set, "DistributedOptimizer()")
+    if not adasum_op:
+        return GradientReduction
+    if custom(options.compression):
+        raise UnsupportedError("ringreduce: op=Adasum takes Compression.none, .fp16 or .bf16, "
+                               "not a compressor of your own")
+    if options.gradient_predivide_factor != 1.0:
+        raise ValueError("ringreduce: gradient_predivide_factor is not supported with "
+                         "op=Adasum (as in Horovod)")
+    compression = options.compression
+    wire = compression.wire_dtype
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            adasum.check_supported(ps.size, wire if wire and compression.applies_to(p.dtype)
+                                   else p.dtype)
+    return AdasumOptimizer
+
+
+def _class_defaults(plain_class: type, given: dict) -> dict:
+    """The defaults of Horovod's wrapped optimizer, which its class's __init__ made from the
+    param_groups alone: the class's own, so that a param group added later without `lr` gets
+    the class's default, as on Horovod. A class that cannot be made from parameters alone
+    (which Horovod cannot wrap) keeps the `given` ones."""
+    try:
+        return dict(plain_class([torch.zeros(1, requires_grad=True)]).defaults)
+    except Exception:
+        return dict(given)
+
+
+def _outside(process_set: ProcessSet) -> bool:
+    """Whether this rank is outside `process_set`, a registered set (an unregistered one is
+    left to `active()` to refuse)."""
+    return (isinstance(process_set, ProcessSet) and process_set is not global_process_set
+            and process_set.process_set_id is not None and process_set.included() is False)
+
+
+def _wrap(optimizer: torch.optim.Optimizer, life_cycle: type[WrappedOptimizer],
+          options: Options) -> torch.optim.Optimizer:
+    """An instance of a subclass of the optimizer's class with `life_cycle` first in its bases,
+    sharing the optimizer's param_groups, with empty state (as Horovod's, which is made anew
+    over the same groups: state held before wrapping is dropped, with a warning)."""
+    plain_class = type(optimizer)
+    cls = type(plain_class.__name__, (life_cycle, plain_class), {})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)   # share param_groups and hooks
+    if optimizer.state:
+        warnings.warn(f"ringreduce: DistributedOptimizer starts with empty state, as Horovod's "
+                      f"does: the state the wrapped optimizer holds for {len(optimizer.state)} "
+                      "parameter(s) is not carried over. Load a checkpoint into the "
+                      "DistributedOptimizer (then broadcast_optimizer_state) instead.")
+    wrapped.state = defaultdict(dict)
+    wrapped.defaults = _class_defaults(plain_class, optimizer.defaults)
+    # An LR scheduler made before wrapping replaced the plain optimizer's step() with its own
+    # (an instance attribute): copied, it would hide the life cycle's step() and step the plain
+    # optimizer, unreduced. That step() (torch's, which tells the scheduler a step happened) is
+    # kept, to step with: both objects share param_groups and (below) state, so it steps this
+    # one's parameters alike.
+    ours = {name for klass in life_cycle.__mro__ if klass is not object for name in vars(klass)}
+    shadowing = {name: wrapped.__dict__.pop(name) for name in ours if name in wrapped.__dict__}
+    wrapped._plain_step = shadowing.get("step")
+    # torch's patched step holds its optimizer weakly: keep the plain one alive for it, and
+    # give it this one's state, which it steps.
+    wrapped._plain = optimizer if wrapped._plain_step is not None else None
+    if wrapped._plain is not None:
+        optimizer.state = wrapped.state
+    wrapped._setup(options)
+    return wrapped

@@ -1,0 +1,84 @@
+"""The step's agreement: a `DistributedOptimizer` step's collective after its buckets (and
+before its sparse gradients' allgathers, which start only once it has passed).
+
+One small allreduce (Max) of three bytes: 1 where this rank's step is broken (an extra backward
+pass), 1 where it steps again on its last step's gradients, 1 where it does not. From it every
+rank learns whether the step is broken, so that every rank skips it, not only the one that
+broke it. A step is broken where some rank's is, and where some ranks step again while others
+do not: a second `step()` on one rank pairs its collectives with the others' next step, and
+every later step with another step's (all ranks stepping twice is a step like any other).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ..api.collectives import submit
+from ..sets.engine import Handle
+from ..kernels.ops import ReduceOp
+from ..api.objects import allgather_object
+from ..sets.process_sets import ActiveSet, ProcessSet
+from ..transport.reduce_spec import ReduceSpec
+from ..transport.signature import digest
+
+
+class StepAgreement:
+    """The agreement of one bucket plan over `parameter_names` (which its signature names, so
+    that ranks with different plans are told which parameters differ)."""
+
+    def __init__(self, members: ActiveSet, process_set: ProcessSet, prefix: str,
+                 parameter_names: Sequence[str]) -> None:
+        self._set, self._process_set, self._prefix = members, process_set, prefix
+        self.name = f"{prefix}agreement"
+        self._marks = torch.zeros(3, dtype=torch.uint8)
+        self._mark_array = self._marks.numpy()      # element writes: NumPy's are cheap
+        self._signature = {"collective": "allreduce", "name": self.name,
+                           "parameters": tuple(parameter_names),
+                           "and": ("broken", "again", "not again")}
+        self._spec = self._spec_of(self._signature)
+        self._sparse_spec: tuple[tuple, ReduceSpec] = ((), self._spec)   # the last step's
+
+    @staticmethod
+    def _spec_of(signature: dict) -> ReduceSpec:
+        return ReduceSpec(torch.uint8, ReduceOp.Max, digest=digest(signature),
+                          signature=signature)
+
+    def clear(self) -> None:
+        """A new step: nothing broken."""
+        self._marks.zero_()
+
+    def submit(self, broken: bool, again: bool, sparse: Sequence[str] = ()) -> Handle:
+        """Queue the allreduce: this rank's step broken or not, and stepping again on its last
+        step's gradients or not. `sparse` names the parameters whose gradients this rank is
+        about to allgather sparse: a rank that would gather others (sparse_as_dense on some
+        ranks only) fails the signature check on every rank, before any gather waits for
+        ranks that never submit it."""
+        marks = self._mark_array
+        marks[-3], marks[-2], marks[-1] = broken, again, not again
+        sparse = tuple(sparse)
+        if sparse != self._sparse_spec[0]:      # (the same names step after step: one digest)
+            self._sparse_spec = (sparse, self._spec_of({**self._signature, "sparse": sparse})
+                                 if sparse else self._spec)
+        transport, marks, spec = self._set.transport, self._marks, self._sparse_spec[1]
+        return submit((self._set, self.name, lambda: transport.allreduce(marks, marks, spec)))
+
+    def broken(self) -> bool:
+        """Once the allreduce is done: whether some rank's step is broken, or the ranks'
+        steps are not the same step."""
+        return bool(self._mark_array[-3]) or self.steps_differ()
+
+    def steps_differ(self) -> bool:
+        """Once the allreduce is done: whether some ranks step again on their last step's
+        gradients while others step on new ones."""
+        return bool(self._mark_array[-2] and self._mark_array[-1])
+
+    def why_skipped(self, own_reason: Optional[str]) -> str:
+        """Why every rank skips the step, naming the ranks that broke it (collective: each
+        rank tells its own reason, None where its step is whole)."""
+        reasons = allgather_object(own_reason, name=f"{self._prefix}broken",
+                                   process_set=self._process_set)
+        ranks = [self._set.ranks[k] for k, why in enumerate(reasons) if why is not None]
+        first = next(why for why in reasons if why is not None)
+        return (f"ringreduce: the step is skipped on every rank because ranks {ranks} broke it "
+                f"({first})")

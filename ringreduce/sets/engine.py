@@ -1,0 +1,642 @@
+"""One process set's ordering: its collectives run one at a time, paired across ranks by name.
+
+Asynchronous work goes to the set's background thread, so communication overlaps backward. A
+synchronous call made while nothing is queued runs inline on the caller's thread instead:
+waking a sleeping thread costs tens of microseconds, more than a small allreduce itself.
+Either way exactly one thread runs the set's collectives at a time, in submission order.
+
+Collectives are paired by name, as Horovod's coordinator pairs them. When every member
+submits the same collective next (every optimizer step), running in submission order is the
+whole story. When they do not, the collective's signature check says so on every member
+(`OutOfOrder`, before any data is used), and the thread running it settles the order with the
+other members: rounds of exchanging the names each member has pending (`agreement`), until
+some are pending on every member; those run, in the same order everywhere, and the rest
+return to the queue. A name may be pending only once per rank: a second submission while the
+first is in flight is Horovod's `ValueError`. Where none is pending everywhere and none can
+come, since on every member each thread that has submitted to the set waits for one of its
+pending collectives (`Engine._stuck`), the program has deadlocked: every member fails its
+first (negotiation.py), where Horovod waits for ever.
+
+Any exception raised while running a collective (ours, MPI's, a bug, even KeyboardInterrupt)
+is stored on its handle and re-raised by `wait()` in the caller's thread, as a RingReduceError
+with the cause chained, so the engine thread never dies and later collectives still run.
+
+A handle's done-callbacks (a torch future's `then()` chain: user code) run after the thread
+that finished it has let go of the set, since they may start another collective and wait for
+it (DDP's PowerSGD hook does). If that thread is the engine thread, a new engine thread takes
+over the queue the moment such a callback queues work, and the old one ends after its
+callbacks. An unnamed collective started by a callback of collective X's future is named
+'X.then.k' (`children_of`): such callbacks run on whichever thread finished X, while other
+threads go on submitting, so a count in call order would differ between ranks; this does not.
+A callback that raises on some ranks only ends X's children there (`children_end`): the
+members waiting in one of them fail it when the order is settled, instead of stalling.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import warnings
+from typing import Any, Callable, Optional, Union
+
+from ..core.errors import RingReduceError
+from ..transport.negotiation import Agreement, OutOfOrder
+from ..core.thread_places import internal, fix_place
+
+_IDLE_POKE_SECONDS = 0.05
+_AWAKE_SECONDS = 0.005     # after a submission, the engine thread looks for more this long
+_PICKUP_SECONDS = 0.0002   # this often, so that a submission in a burst need not wake it
+_LONGEST_PICKUP = 0.0032   # (which costs more than a small allreduce); but each look that
+                           # finds a caller running the set's work (synchronize runs its own)
+                           # doubles the pause, until the engine thread runs work again. Each
+                           # look costs ~20 us of CPU: looking every 0.2 ms for a second after
+                           # each submission took 11% of a core from training. After the
+                           # burst, a submission wakes it (~30 us).
+_CALLBACKS = threading.Lock()     # a handle's callbacks are added and taken under it
+_FIRST_PAUSE, _LONGEST_PAUSE = 0.0002, 0.01   # between settling rounds that found no agreement
+_ENDED_KEPT = 16     # an engine's most recent children_end marks, the ones its settlings tell
+_SUBMITTERS_KEPT = 64   # threads known to have submitted, before those that ended are forgotten
+
+class Handle:
+    """A future for one collective: `done()` polls, `wait()` returns its result or raises,
+    `add_done_callback(fn)` calls `fn(handle)` once it is done (on the thread that finished
+    it, once that thread has let go of the set; or at once if it is done already)."""
+
+    __slots__ = ("name", "_work", "_engine", "_finished", "_pending", "_result", "_error",
+                 "_callbacks", "_children")     # (one or two per collective: slots, cheaper)
+
+    def __init__(self, name: str, work: Callable[[], Any],
+                 engine: Optional["Engine"] = None) -> None:
+        self.name = name
+        self._work: Optional[Callable[[], Any]] = work
+        self._engine = engine
+        self._finished = False
+        self._pending = threading.Lock()     # held until done: cheaper than an Event
+        self._pending.acquire()
+        self._result: Any = None
+        self._error: Optional[BaseException] = None
+        self._callbacks: list[Callable[["Handle"], Any]] = []
+        self._children = 0      # how many collectives its callbacks started (child_name)
+
+    def done(self) -> bool:
+        return self._finished
+
+    def wait(self) -> Any:
+        """The result. A caller that finds the engine idle runs the queue up to this handle
+        itself instead of waiting for the engine thread to wake (tens of microseconds)."""
+        if not self._finished:
+            engine = self._engine
+            if engine is None:
+                with self._pending:     # until done
+                    pass
+            else:
+                with engine.waiting_for(self):
+                    engine._run_up_to(self)
+                    with self._pending:
+                        pass
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def add_done_callback(self, callback: Callable[["Handle"], Any]) -> None:
+        with _CALLBACKS:
+            if not self._finished:
+                self._callbacks.append(callback)
+                return
+        _call_back(self, [callback])
+
+    def _set_done(self) -> list[Callable[["Handle"], Any]]:
+        """Done; returns the callbacks to call (Engine._run_due calls them)."""
+        with _CALLBACKS:
+            self._finished = True
+            self._pending.release()
+            callbacks, self._callbacks = self._callbacks, []
+        return callbacks
+
+    def _run(self) -> None:
+        """Run the work and keep its result or error; OutOfOrder passes (the work runs again
+        once the order is settled)."""
+        try:
+            self._result = _call(self.name, self._work)
+        except OutOfOrder:
+            raise
+        except BaseException as exc:    # any failure fails this collective, never the engine
+            self._error = _ours(self.name, exc)
+        self._work = None
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = _ours(self.name, exc)
+        self._work = None
+
+
+class Finished(Handle):
+    """The handle of a collective that ended on the caller's thread (Engine.begin_now): done
+    from the start, so it needs no lock to wait on."""
+
+    __slots__ = ()
+
+    def __init__(self, name: str, result: Any, error: Optional[BaseException],
+                 engine: Optional["Engine"] = None) -> None:
+        self.name, self._work, self._engine = name, None, engine
+        self._finished, self._callbacks, self._children = True, [], 0
+        self._result = result
+        self._error = None if error is None else _ours(name, error)
+
+
+def _call_back(handle: Handle, callbacks: list[Callable[[Handle], Any]]) -> None:
+    """Call `handle`'s done-callbacks; one that raises is reported, and the others still run
+    (the engine thread must not die of it)."""
+    for callback in callbacks:
+        try:
+            callback(handle)
+        except Exception as exc:
+            warnings.warn(f"ringreduce: a done-callback of collective '{handle.name}' raised "
+                          f"{type(exc).__name__}: {exc}")
+
+
+class _Waiting:
+    """While a thread waits for `handle`: marked so in its engine's `_waiting` (a wait inside
+    another's done-callback restores the outer one after)."""
+
+    __slots__ = ("waiting", "handle", "me", "outer")
+
+    def __init__(self, waiting: dict[int, Handle], handle: Handle) -> None:
+        self.waiting, self.handle = waiting, handle
+
+    def __enter__(self) -> None:
+        self.me = me = threading.get_ident()
+        self.outer = self.waiting.get(me)
+        self.waiting[me] = self.handle
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.outer is None:
+            del self.waiting[self.me]
+        else:
+            self.waiting[self.me] = self.outer
+
+
+class _Parent(threading.local):
+    handle: Optional[Handle] = None     # the collective whose future's callback runs here
+
+
+PARENT = _Parent()
+
+
+class children_of:
+    """Around a callback of collective `handle`'s future: the unnamed collectives it starts
+    are named after it, 'X.then.k' for the k-th (`child_name`), the same on every rank."""
+
+    __slots__ = ("handle", "outer")
+
+    def __init__(self, handle: Handle) -> None:
+        self.handle = handle
+
+    def __enter__(self) -> None:
+        self.outer, PARENT.handle = PARENT.handle, self.handle
+
+    def __exit__(self, *_: Any) -> bool:
+        PARENT.handle = self.outer
+        return False
+
+
+def child_name() -> str:
+    """Inside `children_of(X)`: the automatic name of the next collective started there."""
+    handle = PARENT.handle
+    with _CALLBACKS:    # (callbacks added to a done future run on the adding threads: one count)
+        k = handle._children
+        handle._children = k + 1
+    return f"{handle.name}.then.{k}"
+
+
+def children_end(handle: Handle, error: BaseException) -> None:
+    """A callback of collective `handle`'s future raised here: the collectives it had yet to
+    start ('X.then.k' from the count started so far) will not come from this rank. The set's
+    engine keeps that mark for its settlings, so that members waiting in such a collective
+    fail it with this error instead of stalling (negotiation.py), while this rank goes on."""
+    engine = handle._engine
+    if engine is None:      # (a synchronous collective's shared handle: no set to tell)
+        return
+    with _CALLBACKS:
+        k = handle._children
+    with engine._cv:
+        ended = engine._ended
+        if handle.name in ended:    # the first error (chained callbacks then fail with it)
+            return
+        ended[handle.name] = (k, f"{type(error).__name__}: {error}")
+        while len(ended) > _ENDED_KEPT:
+            ended.popitem(last=False)
+
+
+def _settle_first() -> None:
+    """The first run of a begun collective whose exchange showed the members' next ones
+    differ: the engine settles the order, then runs it whole."""
+    raise OutOfOrder
+
+
+def _call(name: str, work: Callable[[], Any]) -> Any:
+    """Run a collective; failures other than ours reach the caller as RingReduceError with
+    their cause chained."""
+    try:
+        return work()
+    except (RingReduceError, OutOfOrder):
+        raise
+    except Exception as exc:  # MPI failures and bugs
+        raise _ours(name, exc) from exc
+
+
+def _ours(name: str, exc: BaseException) -> RingReduceError:
+    """`exc` as the error a caller of the collective gets: ours as it is, anything else
+    (MPI, a bug, KeyboardInterrupt, MemoryError) wrapped with its cause chained."""
+    if isinstance(exc, RingReduceError):
+        return exc
+    error = RingReduceError(f"ringreduce: collective '{name}' failed: "
+                            f"{type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+class Engine:
+    """`poke()` runs now and then while the engine idles: MPI progress for the set's
+    communicator, so that other ranks' one-sided reads of this rank complete. `agreement()`
+    starts one settling of the order across the set (see the module's docstring).
+
+    `_running` is held by whichever thread runs the set's collectives: the engine thread for
+    queued work, a caller for a synchronous one (taken only while nothing is queued). The
+    engine thread takes it before it pops the next handle, so a caller never overtakes work
+    queued before it. A non-blocking acquire is the fast path's whole claim; its name, if the
+    caller gave one, is `_inline` meanwhile, so that a duplicate is refused. Whoever lets go
+    of it (`_let_go`) then calls the done-callbacks of what finished meanwhile (`_due`).
+    `_driver` is the engine thread of the moment (see the module's docstring)."""
+
+    def __init__(self, thread_name: str, rank: int, poke: Callable[[], Any],
+                 agreement: Callable[[], Agreement], home: Union[int, str] = 0) -> None:
+        self.rank, self.home = rank, home
+        self._poke, self._agreement = poke, agreement
+        self._running = threading.Lock()
+        self._cv = threading.Condition()        # guards the queue, the names, _stopping
+        self._queue: collections.deque[Handle] = collections.deque()
+        self._in_flight: set[str] = set()
+        self._inline: Optional[str] = None
+        self._stopping = False
+        self._dozing = True             # the engine thread sleeps long: a submission wakes it
+        self._last_submission = self._last_poke = 0.0
+        self._due: collections.deque[tuple[Handle, list]] = collections.deque()
+        self._driver_in_callbacks = False
+        self._ended: collections.OrderedDict[str, tuple[int, str]] = collections.OrderedDict()
+        # Who could still submit (`_stuck`): the threads that have submitted to the set, and
+        # the collective each thread waits for, while it waits
+        self._submitters: dict[int, threading.Thread] = {}
+        self._waiting: dict[int, Handle] = {}
+        with self._cv:
+            self._start_driver(thread_name)
+
+    def _start_driver(self, thread_name: str) -> None:
+        """Under the condition's lock: a new engine thread (the old one, if any, ends)."""
+        self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
+        internal(self._thread)
+        self._thread.start()
+        self._driver = self._thread.ident
+        self._driver_in_callbacks = False
+
+    def submit(self, name: str, work: Callable[[], Any]) -> Handle:
+        """Queue `work` to run after everything submitted before it; returns its handle."""
+        if threading.get_ident() not in self._submitters:
+            fix_place(self.home)
+        with self._cv:
+            return self._enqueue(name, work)
+
+    def _enqueue(self, name: str, work: Callable[[], Any]) -> Handle:
+        """Under the condition's lock: queue `work` and wake the engine thread."""
+        handle = Handle(name, work, self)
+        self._claim_name(name)
+        self._submitted_here()
+        self._queue.append(handle)
+        self._queued()
+        return handle
+
+    def _queued(self) -> None:
+        """Under the condition's lock, after work was queued: wake the engine thread; or, if
+        this is the engine thread inside a done-callback (which may now wait for this very
+        work), start a new one to run the queue."""
+        self._last_submission = time.monotonic()
+        if self._driver_in_callbacks and threading.get_ident() == self._driver:
+            self._start_driver(self._thread.name)
+        elif self._dozing:
+            self._cv.notify_all()
+
+    def run(self, name: str, work: Callable[[], Any]) -> Any:
+        """Run `work` now and return its result: inline when the engine is idle, else queued."""
+        if threading.get_ident() not in self._submitters:
+            fix_place(self.home)
+        with self._cv:
+            if not self._queue and self._running.acquire(False):
+                handle = None
+                try:
+                    self._claim_name(name)
+                except BaseException:
+                    self._running.release()
+                    raise
+                self._submitted_here()
+            else:
+                handle = self._enqueue(name, work)
+        if handle is not None:
+            return handle.wait()
+        try:
+            return _call(name, work)
+        except OutOfOrder:
+            handle = self.reorder(name, work)
+        finally:
+            if handle is None:
+                self._release_name(name)
+            self._let_go()
+        return handle.wait()
+
+    def claim_idle(self, name: Optional[str] = None) -> bool:
+        """Take the engine for one synchronous call on this thread if nothing is queued or
+        running; `release_idle()` after it. `name`: the call's name, if the caller chose it
+        (ValueError if that name is in flight); an automatic one is unique anyway."""
+        if not self._running.acquire(False):
+            return False
+        if name is not None:
+            self._inline = name            # before looking at the names: see _claim_name
+            if name in self._in_flight:
+                self.release_idle()
+                raise ValueError(self._duplicate(name))
+        if self._queue or self._stopping:
+            self.release_idle()
+            return False
+        if threading.get_ident() not in self._submitters:     # a thread's first call here:
+            self.release_idle()         # the general path settles its place (thread_places),
+            return False                # which may wait, first
+        return True
+
+    def _submitted_here(self) -> None:
+        """Count this thread among the set's submitters (`_stuck`); forget those that ended
+        once there are many (a program may start a thread per request)."""
+        me, submitters = threading.get_ident(), self._submitters
+        if me not in submitters:
+            if len(submitters) >= _SUBMITTERS_KEPT:
+                for ident, thread in list(submitters.items()):
+                    if not thread.is_alive():
+                        submitters.pop(ident, None)
+            submitters[me] = threading.current_thread()
+
+    def waiting_for(self, handle: Handle) -> "_Waiting":
+        """Around this thread's wait for `handle`, one of the set's collectives (`_stuck`)."""
+        return _Waiting(self._waiting, handle)
+
+    def _stuck(self) -> bool:
+        """(Under the condition's lock.) Whether nothing more can be submitted to the set on
+        this rank: every thread that has submitted to it, and lives, waits for one of its
+        collectives that is still pending, and no done-callback (which may submit) is due. A
+        settling that finds every member so, and nothing pending on all of them, is a
+        deadlock of the program (negotiation.py), not a slow rank. A thread that never
+        submitted, or one that waits in another way (a C++ future, a sleep), is not counted
+        as stuck: then the settling waits, with stall reports. An engine shutting down takes
+        nothing more: stuck, whoever waits where."""
+        if self._stopping:
+            return True
+        if self._due:
+            return False
+        for ident, thread in list(self._submitters.items()):
+            if not thread.is_alive():
+                self._submitters.pop(ident, None)
+                continue
+            handle = self._waiting.get(ident)
+            if handle is None or handle.done():
+                return False
+        return bool(self._submitters)
+
+    def release_idle(self) -> None:
+        """After a claim. The engine thread, if it waits, waits for the lock itself. (As
+        `_let_go`, written out: the small allreduce's every call comes here.)"""
+        self._inline = None
+        self._running.release()
+        if self._due:
+            self._run_due()
+
+    def _let_go(self) -> None:
+        """Let go of the set's work, then call the done-callbacks of what finished meanwhile
+        (user code, which may start another collective and wait for it)."""
+        self._running.release()
+        if self._due:
+            self._run_due()
+
+    def _run_due(self) -> None:
+        """(On the engine thread: marked as in callbacks, for `_queued`; a synchronous
+        collective in a callback lets go of the set, and so runs this, again, inside.)"""
+        me = threading.get_ident()
+        driving = me == self._driver
+        if driving:
+            outer, self._driver_in_callbacks = self._driver_in_callbacks, True
+        try:
+            while True:
+                try:
+                    handle, callbacks = self._due.popleft()
+                except IndexError:
+                    return
+                _call_back(handle, callbacks)
+        finally:
+            if driving and me == self._driver:      # (not if a new engine thread took over)
+                self._driver_in_callbacks = outer
+
+    def begin_now(self, name: str, begin: Callable[..., tuple[bool, Any, Callable[[], Any]]],
+                  *args: Any) -> Handle:
+        """By the holder of an idle claim: start asynchronous collective `name` on this thread
+        rather than hand it to the engine thread. `begin(*args)` posts this rank's part without
+        waiting and returns (done, value, whole). Done: every member's part was there already,
+        and `begin` completed the collective, as a synchronous call would; `value` is its
+        result. Otherwise `value` is `rest`, what completes it (None: the members' next
+        collectives differ, and the order is settled first), which goes first in the queue
+        (nothing else may run before it: our part is posted), for the engine thread or a
+        waiter; `whole()` runs it from the start (after a reorder). The order is never settled
+        on this caller: what the others wait for may be its next submission. Errors, `begin`'s
+        too, reach the caller from `wait()`, as for queued work."""
+        try:
+            done, value, whole = begin(*args)
+        except Exception as exc:    # (an interrupt of the caller's thread goes to the caller)
+            return Finished(name, None, exc, self)
+        if done:
+            return Finished(name, value, None, self)
+        remaining = [_settle_first if value is None else value]
+
+        def work() -> Any:          # `rest` the first time, `whole` if it must run again
+            return (remaining.pop() if remaining else whole)()
+
+        handle = Handle(name, work, self)
+        with self._cv:
+            self._in_flight.add(name)   # (not a duplicate: the claim checked the name)
+            self._queue.appendleft(handle)
+            self._queued()
+        return handle
+
+    def reorder(self, name: str, work: Callable[[], Any]) -> Handle:
+        """By the holder of the engine, whose inline collective `name` met OutOfOrder: settle
+        the order with the other members. Returns the collective's handle: done, or first in
+        the queue for the engine thread (wait for it after letting go of the engine)."""
+        handle = Handle(name, work, self)
+        with self._cv:
+            self._in_flight.add(name)
+        with self.waiting_for(handle):      # (this thread settles for it)
+            settled = self._settled(handle)
+        if not settled:
+            with self._cv:
+                self._queue.appendleft(handle)
+                self._queued()
+                self._cv.notify_all()
+        return handle
+
+    def shutdown(self) -> None:
+        """Run what is queued, end the thread, then wait for the collective another thread may
+        be running on its own (a synchronous call): the set's memory is freed after this.
+        Nothing more is taken meanwhile, so that thread's next call raises."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self._thread.join()
+        with self._running:
+            pass
+
+    def _duplicate(self, name: str) -> str:
+        return (f"ringreduce: a collective named '{name}' is still in flight on rank "
+                f"{self.rank}; wait for it (synchronize) before reusing the name")
+
+    def _claim_name(self, name: str) -> None:
+        """Under the condition's lock. The name goes in before `_inline` is read, and a claim
+        sets `_inline` before it reads the names, so of two threads submitting one name at
+        once, at least one sees the other."""
+        if self._stopping:
+            raise RingReduceError("ringreduce: the engine is shut down; call init() again")
+        if name in self._in_flight:
+            raise ValueError(self._duplicate(name))
+        self._in_flight.add(name)
+        if name == self._inline:
+            self._in_flight.discard(name)
+            raise ValueError(self._duplicate(name))
+
+    def _release_name(self, name: str) -> None:
+        with self._cv:
+            self._in_flight.discard(name)
+
+    def _execute(self, handle: Handle) -> bool:
+        """Run `handle` (its caller holds `_running`). True when it finished (result or error:
+        then its name is free and it is done); False when it is still pending because the
+        members' next collectives differed and the others ran first."""
+        try:
+            handle._run()
+        except OutOfOrder:
+            return self._settled(handle)
+        self._complete(handle)
+        return True
+
+    def _settled(self, handle: Handle) -> bool:
+        """`handle` met OutOfOrder: settle the order (`_settle`); as `_execute` returns."""
+        try:
+            self._settle(handle)
+        except BaseException as exc:    # the settling failed (a member left, MPI): so did it
+            if not handle.done():
+                handle._fail(exc)
+                self._complete(handle)
+            return True
+        return handle.done()
+
+    def _complete(self, handle: Handle) -> None:
+        """Its name is free before it is done: a caller woken by wait() may reuse the name.
+        Its callbacks wait until this thread lets go of the set (`_let_go`)."""
+        self._release_name(handle.name)
+        callbacks = handle._set_done()
+        if callbacks:
+            self._due.append((handle, callbacks))
+
+    def _run_up_to(self, handle: Handle) -> None:
+        """On a thread waiting for `handle`: while the engine is free, run the queue in order
+        until `handle` is done, as the engine thread would."""
+        while not handle.done() and self._running.acquire(False):
+            try:
+                if not self._run_next():
+                    return
+            finally:
+                self._let_go()
+
+    def _run_next(self) -> bool:
+        """By the holder of `_running`: run the queue's first handle (back to the front if
+        others ran first); False when the queue is empty (a settling on another thread, or a
+        waiter, ran what was there)."""
+        with self._cv:
+            if not self._queue:
+                return False
+            first = self._queue.popleft()
+        if not self._execute(first):
+            with self._cv:
+                self._queue.appendleft(first)
+        return True
+
+    def _settle(self, first: Handle) -> None:
+        """`first` met OutOfOrder: rounds with the other members until some names are pending
+        on all of them; run those, in the agreed order. Between rounds that agree on nothing,
+        wait for a new submission here (or a short pause: the others' may come). A round may
+        also end the settling with nothing run (a reset, negotiation.py)."""
+        agree = self._agreement()
+        pause = _FIRST_PAUSE
+        while True:
+            with self._cv:
+                pending, ended = [first, *self._queue], dict(self._ended)
+                stuck = self._stuck()
+            agreed = agree([h.name for h in pending], ended, stuck)
+            if agreed is None:
+                return
+            if agreed:
+                break
+            with self._cv:
+                if len(self._queue) == len(pending) - 1:
+                    self._cv.wait(pause)
+            pause = min(2 * pause, _LONGEST_PAUSE)
+        by_name = {h.name: h for h in pending}
+        for name in agreed:
+            handle = by_name[name]
+            if handle is not first:
+                with self._cv:
+                    if handle not in self._queue:     # run by a settling inside this one
+                        continue
+                    self._queue.remove(handle)
+            if not self._execute(handle) and handle is not first:
+                with self._cv:
+                    self._queue.appendleft(handle)
+
+    def _loop(self) -> None:
+        pause = _PICKUP_SECONDS
+        me = threading.get_ident()
+        while True:
+            with self._cv:
+                if self._driver != me:       # a new engine thread took over (_queued)
+                    return
+                while not self._queue and not self._stopping:
+                    now = time.monotonic()
+                    self._dozing = now - self._last_submission > _AWAKE_SECONDS
+                    if self._dozing or now - self._last_poke > _IDLE_POKE_SECONDS:
+                        self._last_poke = now
+                        self._poke_if_idle()
+                    if self._dozing:
+                        self._cv.wait(_IDLE_POKE_SECONDS)
+                        pause = _PICKUP_SECONDS
+                    else:
+                        self._cv.wait(pause)
+                        if self._running.locked():      # a caller runs the set's work
+                            pause = min(2 * pause, _LONGEST_PICKUP)
+                self._dozing = False
+                if not self._queue:
+                    return
+            pause = _PICKUP_SECONDS     # work came while looking: look often again
+            self._running.acquire()         # after a synchronous call in progress
+            try:
+                self._run_next()
+            finally:
+                self._let_go()
+
+    def _poke_if_idle(self) -> None:
+        """(Under the condition's lock: it finishes no collective, so no callbacks are due.)"""
+        if self._running.acquire(False):
+            try:
+                self._poke()
+            finally:
+                self._running.release()

@@ -1,0 +1,119 @@
+"""What identifies a collective across ranks: its signature (kind, name, dtype, shape, op, scale
+factors, root ...), the 64-bit digest that ranks compare, and the messages built from it.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Any, Mapping, Optional, Sequence
+
+from .. import _native
+
+Signature = Mapping[str, Any]
+ALLREDUCE_FIELDS = frozenset(("collective", "name", "op", "prescale", "postscale", "dtype",
+                              "shape"))
+# The kinds that qualify the names callers give (Horovod's 'allreduce.w'); see `qualified`.
+KINDS = frozenset(("allreduce", "grouped_allreduce", "sparse_allreduce", "allgather",
+                   "grouped_allgather", "broadcast", "alltoall", "reducescatter",
+                   "grouped_reducescatter", "barrier", "broadcast_object", "allgather_object",
+                   "check_consistency"))
+_SHOWN = 10     # names a mismatch of two lists of names shows (then how many differ)
+_UNSAID = {"device": "cpu"}     # what a signature without the field stands for, in messages
+
+
+def qualified(kind: str, name: Optional[str]) -> Optional[str]:
+    """Horovod's name for a collective the caller named: its kind, then the name, so that
+    collectives of different kinds may share a name (None, or an empty name: none given)."""
+    return f"{kind}.{name}" if name else None
+
+
+def given_name(name: str) -> Optional[tuple[str, str]]:
+    """(kind, the caller's name) of a `qualified` name; None for automatic and internal
+    names."""
+    kind, _, given = name.partition(".")
+    if kind in KINDS and given and not given.startswith("noname."):
+        return kind, given
+    return None
+
+
+def with_device(signature: dict, cuda: bool) -> dict:
+    """`signature`, with "device" set for a reduction of CUDA tensors (`cuda`). A CUDA tensor and a
+    CPU one take different ways (where MPI cannot read device memory, the staged GPU way checks
+    the signature first and then reduces pieces; the small CPU way sends its signature with its
+    data), which must not pair: a rank passing a CPU tensor where the others pass CUDA ones
+    gets MismatchError on every rank, as Horovod's "Mismatched CPU/GPU device selection". CPU
+    signatures carry no device, as the small way's digest (made in C) has none."""
+    if cuda:
+        signature["device"] = "cuda"
+    return signature
+
+
+def digest(signature: Signature) -> int:
+    """64 bits that equal across ranks exactly when the signatures do. A one-tensor allreduce,
+    the most frequent and the most latency-bound, is hashed in C field by field
+    (`allreduce_digest`), which the fast path calls directly without building the dictionary;
+    other signatures by two CRCs of their fields in sorted order (a real mismatch slips through
+    only if both collide)."""
+    if (signature.keys() == ALLREDUCE_FIELDS and signature["collective"] == "allreduce"
+            and isinstance(signature["name"], str)):
+        return _native.allreduce_digest(signature["name"], signature["op"], signature["dtype"],
+                                        tuple(signature["shape"]), float(signature["prescale"]),
+                                        float(signature["postscale"]))
+    text = repr(sorted(signature.items())).encode()
+    value = (zlib.crc32(text) << 32) | zlib.adler32(text)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def label(signature: Signature) -> str:
+    """How a stall report names a collective: kind, name, and a bucket's parameters."""
+    text = f"{signature.get('collective')} '{signature.get('name')}'"
+    params = signature.get("parameters")
+    if params:
+        shown = ", ".join(params[:8]) + (f", ... ({len(params)} in all)" if len(params) > 8 else "")
+        text += f" (parameters: {shown})"
+    return text
+
+
+def describe_mismatch(signatures: Sequence[Signature], ranks: Sequence[int]) -> str:
+    """Name the tensor, the first differing field, and what each rank (global rank `ranks[i]`
+    for signature i) submitted; or, where a rank refused its part (a mistake in its arguments,
+    its signature's "refused" field, or a failure before its data moved, "failed"), that rank's
+    error."""
+    for field, cause in (("refused", "a mistake in the arguments of"),
+                         ("failed", "a failure before its data moved, on")):
+        refused = [(r, s[field]) for r, s in zip(ranks, signatures) if field in s]
+        if refused:
+            name = str(signatures[0].get("name"))
+            who = ", ".join(str(r) for r, _ in refused)
+            errors = "; ".join(f"rank {r}: {error}" for r, error in refused)
+            return (f"ringreduce: {name!r} cannot run: {cause} "
+                    f"{'rank' if len(refused) == 1 else 'ranks'} {who} ({errors}). Every "
+                    "rank's call fails; later collectives run as usual.")
+    fields = list(signatures[0])
+    fields += [k for s in signatures[1:] for k in s if k not in fields]
+    for field in fields:
+        values = [s.get(field, _UNSAID.get(field)) for s in signatures]
+        if any(v != values[0] for v in values):
+            break
+    names = sorted({str(s.get("name")) for s in signatures})
+    kinds = sorted({str(s.get("collective")) for s in signatures})
+    by_rank = "; ".join(f"rank {r}: {v!r}" for r, v in zip(ranks, values))
+    if all(isinstance(v, tuple) and all(isinstance(e, str) for e in v) for v in values):
+        held: dict[str, list[int]] = {}     # lists of names (a bucket's parameters)
+        for r, v in zip(ranks, values):
+            for entry in v:
+                held.setdefault(entry, []).append(r)
+        partial = [f"{entry!r} only on ranks {where}" for entry, where in held.items()
+                   if len(where) < len(ranks)]
+        if partial:
+            by_rank = "; ".join(partial[:_SHOWN]) + (
+                f"; ... ({len(partial)} names in all)" if len(partial) > _SHOWN else "")
+            if field in ("parameters", "plan"):     # (a bucket's, an optimizer's)
+                by_rank += ": a parameter frozen or unfrozen (requires_grad) on some ranks only"
+        elif len({len(v) for v in values}) == 1:     # the same names, in another order
+            at = next(i for i, names in enumerate(zip(*values)) if len(set(names)) > 1)
+            by_rank = f"the same names in another order; at position {at}, " + "; ".join(
+                f"rank {r}: {v[at]!r}" for r, v in zip(ranks, values))
+    return (f"ringreduce: ranks disagree on {'/'.join(kinds)} of tensor "
+            f"{' / '.join(repr(n) for n in names)}: '{field}' differs ({by_rank}). Collectives "
+            "pair across ranks by name: every rank must submit a name with the same kind of "
+            "collective, shape, dtype, op and root rank.")

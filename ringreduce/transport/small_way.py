@@ -1,0 +1,176 @@
+"""The small way: the most frequent latency-bound call, a small allreduce, taken from the public
+call straight to the one exchange that carries its signature with its data (the node's slots
+on one node, recursive doubling between nodes: the first such way in the set's table), run on
+the caller's thread when the set's engine is idle (api/small_path.py takes the calls here).
+
+It gives the same name counter, signature digest and bits as the general path, which a peer
+may take for the same collective. At a few microseconds a call every Python frame shows, so
+this is written flat: one lookup per table, the ReduceSpec made only where one is needed (a
+mismatch, a join, a stall report), no frame between the public call and the exchange that the
+general path would not have too.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Optional
+
+import torch
+
+from .. import _native
+from ..kernels.buffers import CODES, NAMES
+from .negotiation import OutOfOrder
+from ..kernels.ops import ReduceOp
+from .negotiation import AGREED, PeersJoined
+from .reduce_spec import ReduceSpec
+from .stall import StallWatch
+from .way import Way
+
+# Tables: an op -> (name, ReduceOp), as enum .name and ReduceOp(number) are slow; a dtype ->
+# (code, name); and two attribute lookups saved.
+_OPS = {op: (op.name, op) for op in ReduceOp if op != ReduceOp.Adasum}
+_DTYPES = {dtype: (code, NAMES[dtype]) for dtype, code in CODES.items()}
+_AVERAGE = ReduceOp.Average
+_Tensor, _STRIDED = torch.Tensor, torch.strided
+AfterJoins = Callable[[torch.Tensor, torch.Tensor, ReduceSpec], None]
+
+
+class SmallWay:
+    """The fast path of one process set through `way` (one that `carries_signature`): up to
+    `limit` bytes, its `exchange` and how it explains a disagreement (`explain`).
+    `after_joins(src, dst, spec)` runs an allreduce that met joined members."""
+
+    def __init__(self, way: Way, watch: StallWatch, size: int, after_joins: AfterJoins) -> None:
+        self.limit = way.limit
+        self._exchange, self._explain = way.exchange, way.explain
+        self._begin, self._complete = way.begin, way.complete
+        self.begins = way.begin is not None     # see begin()
+        self._watch, self._after_joins = watch, after_joins
+        self._average_divisor = float(size)
+
+    def case(self, tensor: Any, op: Any) -> Optional[tuple]:
+        """The op's (name, ReduceOp) and the dtype's (code, name) when the call can take this
+        way: a plain contiguous CPU tensor of at most `limit` bytes and an op other than
+        Adasum; else None."""
+        op_named = _OPS.get(_AVERAGE if op is None else op)
+        if (op_named is None or tensor.__class__ is not _Tensor or not tensor.is_cpu
+                or tensor.layout is not _STRIDED or not tensor.is_contiguous()
+                or tensor.nbytes > self.limit):
+            return None
+        dtype_named = _DTYPES.get(tensor.dtype)
+        return None if dtype_named is None else (op_named, dtype_named)
+
+    def work(self, tensor: torch.Tensor, name: str, case: tuple, postscale: float,
+             in_place: bool) -> Callable[[], torch.Tensor]:
+        """The whole collective, to run on the engine or inline."""
+        digest, make_spec = _signed(tensor, name, case, postscale)
+        code, op, allreduce = case[1][0], case[0][1], self.allreduce
+        return lambda: allreduce(tensor, in_place, code, op, postscale, digest, make_spec, name)
+
+    def begin(self, tensor: torch.Tensor, name: str, case: tuple, postscale: float
+              ) -> tuple[bool, Any, Callable[[], torch.Tensor]]:
+        """An in-place allreduce begun on this thread, where the way `begins`: our part posted
+        without waiting, and completed at once if every member's part is there already.
+        Returns (done, result or rest, whole) for `Engine.begin_now`; the common case, done,
+        makes nothing but the digest (at a few microseconds a call, each object shows)."""
+        (op_name, op), (code, dtype) = case
+        shape = tensor.shape
+        digest = _native.allreduce_digest(name, op_name, dtype, shape, 1.0, float(postscale))
+        self._watch.begin(f"allreduce '{name}'")     # (signature.label, without a dict)
+        address, count = tensor.data_ptr(), tensor.numel()
+        divisor = self._average_divisor if op is _AVERAGE else 1.0
+        try:
+            agreed = self._begin(address, tensor.nbytes, count, code, op, divisor, postscale,
+                                 digest)
+        except AGREED:
+            raise
+        except BaseException as error:      # the peers may wait on us: tell them (transport.py)
+            self._watch.failed(error)
+            raise
+        if agreed:
+            return True, tensor, None
+        make_spec = _spec_maker(tensor, name, case, postscale, digest)
+        allreduce = self.allreduce
+
+        def whole() -> torch.Tensor:
+            return allreduce(tensor, True, code, op, postscale, digest, make_spec, name)
+
+        if agreed is None:          # the peers are still to come: the rest waits for them
+            complete = partial(self._complete, address, count, code, op, divisor, postscale)
+            return False, partial(self._settled, complete, tensor, make_spec), whole
+        try:
+            return True, self._settled(lambda: False, tensor, make_spec), None    # differed
+        except OutOfOrder:
+            return False, None, whole   # the engine settles the order, then runs it whole
+
+    def _settled(self, finish: Callable[[], bool], tensor: torch.Tensor,
+                 make_spec: Callable[[], ReduceSpec]) -> torch.Tensor:
+        """`begin`'s collective, ended by `finish()` (True: the digests agreed, and the result
+        is in `tensor`); where they differ, the way's explanation (MismatchError, OutOfOrder)
+        or the allreduce with joined members."""
+        try:
+            if not finish():
+                self._explain(lambda: make_spec().describe())
+        except PeersJoined:
+            self._after_joins(tensor, tensor, make_spec())
+        except AGREED:
+            raise
+        except BaseException as error:      # the peers may wait on us: tell them (transport.py)
+            self._watch.failed(error)
+            raise
+        return tensor
+
+    def allreduce(self, src: torch.Tensor, in_place: bool, code: int, op: ReduceOp,
+                  postscale: float, digest: int, make_spec: Callable[[], ReduceSpec],
+                  name: str) -> torch.Tensor:
+        """Allreduce `src` (dtype code `code`, its signature digested) through the exchange.
+        Returns `src`, or out of place a new tensor, allocated once our data is on its way (the
+        allocation costs as much as a message, and every member would wait for it)."""
+        self._watch.begin(f"allreduce '{name}'")
+        address = src.data_ptr()
+        made: Optional[torch.Tensor] = None
+        if in_place:
+            output = None
+        else:
+            def output() -> int:
+                nonlocal made
+                made = torch.empty_like(src)
+                return made.data_ptr()
+        try:
+            if not self._exchange(address, address, src.nbytes, src.numel(), code, op,
+                                  self._average_divisor if op is _AVERAGE else 1.0, postscale,
+                                  digest, output):
+                self._explain(lambda: make_spec().describe())
+        except PeersJoined:
+            if not in_place and made is None:
+                made = torch.empty_like(src)
+            self._after_joins(src, src if in_place else made, make_spec())
+        except AGREED:
+            raise
+        except BaseException as error:      # the peers may wait on us: tell them (transport.py)
+            self._watch.failed(error)
+            raise
+        return src if in_place else made
+
+
+def _signed(tensor: torch.Tensor, name: str, case: tuple,
+            postscale: float) -> tuple[int, Callable[[], ReduceSpec]]:
+    """The call's signature digest, and what makes its ReduceSpec: only where one is needed (a
+    mismatch, a join, a stall report), keeping no reference to the tensor. (A partial, not a
+    closure: it is made on every call, and costs half as much.)"""
+    (op_name, _), (_, dtype) = case
+    digest = _native.allreduce_digest(name, op_name, dtype, tensor.shape, 1.0, float(postscale))
+    return digest, _spec_maker(tensor, name, case, postscale, digest)
+
+
+def _spec_maker(tensor: torch.Tensor, name: str, case: tuple, postscale: float,
+                digest: int) -> Callable[[], ReduceSpec]:
+    (op_name, op), (_, dtype) = case
+    return partial(_spec, tensor.dtype, op, postscale, digest, name, op_name, dtype,
+                   tensor.shape)
+
+
+def _spec(torch_dtype: torch.dtype, op: ReduceOp, postscale: float, digest: int, name: str,
+          op_name: str, dtype: str, shape: torch.Size) -> ReduceSpec:
+    return ReduceSpec(torch_dtype, op, 1.0, postscale, digest, {
+        "collective": "allreduce", "name": name, "op": op_name, "prescale": 1.0,
+        "postscale": postscale, "dtype": dtype, "shape": tuple(shape)})

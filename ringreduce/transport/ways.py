@@ -1,0 +1,52 @@
+"""The ways an allreduce can go, as one ordered table: each way says whether it takes a request
+(`applies`) and moves its bytes (`run`), and the transport runs the first that applies, as
+Horovod's OperationManager runs the first enabled op and NCCL picks from its transport list. A
+new data path is one more class (on way.py's interface: host_ways.py, gpu_ways.py) and one line
+in `allreduce_ways`.
+
+A set's table holds only the ways its topology allows (built once), so `applies` looks at the
+request alone. In order:
+
+    Adasum          op=Adasum: Horovod's Adasum over the set's ranks (adasum.py)
+    CUDA-aware      a CUDA tensor, MPI reading device memory (or a set of one): our ring on
+                    device memory (cuda.py)
+    staged GPU      a CUDA tensor otherwise: pieces through pinned host memory, each piece
+                    reduced by the host ways below
+    alone           a set of one rank: copy and scale
+    between nodes   several nodes, small: the node's slots, then recursive doubling between the
+                    nodes, the signature in the same messages (crossnode.py; a power-of-two
+                    number of nodes with as many members each)
+    node slots      members share nodes, small: one shared-memory slot per rank, in C (shm.py,
+                    native/node.c); across nodes, then our ring between nodes
+    node blocks     members share nodes: cache-sized shared-memory blocks; across nodes, our
+                    ring between nodes on each reduced chunk
+    MPI gather      no shared memory, small: MPI gather and reduce in rank order (ring.py)
+    MPI ring        no shared memory: our segmented ring reduce-scatter + allgather (ring.py)
+
+The GPU way comes before the host ways, so those see CPU tensors only. A way whose one exchange
+carries the signature with the data (`carries_signature`) also serves the small way's fast path
+(small_way.py): its `limit`, `exchange` and `explain`.
+"""
+from __future__ import annotations
+
+from .gpu_ways import CudaAware, StagedGpu
+from .host_ways import (Adasum, Alone, BetweenNodesSmall, MpiGather, MpiRing, NodeBlocks,
+                        NodeSlots)
+from .way import Pieces, SetParts, Way
+
+
+def allreduce_ways(parts: SetParts, pieces: Pieces) -> list[Way]:
+    """A set's table, in order, with the ways its topology allows. `pieces(spec)`: how the
+    staged GPU way reduces each piece (by this table's host ways)."""
+    ways: list[Way] = [Adasum(parts)]
+    if parts.settings.cuda_aware or parts.size == 1:
+        ways.append(CudaAware(parts))
+    else:
+        ways.append(StagedGpu(parts, pieces))
+    if parts.size == 1:
+        return ways + [Alone(parts)]
+    if parts.between is not None:
+        ways.append(BetweenNodesSmall(parts))
+    if parts.node is not None:
+        return ways + [NodeSlots(parts), NodeBlocks(parts)]
+    return ways + [MpiGather(parts), MpiRing(parts)]
