@@ -2,6 +2,7 @@
 
 `import ringreduce as hvd` in a script written for `horovod.torch` and run it with mpiexec.
 """
+from . import checkpoint, elastic
 from .api.collectives import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async,
                               allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall,
                               alltoall_async, barrier, broadcast, broadcast_, broadcast_async,
@@ -11,20 +12,19 @@ from .api.collectives import (Adasum, Average, Max, Min, Product, Sum, allgather
                               grouped_reducescatter_async, join, poll, reducescatter,
                               reducescatter_async, sparse_allreduce_async, synchronize)
 from .api.compression import Compression
-from .sets.engine import Handle
-from . import checkpoint, elastic
+from .api.objects import (allgather_object, broadcast_object, broadcast_parameters,
+                          check_consistency)
+from .api.sync_batch_norm import SyncBatchNorm
 from .core import compile_boundary
 from .core.errors import (ArgumentTypeError, CheckpointError, ConsistencyError,
                           HorovodInternalError, JoinedError, MismatchError, NotContiguousError,
                           NotInitializedError, RingReduceError, ShutDownError, UnsupportedError,
                           UsageError)
 from .kernels.ops import ReduceOp
-from .api.objects import (allgather_object, broadcast_object, broadcast_parameters,
-                          check_consistency)
-from .optim.optimizer_state import broadcast_optimizer_state
 from .optim.optimizer import DistributedOptimizer
+from .optim.optimizer_state import broadcast_optimizer_state
+from .sets.engine import Handle
 from .sets.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from .api.sync_batch_norm import SyncBatchNorm
 from .sets.world import (ccl_built, check_extension, cross_rank, cross_size, cuda_built, ddl_built,
                          gloo_built, gloo_enabled, gpu_available, init, is_homogeneous,
                          is_initialized, local_rank, local_size, mpi_built, mpi_enabled,

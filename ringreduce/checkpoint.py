@@ -20,8 +20,8 @@ from typing import Any, Optional
 
 import torch
 
-from .core.errors import CheckpointError
 from .api.objects import allgather_object, broadcast_object
+from .core.errors import CheckpointError
 from .sets.process_sets import ActiveSet, active, global_process_set, refusing
 from .sets.world import rank
 

@@ -42,18 +42,18 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from . import distributed
-from .sets import world
-from .optim.adasum_optimizer import AdasumOptimizer
 from .api.collectives import Average, Max, Min, Product, Sum, allgather, allreduce, barrier
 from .api.compression import Compression, Compressor
-from .core.errors import UsageError
 from .api.objects import broadcast_object, broadcast_parameters
-from .optim.optimizer_state import broadcast_optimizer_state
-from .optim.optimizer import DistributedOptimizer
-from .sets.process_sets import ProcessSet, global_process_set
 from .api.sync_batch_norm import SyncBatchNorm
+from .core.errors import UsageError
 from .distributed.group import RingReduceGroup
+from .optim.adasum_optimizer import AdasumOptimizer
+from .optim.optimizer import DistributedOptimizer
+from .optim.optimizer_state import broadcast_optimizer_state
 from .optim.wrapped_optimizer import WrappedOptimizer
+from .sets import world
+from .sets.process_sets import ProcessSet, global_process_set
 
 # Each Lightning package that can be installed, with the fabric package it builds on.
 PACKAGES = {"lightning.pytorch": "lightning.fabric", "pytorch_lightning": "lightning_fabric"}

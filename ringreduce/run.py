@@ -22,8 +22,8 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .sets import world
 from .core.version import __version__
+from .sets import world
 
 HYDRA, OPEN_MPI = "MPICH Hydra", "Open MPI"
 

@@ -32,8 +32,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import cloudpickle
 
 from . import run as launcher
-from .sets import world
 from .core.mpi import mpi
+from .sets import world
 
 CALL = "call.pkl"          # (the caller's sys.path, the cloudpickled (fn, args, kwargs))
 _OK, _RAISED = "ok", "raised"

@@ -16,19 +16,19 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from ..transport import adasum, ring
-from ..gpu import cuda
 from ..core import timeline
-from ..kernels.buffers import CODES, NAMES, SUPPORTED, as_array, dtype_name, fresh
-from .compression import Compression, Compressor, custom
-from ..sets.engine import Handle
 from ..core.errors import (ArgumentTypeError, HorovodInternalError, NotContiguousError,
                            RingReduceError, UnsupportedError)
+from ..gpu import cuda
+from ..kernels.buffers import CODES, NAMES, SUPPORTED, as_array, dtype_name, fresh
 from ..kernels.ops import ReduceOp
-from ..transport.negotiation import AGREED
+from ..sets.engine import Handle
 from ..sets.process_sets import ActiveSet, ProcessSet, active, global_process_set, refusing
+from ..transport import adasum, ring
+from ..transport.negotiation import AGREED
 from ..transport.reduce_spec import ReduceSpec
 from ..transport.signature import digest, with_device
+from .compression import Compression, Compressor, custom
 
 Work = tuple[ActiveSet, str, Callable[[], Any]]   # the set, the collective's name, what runs
 

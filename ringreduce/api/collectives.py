@@ -17,15 +17,15 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..kernels.ops import ReduceOp
+from ..sets.engine import Handle
+from ..sets.process_sets import ProcessSet, active, global_process_set, global_set
+from ..transport.signature import qualified
 from . import differentiable
 from .collective_work import (allgather_work, allreduce_work, alltoall_work, barrier_work,
                               broadcast_work, first, grouped_allreduce_work, reduce_op,
                               reducescatter_work, run, sparse_allreduce_work, submit, tupled)
 from .compression import Compression, Compressor
-from ..sets.engine import Handle
-from ..kernels.ops import ReduceOp
-from ..sets.process_sets import ProcessSet, active, global_process_set, global_set
-from ..transport.signature import qualified
 from .small_path import allreduce_now, queued_work, started
 
 Average = ReduceOp.Average

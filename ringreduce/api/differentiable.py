@@ -18,11 +18,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..kernels.ops import ReduceOp
+from ..sets.process_sets import ProcessSet, active
 from .collective_work import (allgather_work, allreduce_work, alltoall_work, broadcast_work,
                               grouped_allreduce_work, reduce_op, reducescatter_work, run)
 from .compression import Compression, Compressor, custom
-from ..kernels.ops import ReduceOp
-from ..sets.process_sets import ProcessSet, active
 from .small_path import allreduce_now
 
 

@@ -11,10 +11,10 @@ from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 
-from .collectives import broadcast_async_, synchronize
 from ..core.errors import ConsistencyError
 from ..sets.process_sets import ActiveSet, ProcessSet, active, global_process_set, refusing
 from ..transport.signature import qualified
+from .collectives import broadcast_async_, synchronize
 
 Params = Union[Mapping[str, torch.Tensor], Iterable[Any]]
 

@@ -27,12 +27,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..sets import world
-from ..core.errors import RingReduceError
 from ..api.objects import allgather_object, broadcast_object
-from .point_to_point import Channel
+from ..core.errors import RingReduceError
+from ..sets import world
 from ..sets.process_sets import active, global_process_set, open_group
 from .group import BACKEND, DEVICES, RingReduceGroup
+from .point_to_point import Channel
 
 _EXPORTED: dict[str, str] = {}  # the env:// variables init_process_group set, as it set them
 

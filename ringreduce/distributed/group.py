@@ -24,20 +24,20 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..sets import world
 from ..api.collective_work import (allgather_work, allreduce_work, alltoall_work, barrier_work,
                                    bitwise_allreduce_work, broadcast_work, first,
                                    grouped_allreduce_work, reducescatter_work, run,
                                    sparse_allreduce_work, submit)
 from ..api.collectives import Average, Sum
 from ..api.compression import Compression
+from ..api.small_path import allreduce_now, started
 from ..core.errors import RingReduceError, UnsupportedError
-from .point_to_point import Channel
+from ..sets import world
 from ..sets.process_sets import (ActiveSet, ProcessSet, active, close_group, global_process_set,
                                  refusing)
-from ..api.small_path import allreduce_now, started
 from .arguments import (SUM, all_reducible, bitwise, copy_flat, dense, one, reducible, reduction,
                         restored, same_size, worked_on)
+from .point_to_point import Channel
 from .work import FINISHED, CollectiveWork
 
 BACKEND = "ringreduce"

@@ -37,13 +37,13 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from ..kernels.buffers import dtype_name
 from ..core.errors import RingReduceError, ShutDownError
-from .failed_future import fail
 from ..core.mpi import mpi
+from ..core.thread_places import internal
+from ..kernels.buffers import dtype_name
 from ..transport.ring import ABANDONED
 from ..transport.stall import BUSY_SECONDS, DEPARTED_GRACE, YIELD_SECONDS, StallWatch
-from ..core.thread_places import internal
+from .failed_future import fail
 
 _LONGEST_NAP = 0.001        # between polls of a request that is still pending
 _LOOK_EVERY = 0.05          # seconds between looks for a peer's goodbye while waiting

@@ -14,11 +14,11 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from ..sets import world
-from ..optim import wrapped_optimizer
-from .sampler import ElasticSampler
 from ..api.objects import broadcast_object, broadcast_parameters
+from ..optim import wrapped_optimizer
 from ..optim.optimizer_state import broadcast_optimizer_state
+from ..sets import world
+from .sampler import ElasticSampler
 
 ROOT_RANK = 0                                     # the rank whose state everyone takes
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from . import fusion
 from ..core.errors import UnsupportedError, UsageError
+from . import fusion
 from .gradient_reduction import GradientReduction
 from .wrapped_optimizer import Options
 

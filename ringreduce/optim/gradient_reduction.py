@@ -33,20 +33,20 @@ from typing import Any, Callable, NoReturn, Optional
 import torch
 from torch.autograd import Variable
 
-from ..gpu import cuda, device_kernels
-from . import fusion, sparse_gradients
-from ..core import timeline
-from ..kernels.buffers import CODES, dtype_name
 from ..api.collectives import submit
-from ..core.compile_boundary import in_compiled_backward
 from ..api.compression import custom
-from ..sets.engine import Handle
-from ..core.errors import MismatchError, UnsupportedError, UsageError
-from ..kernels.ops import ReduceOp
 from ..api.objects import check_consistency
+from ..core import timeline
+from ..core.compile_boundary import in_compiled_backward
+from ..core.errors import MismatchError, UnsupportedError, UsageError
+from ..gpu import cuda, device_kernels
+from ..kernels.buffers import CODES, dtype_name
+from ..kernels.ops import ReduceOp
+from ..sets.engine import Handle
 from ..sets.process_sets import active, refusing
 from ..transport.reduce_spec import ReduceSpec
 from ..transport.signature import digest, with_device
+from . import fusion, sparse_gradients
 from .step_agreement import StepAgreement
 from .wrapped_optimizer import (STEP_AFTER_SYNCHRONIZE, Options, WrappedOptimizer, explicit_groups,
                                 remove_hooks)

@@ -21,14 +21,14 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from ..transport import adasum
-from .adasum_optimizer import AdasumOptimizer
 from ..api.collectives import reduce_op
 from ..api.compression import Compression, Compressor, custom
 from ..core.errors import UnsupportedError
-from .gradient_reduction import GradientReduction
 from ..kernels.ops import ReduceOp
 from ..sets.process_sets import ProcessSet, active, global_process_set
+from ..transport import adasum
+from .adasum_optimizer import AdasumOptimizer
+from .gradient_reduction import GradientReduction
 from .wrapped_optimizer import LocalOptimizer, Options, WrappedOptimizer
 
 

@@ -15,9 +15,9 @@ from typing import Optional, Sequence
 import torch
 
 from ..api.collectives import submit
-from ..sets.engine import Handle
-from ..kernels.ops import ReduceOp
 from ..api.objects import allgather_object
+from ..kernels.ops import ReduceOp
+from ..sets.engine import Handle
 from ..sets.process_sets import ActiveSet, ProcessSet
 from ..transport.reduce_spec import ReduceSpec
 from ..transport.signature import digest

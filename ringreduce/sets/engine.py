@@ -40,8 +40,8 @@ import warnings
 from typing import Any, Callable, Optional, Union
 
 from ..core.errors import RingReduceError
-from ..transport.negotiation import Agreement, OutOfOrder
 from ..core.thread_places import internal, fix_place
+from ..transport.negotiation import Agreement, OutOfOrder
 
 _IDLE_POKE_SECONDS = 0.05
 _AWAKE_SECONDS = 0.005     # after a submission, the engine thread looks for more this long

@@ -18,15 +18,15 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
-from ..transport.auto_names import AutoNames
 from ..core.config import Settings
-from .engine import PARENT, Engine, child_name
 from ..core.errors import MismatchError, NotInitializedError, RingReduceError, ShutDownError
 from ..core.mpi import mpi
+from ..transport.auto_names import AutoNames
 from ..transport.ring import ABANDONED
+from ..transport.set_transport import Transport
 from ..transport.signature import digest
 from ..transport.stall import StallWatch, wait_reporting
-from ..transport.set_transport import Transport
+from .engine import PARENT, Engine, child_name
 
 _MEETING_TAG = 41   # open_group's meeting of the members, on groups_comm (no other messages)
 log = logging.getLogger("ringreduce")

@@ -20,16 +20,16 @@ from typing import Any, Iterable, Sequence, Union
 
 import torch
 
-from ..transport import ring
 from ..core import timeline
 from ..core.config import Settings, ignored_horovod_variables
-from ..gpu.cuda_aware import resolve_cuda_aware
 from ..core.errors import RingReduceError, ShutDownError
 from ..core.mpi import mpi
+from ..core.version import __version__
+from ..gpu.cuda_aware import resolve_cuda_aware
+from ..transport import ring
+from ..transport.stall import wait_reporting
 from .process_sets import (ProcessSet, global_set, is_running, register_at_init, registered_sets,
                            start, stop)
-from ..transport.stall import wait_reporting
-from ..core.version import __version__
 
 log = logging.getLogger("ringreduce")
 _init_lock = threading.Lock()

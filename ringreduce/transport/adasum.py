@@ -33,8 +33,8 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from ..kernels.buffers import NAMES, STORAGE_DTYPES
 from ..core.errors import HorovodInternalError, UnsupportedError
+from ..kernels.buffers import NAMES, STORAGE_DTYPES
 from .ring import ABANDONED, Wait
 
 Scratch = Callable[[str, np.dtype, int], np.ndarray]

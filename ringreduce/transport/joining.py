@@ -15,8 +15,8 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 import numpy as np
 import torch
 
-from ..kernels.buffers import NAMES
 from ..core.errors import JoinedError, MismatchError
+from ..kernels.buffers import NAMES
 from ..kernels.ops import ReduceOp
 from .negotiation import JOINED, Negotiator, PeersJoined
 from .reduce_spec import ReduceSpec

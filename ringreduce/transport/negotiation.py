@@ -24,9 +24,9 @@ from typing import Any, Callable, NoReturn, Optional, Sequence, Union
 
 import numpy as np
 
+from ..core.errors import JoinedError, MismatchError, ShutDownError
 from .auto_names import AutoNames, thread_advice, unnamed
 from .crossnode import BetweenNodes
-from ..core.errors import JoinedError, MismatchError, ShutDownError
 from .shm import NodeWindow
 from .signature import Signature, describe_mismatch, digest, given_name
 from .stall import StallWatch

@@ -25,17 +25,17 @@ from typing import Any, Callable, Optional, Sequence, TypeVar, cast
 import numpy as np
 import torch
 
-from . import crossnode, ring
-from ..gpu import cuda
-from ..kernels import ops
-from .auto_names import AutoNames
-from ..kernels.buffers import as_array, as_tensor, fresh
 from ..core.config import Settings
 from ..core.errors import MismatchError, RingReduceError
+from ..gpu import cuda
+from ..kernels import ops
+from ..kernels.buffers import as_array, as_tensor, fresh
+from ..kernels.scratch import ScratchPool
+from . import crossnode, ring
+from .auto_names import AutoNames
 from .joining import JoinRounds
 from .negotiation import AGREED, Negotiator, PeersJoined
 from .reduce_spec import ReduceSpec
-from ..kernels.scratch import ScratchPool
 from .shm import NodeWindow
 from .signature import Signature, label
 from .small_way import SmallWay

@@ -18,9 +18,9 @@ import torch
 
 from .. import _native
 from ..kernels.buffers import CODES, NAMES
-from .negotiation import OutOfOrder
 from ..kernels.ops import ReduceOp
 from .negotiation import AGREED, PeersJoined
+from .negotiation import OutOfOrder
 from .reduce_spec import ReduceSpec
 from .stall import StallWatch
 from .way import Way

@@ -34,8 +34,8 @@ import numpy as np
 
 from ..core.errors import RingReduceError, ShutDownError
 from ..core.mpi import mpi
-from .ring import ABANDONED
 from ..core.thread_places import internal
+from .ring import ABANDONED
 
 log = logging.getLogger("ringreduce")
 BUSY_SECONDS = 0.00005  # poll flat out this long (as MPI does): a peer is usually close
