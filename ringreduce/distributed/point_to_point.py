@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import struct
 import threading
 import time
@@ -40,13 +39,13 @@ from torch.futures import Future
 from ..core.errors import RingReduceError, ShutDownError
 from ..core.mpi import mpi
 from ..core.thread_places import internal
+from ..core.waiting import (DEPARTED_GRACE, LONGEST_NAP, LOOK_EVERY, SHORTEST_NAP, YIELD_SECONDS,
+                            Backoff, Every, Once)
 from ..kernels.buffers import dtype_name
 from ..transport.ring import ABANDONED
-from ..transport.stall import BUSY_SECONDS, DEPARTED_GRACE, YIELD_SECONDS, StallWatch
+from ..transport.stall import StallWatch
 from .failed_future import fail
 
-_LONGEST_NAP = 0.001        # between polls of a request that is still pending
-_LOOK_EVERY = 0.05          # seconds between looks for a peer's goodbye while waiting
 _LINGER = 0.1               # seconds the poller keeps advancing a channel with no receive
 _WORK_INIT = dist.Work.__init__
 _STRIDED = torch.strided
@@ -160,18 +159,13 @@ class MessageWork(dist.Work):
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         if not self._test():
-            overdue, nap = _Overdue(self, timeout), 0.0
-            while not self._test():     # (as StallWatch.wait: flat out, yielding, napping)
-                waited = time.monotonic() - overdue.start
-                if waited < BUSY_SECONDS:
+            overdue, backoff = _Overdue(self, timeout), Backoff(SHORTEST_NAP, LONGEST_NAP)
+            while not self._test():
+                now = backoff.pause()
+                if now - backoff.start < YIELD_SECONDS:
                     continue
-                if waited < YIELD_SECONDS:
-                    os.sched_yield()
-                    continue
-                time.sleep(nap)
-                nap = min(_LONGEST_NAP, 2 * nap + 1e-5)
                 try:
-                    overdue.check(time.monotonic())
+                    overdue.check(now)
                 except ShutDownError as exc:
                     self._fail(exc)
         if self._error is not None:
@@ -219,36 +213,31 @@ class _Overdue:
     def __init__(self, work: MessageWork, timeout: Optional[datetime.timedelta]) -> None:
         self.work, self.timeout, watch = work, timeout, work._channel.watch
         start = self.start = time.monotonic()
-        never = float("inf")
-        self.limit = (start + timeout.total_seconds()
-                      if timeout is not None and timeout.total_seconds() > 0 else never)
-        self.report_at = start + watch.check_time if watch.check_time > 0 else never
-        self.shutdown_at = start + watch.shutdown_time if watch.shutdown_time > 0 else never
-        self.look_at, self.gone_at = start + _LOOK_EVERY, never
+        self.limit = Once(None if timeout is None else timeout.total_seconds(), start)
+        self.reports = Every(watch.check_time, start)
+        self.shutdown = Once(watch.shutdown_time, start)
+        self.looks, self.gone = Every(LOOK_EVERY, start), Once(None, start)
 
     def check(self, now: float) -> None:
         work, watch = self.work, self.work._channel.watch
         me = work._channel.comm.rank
-        if now >= self.look_at and work._peer is not None:
-            self.look_at = now + _LOOK_EVERY
+        if work._peer is not None and self.looks.due(now):
             watch.departures.look()
             if work._peer in watch.departures.gone:
-                self.gone_at = min(self.gone_at, now + DEPARTED_GRACE)
-        if now >= self.gone_at and not work._test():
+                self.gone.earlier(now + DEPARTED_GRACE)
+        if self.gone.passed(now) and not work._test():
             raise ShutDownError(
                 f"ringreduce: {work._what}, rank {me}: rank {work._peer} shut down "
                 "(ringreduce.shutdown(), or the end of its script) without its side of this "
                 "message: every send needs its recv, on the peer, before it leaves")
-        if now >= self.limit:
+        if self.limit.passed(now):
             raise RingReduceError(f"ringreduce: {work._what}, rank {me}: not complete after "
                                   f"wait()'s timeout of {self.timeout}")
-        if now >= self.report_at:
+        if self.reports.due(now):
             log.warning(self._stalled(now - self.start))
-            self.report_at += watch.check_time
-        if now >= self.shutdown_at:
+        if self.shutdown.passed(now):
             watch.on_shutdown(f"{self._stalled(now - self.start)} Shutting the job down after "
                               f"{watch.shutdown_time:g} s (RINGREDUCE_STALL_SHUTDOWN_TIME).")
-            self.shutdown_at = float("inf")
 
     def _stalled(self, waited: float) -> str:
         """The stall report, with where the peer waits in a collective of a set this rank
@@ -305,12 +294,12 @@ class _Poller:
         self._wake.notify()
 
     def _loop(self) -> None:
-        nap = 0.0
+        naps = Backoff(SHORTEST_NAP, LONGEST_NAP)
         while True:
             with self._wake:
                 while not self._pending and not self._channels:
                     self._wake.wait()
-                    nap = 0.0
+                    naps = Backoff(SHORTEST_NAP, LONGEST_NAP)
                 pending, channels = list(self._pending.items()), list(self._channels)
             for channel in channels:
                 if channel.waiting():
@@ -342,9 +331,9 @@ class _Poller:
                             if channel.waiting():   # (a receive added as it went: `advance`
                                 self._channels[channel] = now   # saw it still polled)
                 busy = bool(self._pending)
-            nap = (0.0 if finished else min(_LONGEST_NAP, 2 * nap + 1e-5)) if busy \
-                else _LONGEST_NAP
-            time.sleep(nap)
+            if finished or not busy:    # (progress, or only channels to advance: short naps)
+                naps = Backoff(SHORTEST_NAP, LONGEST_NAP)
+            time.sleep(naps.nap() if busy else LONGEST_NAP)
 
 
 _POLLER = _Poller()

@@ -40,7 +40,8 @@ import warnings
 from typing import Any, Callable, Optional, Union
 
 from ..core.errors import RingReduceError
-from ..core.thread_places import internal, fix_place
+from ..core.thread_places import fix_place, internal
+from ..core.waiting import LONGEST_SETTLING_NAP, SETTLING_NAP, Backoff
 from ..transport.negotiation import Agreement, OutOfOrder
 
 _IDLE_POKE_SECONDS = 0.05
@@ -53,7 +54,6 @@ _LONGEST_PICKUP = 0.0032   # (which costs more than a small allreduce); but each
                            # each submission took 11% of a core from training. After the
                            # burst, a submission wakes it (~30 us).
 _CALLBACKS = threading.Lock()     # a handle's callbacks are added and taken under it
-_FIRST_PAUSE, _LONGEST_PAUSE = 0.0002, 0.01   # between settling rounds that found no agreement
 _ENDED_KEPT = 16     # an engine's most recent children_end marks, the ones its settlings tell
 _SUBMITTERS_KEPT = 64   # threads known to have submitted, before those that ended are forgotten
 
@@ -577,7 +577,7 @@ class Engine:
         wait for a new submission here (or a short pause: the others' may come). A round may
         also end the settling with nothing run (a reset, negotiation.py)."""
         agree = self._agreement()
-        pause = _FIRST_PAUSE
+        naps = Backoff(SETTLING_NAP, LONGEST_SETTLING_NAP)
         while True:
             with self._cv:
                 pending, ended = [first, *self._queue], dict(self._ended)
@@ -587,10 +587,10 @@ class Engine:
                 return
             if agreed:
                 break
+            pause = naps.nap()
             with self._cv:
                 if len(self._queue) == len(pending) - 1:
                     self._cv.wait(pause)
-            pause = min(2 * pause, _LONGEST_PAUSE)
         by_name = {h.name: h for h in pending}
         for name in agreed:
             handle = by_name[name]

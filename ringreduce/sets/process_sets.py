@@ -21,11 +21,12 @@ import numpy as np
 from ..core.config import Settings
 from ..core.errors import MismatchError, NotInitializedError, RingReduceError, ShutDownError
 from ..core.mpi import mpi
+from ..core.waiting import wait_reporting
 from ..transport.auto_names import AutoNames
 from ..transport.ring import ABANDONED
 from ..transport.set_transport import Transport
 from ..transport.signature import digest
-from ..transport.stall import StallWatch, wait_reporting
+from ..transport.stall import StallWatch
 from .engine import PARENT, Engine, child_name
 
 _MEETING_TAG = 41   # open_group's meeting of the members, on groups_comm (no other messages)

@@ -25,9 +25,9 @@ from ..core.config import Settings, ignored_horovod_variables
 from ..core.errors import RingReduceError, ShutDownError
 from ..core.mpi import mpi
 from ..core.version import __version__
+from ..core.waiting import wait_reporting
 from ..gpu.cuda_aware import resolve_cuda_aware
 from ..transport import ring
-from ..transport.stall import wait_reporting
 from .process_sets import (ProcessSet, global_set, is_running, register_at_init, registered_sets,
                            start, stop)
 

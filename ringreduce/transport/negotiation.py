@@ -25,6 +25,7 @@ from typing import Any, Callable, NoReturn, Optional, Sequence, Union
 import numpy as np
 
 from ..core.errors import JoinedError, MismatchError, ShutDownError
+from ..core.waiting import Every, Once
 from .auto_names import AutoNames, thread_advice, unnamed
 from .crossnode import BetweenNodes
 from .shm import NodeWindow
@@ -75,6 +76,15 @@ class PeersJoined(Exception):
 # member is left waiting: every other failure inside a collective is told to the members
 # (StallWatch.failed).
 AGREED = (MismatchError, JoinedError, ShutDownError, PeersJoined, OutOfOrder)
+
+
+def tell_members(watch: StallWatch, error: BaseException) -> None:
+    """Where a collective fails on this member in a way its peers cannot see (anything but
+    AGREED), they are told (StallWatch.failed), before the error goes on: they may be waiting
+    on this member, and the set's traffic is out of step. (It raises the RingReduceError that
+    says so, `error` chained, or returns for the caller to raise `error`.)"""
+    if not isinstance(error, AGREED):
+        watch.failed(error)
 
 
 class Negotiator:
@@ -205,18 +215,15 @@ class _Settling:
     def __init__(self, negotiator: Negotiator) -> None:
         self.negotiator, self.watch = negotiator, negotiator.watch
         self.started = time.monotonic()
-        never = float("inf")
-        self.next_report = (self.started + self.watch.check_time
-                            if self.watch.check_time > 0 else never)
-        self.shutdown_at = (self.started + self.watch.shutdown_time
-                            if self.watch.shutdown_time > 0 else never)
+        self.reports = Every(self.watch.check_time, self.started)
+        self.shutdown = Once(self.watch.shutdown_time, self.started)
         self.stuck_since: Optional[float] = None
 
     def round(self, names: list[str], ended: dict[str, tuple[int, str]], stuck: bool
               ) -> Optional[list[str]]:
         n, watch = self.negotiator, self.watch
         now = time.monotonic()
-        due = 2 if now >= self.shutdown_at else 1 if now >= self.next_report else 0
+        due = 2 if self.shutdown.passed(now) else 1 if self.reports.due(now) else 0
         if not stuck:
             self.stuck_since = None
         elif self.stuck_since is None:
@@ -255,9 +262,6 @@ class _Settling:
             if deadlocked:
                 self._deadlocked(pending, now - self.started)
             message = self._describe(pending, now - self.started)
-            if watch.check_time > 0:        # every interval from the start
-                self.next_report += watch.check_time * (1 + (now - self.next_report)
-                                                        // watch.check_time)
             if dues.max() == 2:
                 watch.on_shutdown(f"{message} Shutting the job down after "
                                   f"{watch.shutdown_time:g} s (RINGREDUCE_STALL_SHUTDOWN_TIME).")

@@ -34,7 +34,7 @@ from ..kernels.scratch import ScratchPool
 from . import crossnode, ring
 from .auto_names import AutoNames
 from .joining import JoinRounds
-from .negotiation import AGREED, Negotiator, PeersJoined
+from .negotiation import Negotiator, PeersJoined, tell_members
 from .reduce_spec import ReduceSpec
 from .shm import NodeWindow
 from .signature import Signature, label
@@ -54,10 +54,8 @@ def _telling(method: Method) -> Method:
     def told(self: "Transport", *args: Any, **kwargs: Any) -> Any:
         try:
             return method(self, *args, **kwargs)
-        except AGREED:
-            raise
         except BaseException as error:
-            self.watch.failed(error)
+            tell_members(self.watch, error)
             raise
     return cast(Method, told)
 

@@ -19,8 +19,7 @@ import torch
 from .. import _native
 from ..kernels.buffers import CODES, NAMES
 from ..kernels.ops import ReduceOp
-from .negotiation import AGREED, PeersJoined
-from .negotiation import OutOfOrder
+from .negotiation import OutOfOrder, PeersJoined, tell_members
 from .reduce_spec import ReduceSpec
 from .stall import StallWatch
 from .way import Way
@@ -81,10 +80,8 @@ class SmallWay:
         try:
             agreed = self._begin(address, tensor.nbytes, count, code, op, divisor, postscale,
                                  digest)
-        except AGREED:
-            raise
-        except BaseException as error:      # the peers may wait on us: tell them (transport.py)
-            self._watch.failed(error)
+        except BaseException as error:
+            tell_members(self._watch, error)
             raise
         if agreed:
             return True, tensor, None
@@ -112,10 +109,8 @@ class SmallWay:
                 self._explain(lambda: make_spec().describe())
         except PeersJoined:
             self._after_joins(tensor, tensor, make_spec())
-        except AGREED:
-            raise
-        except BaseException as error:      # the peers may wait on us: tell them (transport.py)
-            self._watch.failed(error)
+        except BaseException as error:
+            tell_members(self._watch, error)
             raise
         return tensor
 
@@ -144,10 +139,8 @@ class SmallWay:
             if not in_place and made is None:
                 made = torch.empty_like(src)
             self._after_joins(src, src if in_place else made, make_spec())
-        except AGREED:
-            raise
-        except BaseException as error:      # the peers may wait on us: tell them (transport.py)
-            self._watch.failed(error)
+        except BaseException as error:
+            tell_members(self._watch, error)
             raise
         return src if in_place else made
 

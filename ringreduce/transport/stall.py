@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
-import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -35,14 +33,11 @@ import numpy as np
 from ..core.errors import RingReduceError, ShutDownError
 from ..core.mpi import mpi
 from ..core.thread_places import internal
+from ..core.waiting import (DEPARTED_GRACE, LOOK_EVERY, YIELD_SECONDS, Backoff, Every, Once,
+                             wait_reporting)
 from .ring import ABANDONED
 
 log = logging.getLogger("ringreduce")
-BUSY_SECONDS = 0.00005  # poll flat out this long (as MPI does): a peer is usually close
-YIELD_SECONDS = 0.001   # then yield the core between polls (oversubscribed ranks), then sleep
-_GOODBYE_EVERY = 0.005   # seconds between looks for a departed member while waiting
-DEPARTED_GRACE = 1.0     # how long a collective that a member began before it left may still
-                         # take to complete here (what it sent is on its way)
 _REMEMBERED = 4096       # the labels of this many recent collectives, for stall reports
 _JOINED_COUNT = 1 << 62  # what a joined rank publishes on the progress board
 _OPENING = -1            # what it publishes as waited in while it opens a group (`opening`)
@@ -171,27 +166,6 @@ class Departures:
             r for r in range(self.comm.size) if r != self.comm.rank and r not in self.gone]))
 
 
-def wait_reporting(done: Callable[[], bool], every: float, report: Callable[[float], None],
-                   give_up_after: float = 0.0,
-                   give_up: Optional[Callable[[float], None]] = None) -> None:
-    """Until `done()`, polled each millisecond, outside a collective's wait (init(), shutdown()):
-    `report(seconds waited)` every `every` seconds and `give_up(seconds)` once at
-    `give_up_after` (0: never, either)."""
-    start = time.monotonic()
-    never = float("inf")
-    next_report = start + every if every > 0 else never
-    give_up_at = start + give_up_after if give_up_after > 0 else never
-    while not done():
-        time.sleep(0.001)
-        now = time.monotonic()
-        if now >= give_up_at:
-            give_up(now - start)
-            give_up_at = never
-        if now >= next_report:
-            report(now - start)
-            next_report += every
-
-
 class StallWatch:
     """Counts the collectives begun on one process set and waits for its members, reporting
     stalls and departures. `ranks` are the members' global ranks (for messages), `where` names
@@ -299,24 +273,16 @@ class StallWatch:
             published[1] = 0
 
     def _wait(self, done: Callable[[], bool]) -> None:
-        start = time.monotonic()
-        never = float("inf")
-        next_report = start + self.check_time if self.check_time > 0 and not self.quiet \
-            else never
-        shutdown_at = start + self.shutdown_time if self.shutdown_time > 0 and not self.quiet \
-            else never
-        next_look = start + YIELD_SECONDS
-        grace_ends = never
+        backoff = Backoff()
+        start = backoff.start
+        reports = Every(0.0 if self.quiet else self.check_time, start)
+        shutdown = Once(0.0 if self.quiet else self.shutdown_time, start)
+        looks, grace = Every(LOOK_EVERY, start + YIELD_SECONDS - LOOK_EVERY), Once(None, start)
         while not done():
-            now = time.monotonic()
-            if now - start < BUSY_SECONDS:
-                continue
+            now = backoff.pause()
             if now - start < YIELD_SECONDS:
-                os.sched_yield()
                 continue
-            time.sleep(0.0001)
-            if now >= next_look:
-                next_look = now + _GOODBYE_EVERY
+            if looks.due(now):
                 self.departures.look()
                 if self.departures.ended(self.begun):
                     raise self._ended()
@@ -324,17 +290,14 @@ class StallWatch:
                     # Those that left had begun this one, by their counts, so they did their
                     # part: it completes in a moment. (Counts can differ where a collective
                     # ran again after the members settled their order by name.)
-                    grace_ends = min(grace_ends, now + DEPARTED_GRACE)
-                    if now >= grace_ends:
+                    grace.earlier(now + DEPARTED_GRACE)
+                    if grace.passed(now):
                         raise self._ended(every=True)
-            if now >= shutdown_at:
+            if shutdown.passed(now):
                 self.on_shutdown(f"{self.describe(now - start)} Shutting the job down after "
                                  f"{self.shutdown_time:g} s (RINGREDUCE_STALL_SHUTDOWN_TIME).")
-                shutdown_at = never
-            if now >= next_report:      # every interval from the start, however long
+            if reports.due(now):        # every interval from the start, however long
                 log.warning(self.describe(now - start))     # the report itself took
-                next_report += self.check_time * (1 + (time.monotonic() - next_report)
-                                                  // self.check_time)
 
     def _name(self, count: int) -> str:
         slot = count % _REMEMBERED
