@@ -23,8 +23,9 @@ from .core.errors import (ArgumentTypeError, CheckpointError, ConsistencyError,
 from .kernels.ops import ReduceOp
 from .optim.optimizer import DistributedOptimizer
 from .optim.optimizer_state import broadcast_optimizer_state
-from .sets.engine import Handle
-from .sets.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .sets.handles import Handle
+from .sets.process_set import ProcessSet, global_process_set
+from .sets.process_sets import add_process_set, remove_process_set
 from .sets.world import (ccl_built, check_extension, cross_rank, cross_size, cuda_built, ddl_built,
                          gloo_built, gloo_enabled, gpu_available, init, is_homogeneous,
                          is_initialized, local_rank, local_size, mpi_built, mpi_enabled,

@@ -22,7 +22,9 @@ import torch
 
 from .api.objects import allgather_object, broadcast_object
 from .core.errors import CheckpointError
-from .sets.process_sets import ActiveSet, active, global_process_set, refusing
+from .sets.active_set import ActiveSet, refusing
+from .sets.process_set import global_process_set
+from .sets.process_sets import active
 from .sets.world import rank
 
 

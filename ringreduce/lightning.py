@@ -53,7 +53,7 @@ from .optim.optimizer import DistributedOptimizer
 from .optim.optimizer_state import broadcast_optimizer_state
 from .optim.wrapped_optimizer import WrappedOptimizer
 from .sets import world
-from .sets.process_sets import ProcessSet, global_process_set
+from .sets.process_set import ProcessSet, global_process_set
 
 # Each Lightning package that can be installed, with the fabric package it builds on.
 PACKAGES = {"lightning.pytorch": "lightning.fabric", "pytorch_lightning": "lightning_fabric"}

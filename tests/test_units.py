@@ -19,7 +19,8 @@ from ringreduce.core import config
 from ringreduce.distributed import failed_future, point_to_point
 from ringreduce.kernels import ops as kernels
 from ringreduce.optim import wrapped_optimizer
-from ringreduce.sets import engine
+from ringreduce.sets import engine, lineage
+from ringreduce.sets.handles import Finished
 from ringreduce.transport import crossnode, negotiation, ring, signature, stall
 from ringreduce.kernels.buffers import CODES, as_array
 from ringreduce.core.mpi import mpi
@@ -593,7 +594,7 @@ def test_an_engine_is_stuck_only_while_every_thread_that_submitted_waits_in_it()
         assert not stuck()      # nobody has submitted
         waiter = threading.Thread(target=lambda: e.submit("blocked", gate.wait).wait())
         waiter.start()
-        until(lambda: e._waiting)
+        until(lambda: e._submitters.waiting)
         assert stuck()          # its one submitter waits for a collective not done
         sleeper = threading.Thread(target=lambda: (e.submit("queued", lambda: 1),
                                                    later.wait()))
@@ -605,7 +606,7 @@ def test_an_engine_is_stuck_only_while_every_thread_that_submitted_waits_in_it()
         assert stuck()          # (one that ended will not)
         gate.set()
         waiter.join()
-        assert not stuck() and not e._waiting
+        assert not stuck() and not e._submitters.waiting
     finally:
         gate.set()
         later.set()
@@ -702,15 +703,15 @@ def test_a_raising_callback_ends_its_collectives_children_for_the_others():
     try:
         handle = e.submit("dist.noname.7", lambda: 1)
         handle.wait()
-        with engine.children_of(handle):
-            assert engine.child_name() == "dist.noname.7.then.0"
-        engine.children_end(handle, ValueError("bad"))
-        engine.children_end(handle, RuntimeError("then() of the chain after it"))
-        assert e._ended == {"dist.noname.7": (1, "ValueError: bad")}
-        for k in range(engine._ENDED_KEPT + 1):
-            engine.children_end(engine.Finished(f"x.{k}", None, None, e), KeyError(k))
-        assert len(e._ended) == engine._ENDED_KEPT and "dist.noname.7" not in e._ended
-        engine.children_end(engine.Finished("no engine", None, None), ValueError())  # nothing
+        with lineage.children_of(handle):
+            assert lineage.child_name() == "dist.noname.7.then.0"
+        lineage.children_end(handle, ValueError("bad"))
+        lineage.children_end(handle, RuntimeError("then() of the chain after it"))
+        assert e.ended == {"dist.noname.7": (1, "ValueError: bad")}
+        for k in range(lineage.EndedMarks.KEPT + 1):
+            lineage.children_end(Finished(f"x.{k}", None, None, e), KeyError(k))
+        assert len(e.ended) == lineage.EndedMarks.KEPT and "dist.noname.7" not in e.ended
+        lineage.children_end(Finished("no engine", None, None), ValueError())  # nothing
     finally:
         e.shutdown()
     marks = [("a", {}), ("b", {"dist.noname.7": (1, "ValueError: bad")}), ("c", {})]

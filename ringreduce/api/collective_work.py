@@ -22,8 +22,10 @@ from ..core.errors import (ArgumentTypeError, HorovodInternalError, NotContiguou
 from ..gpu import cuda
 from ..kernels.buffers import CODES, NAMES, SUPPORTED, as_array, dtype_name, fresh
 from ..kernels.ops import ReduceOp
-from ..sets.engine import Handle
-from ..sets.process_sets import ActiveSet, ProcessSet, active, global_process_set, refusing
+from ..sets.active_set import ActiveSet, refusing
+from ..sets.handles import Handle
+from ..sets.process_set import ProcessSet, global_process_set
+from ..sets.process_sets import active
 from ..transport import adasum, ring
 from ..transport.negotiation import AGREED
 from ..transport.reduce_spec import ReduceSpec

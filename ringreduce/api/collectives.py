@@ -18,8 +18,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..kernels.ops import ReduceOp
-from ..sets.engine import Handle
-from ..sets.process_sets import ProcessSet, active, global_process_set, global_set
+from ..sets.handles import Handle
+from ..sets.process_set import ProcessSet, global_process_set
+from ..sets.process_sets import active, global_set
 from ..transport.signature import qualified
 from . import differentiable
 from .collective_work import (allgather_work, allreduce_work, alltoall_work, barrier_work,

@@ -19,7 +19,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..kernels.ops import ReduceOp
-from ..sets.process_sets import ProcessSet, active
+from ..sets.process_set import ProcessSet
+from ..sets.process_sets import active
 from .collective_work import (allgather_work, allreduce_work, alltoall_work, broadcast_work,
                               grouped_allreduce_work, reduce_op, reducescatter_work, run)
 from .compression import Compression, Compressor, custom

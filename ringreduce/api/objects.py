@@ -12,7 +12,9 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 
 from ..core.errors import ConsistencyError
-from ..sets.process_sets import ActiveSet, ProcessSet, active, global_process_set, refusing
+from ..sets.active_set import ActiveSet, refusing
+from ..sets.process_set import ProcessSet, global_process_set
+from ..sets.process_sets import active
 from ..transport.signature import qualified
 from .collectives import broadcast_async_, synchronize
 

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 from ..core import timeline
-from ..sets.engine import Handle
+from ..sets.handles import Handle
 from ..transport.negotiation import OutOfOrder
 
 

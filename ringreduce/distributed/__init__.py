@@ -30,7 +30,8 @@ import torch.distributed as dist
 from ..api.objects import allgather_object, broadcast_object
 from ..core.errors import RingReduceError
 from ..sets import world
-from ..sets.process_sets import active, global_process_set, open_group
+from ..sets.process_set import global_process_set
+from ..sets.process_sets import active, open_group
 from .group import BACKEND, DEVICES, RingReduceGroup
 from .point_to_point import Channel
 

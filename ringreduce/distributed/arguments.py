@@ -51,7 +51,7 @@ def logical(tensor: torch.Tensor, op: ReduceOp, pre: float,
             what: str) -> tuple[torch.Tensor, ReduceOp]:
     """A bool tensor reduced as gloo reduces one: SUM and MAX as "any", PRODUCT and MIN as
     "all", on its bytes (each 0 or 1) in place. Another op is the caller's mistake
-    (ArgumentTypeError: the others' call is refused, process_sets.refusing)."""
+    (ArgumentTypeError: the others' call is refused, active_set.refusing)."""
     if pre == 1.0 and op in (Sum, Max):
         return tensor.view(torch.uint8), Max
     if pre == 1.0 and op in (Product, Min):

@@ -33,8 +33,9 @@ from ..api.compression import Compression
 from ..api.small_path import allreduce_now, started
 from ..core.errors import RingReduceError, UnsupportedError
 from ..sets import world
-from ..sets.process_sets import (ActiveSet, ProcessSet, active, close_group, global_process_set,
-                                 refusing)
+from ..sets.active_set import ActiveSet, refusing
+from ..sets.process_set import ProcessSet, global_process_set
+from ..sets.process_sets import active, close_group
 from .arguments import (SUM, all_reducible, bitwise, copy_flat, dense, one, reducible, reduction,
                         restored, same_size, worked_on)
 from .point_to_point import Channel
@@ -109,7 +110,7 @@ class RingReduceGroup(dist.ProcessGroup):
     def _call(self, kind: str, *tensors: Any) -> tuple[ProcessSet, str, refusing]:
         """A call's set to run on, its automatic name ('dist.noname.<k>', the group's k-th
         call), taken before any check so that the rank keeps its place in the group's
-        sequence, and what goes around its own argument checks (process_sets.refusing: a
+        sequence, and what goes around its own argument checks (active_set.refusing: a
         mistake there makes the other ranks' call fail at once with a MismatchError quoting
         it). `tensors` (tensors, or lists of them, nested): the call's, which must be dense
         (all_reduce alone takes sparse ones, as gloo)."""

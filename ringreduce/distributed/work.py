@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from ..sets.engine import Finished, Handle, children_end, children_of
+from ..sets.handles import Finished, Handle
+from ..sets.lineage import children_end, children_of
 from .failed_future import fail
 
 _FUTURES = threading.Lock()     # a work's future is made once
@@ -30,10 +31,10 @@ FINISHED = Finished("dist.allreduce", None, None)     # (done: shared by every s
 class CollectiveFuture(Future):
     """The future of a collective's Work (`get_future()`). Callbacks given to `then()` or
     `add_done_callback()`, and to the futures `then()` returns, run as the collective's
-    (engine.children_of), at once or later, on whichever thread completes it: the collectives
+    (lineage.children_of), at once or later, on whichever thread completes it: the collectives
     they start get names that agree across ranks (DDP's PowerSGD hook starts two a bucket).
     A callback's error completes the future `then()` returned, as torch's message has it, and
-    ends the collective's children on this rank (engine.children_end): the other ranks fail
+    ends the collective's children on this rank (lineage.children_end): the other ranks fail
     the ones they wait for, rather than stall."""
 
     def __init__(self, origin: Handle) -> None:

@@ -42,8 +42,9 @@ from ..core.errors import MismatchError, UnsupportedError, UsageError
 from ..gpu import cuda, device_kernels
 from ..kernels.buffers import CODES, dtype_name
 from ..kernels.ops import ReduceOp
+from ..sets.active_set import refusing
 from ..sets.engine import Handle
-from ..sets.process_sets import active, refusing
+from ..sets.process_sets import active
 from ..transport.reduce_spec import ReduceSpec
 from ..transport.signature import digest, with_device
 from . import fusion, sparse_gradients

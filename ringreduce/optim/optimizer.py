@@ -25,7 +25,8 @@ from ..api.collectives import reduce_op
 from ..api.compression import Compression, Compressor, custom
 from ..core.errors import UnsupportedError
 from ..kernels.ops import ReduceOp
-from ..sets.process_sets import ProcessSet, active, global_process_set
+from ..sets.process_set import ProcessSet, global_process_set
+from ..sets.process_sets import active
 from ..transport import adasum
 from .adasum_optimizer import AdasumOptimizer
 from .gradient_reduction import GradientReduction

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..api.collectives import sparse_allreduce_async
-from ..sets.process_sets import ProcessSet
+from ..sets.process_set import ProcessSet
 
 Named = Sequence[tuple[str, torch.Tensor]]
 

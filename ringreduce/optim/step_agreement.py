@@ -17,8 +17,9 @@ import torch
 from ..api.collectives import submit
 from ..api.objects import allgather_object
 from ..kernels.ops import ReduceOp
-from ..sets.engine import Handle
-from ..sets.process_sets import ActiveSet, ProcessSet
+from ..sets.active_set import ActiveSet
+from ..sets.handles import Handle
+from ..sets.process_set import ProcessSet
 from ..transport.reduce_spec import ReduceSpec
 from ..transport.signature import digest
 

@@ -21,7 +21,8 @@ from ..api.collectives import reduce_op
 from ..api.compression import Compressor
 from ..core.errors import UsageError
 from ..kernels.ops import ReduceOp
-from ..sets.process_sets import ProcessSet, active, global_process_set
+from ..sets.process_set import ProcessSet, global_process_set
+from ..sets.process_sets import active
 from ..sets.world import split_list
 
 # Horovod's words, so that filters written for its warning match ours.

@@ -17,32 +17,27 @@ come, since on every member each thread that has submitted to the set waits for 
 pending collectives (`Engine._stuck`), the program has deadlocked: every member fails its
 first (negotiation.py), where Horovod waits for ever.
 
-Any exception raised while running a collective (ours, MPI's, a bug, even KeyboardInterrupt)
-is stored on its handle and re-raised by `wait()` in the caller's thread, as a RingReduceError
-with the cause chained, so the engine thread never dies and later collectives still run.
-
-A handle's done-callbacks (a torch future's `then()` chain: user code) run after the thread
-that finished it has let go of the set, since they may start another collective and wait for
-it (DDP's PowerSGD hook does). If that thread is the engine thread, a new engine thread takes
-over the queue the moment such a callback queues work, and the old one ends after its
-callbacks. An unnamed collective started by a callback of collective X's future is named
-'X.then.k' (`children_of`): such callbacks run on whichever thread finished X, while other
-threads go on submitting, so a count in call order would differ between ranks; this does not.
-A callback that raises on some ranks only ends X's children there (`children_end`): the
-members waiting in one of them fail it when the order is settled, instead of stalling.
+Each collective's handle (handles.py) holds its result or error. Its done-callbacks (a torch
+future's `then()` chain: user code) run after the thread that finished it has let go of the
+set, since they may start another collective and wait for it (DDP's PowerSGD hook does). If
+that thread is the engine thread, a new engine thread takes over the queue the moment such a
+callback queues work, and the old one ends after its callbacks. The names of collectives
+started there: lineage.py.
 """
 from __future__ import annotations
 
 import collections
 import threading
 import time
-import warnings
 from typing import Any, Callable, Optional, Union
 
 from ..core.errors import RingReduceError
 from ..core.thread_places import fix_place, internal
 from ..core.waiting import LONGEST_SETTLING_NAP, SETTLING_NAP, Backoff
 from ..transport.negotiation import Agreement, OutOfOrder
+from .handles import Finished, Handle, call_back, run_collective, settle_first
+from .lineage import EndedMarks
+from .submitters import Submitters, Waiting
 
 _IDLE_POKE_SECONDS = 0.05
 _AWAKE_SECONDS = 0.005     # after a submission, the engine thread looks for more this long
@@ -53,206 +48,6 @@ _LONGEST_PICKUP = 0.0032   # (which costs more than a small allreduce); but each
                            # look costs ~20 us of CPU: looking every 0.2 ms for a second after
                            # each submission took 11% of a core from training. After the
                            # burst, a submission wakes it (~30 us).
-_CALLBACKS = threading.Lock()     # a handle's callbacks are added and taken under it
-_ENDED_KEPT = 16     # an engine's most recent children_end marks, the ones its settlings tell
-_SUBMITTERS_KEPT = 64   # threads known to have submitted, before those that ended are forgotten
-
-class Handle:
-    """A future for one collective: `done()` polls, `wait()` returns its result or raises,
-    `add_done_callback(fn)` calls `fn(handle)` once it is done (on the thread that finished
-    it, once that thread has let go of the set; or at once if it is done already)."""
-
-    __slots__ = ("name", "_work", "_engine", "_finished", "_pending", "_result", "_error",
-                 "_callbacks", "_children")     # (one or two per collective: slots, cheaper)
-
-    def __init__(self, name: str, work: Callable[[], Any],
-                 engine: Optional["Engine"] = None) -> None:
-        self.name = name
-        self._work: Optional[Callable[[], Any]] = work
-        self._engine = engine
-        self._finished = False
-        self._pending = threading.Lock()     # held until done: cheaper than an Event
-        self._pending.acquire()
-        self._result: Any = None
-        self._error: Optional[BaseException] = None
-        self._callbacks: list[Callable[["Handle"], Any]] = []
-        self._children = 0      # how many collectives its callbacks started (child_name)
-
-    def done(self) -> bool:
-        return self._finished
-
-    def wait(self) -> Any:
-        """The result. A caller that finds the engine idle runs the queue up to this handle
-        itself instead of waiting for the engine thread to wake (tens of microseconds)."""
-        if not self._finished:
-            engine = self._engine
-            if engine is None:
-                with self._pending:     # until done
-                    pass
-            else:
-                with engine.waiting_for(self):
-                    engine._run_up_to(self)
-                    with self._pending:
-                        pass
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def add_done_callback(self, callback: Callable[["Handle"], Any]) -> None:
-        with _CALLBACKS:
-            if not self._finished:
-                self._callbacks.append(callback)
-                return
-        _call_back(self, [callback])
-
-    def _set_done(self) -> list[Callable[["Handle"], Any]]:
-        """Done; returns the callbacks to call (Engine._run_due calls them)."""
-        with _CALLBACKS:
-            self._finished = True
-            self._pending.release()
-            callbacks, self._callbacks = self._callbacks, []
-        return callbacks
-
-    def _run(self) -> None:
-        """Run the work and keep its result or error; OutOfOrder passes (the work runs again
-        once the order is settled)."""
-        try:
-            self._result = _call(self.name, self._work)
-        except OutOfOrder:
-            raise
-        except BaseException as exc:    # any failure fails this collective, never the engine
-            self._error = _ours(self.name, exc)
-        self._work = None
-
-    def _fail(self, exc: BaseException) -> None:
-        self._error = _ours(self.name, exc)
-        self._work = None
-
-
-class Finished(Handle):
-    """The handle of a collective that ended on the caller's thread (Engine.begin_now): done
-    from the start, so it needs no lock to wait on."""
-
-    __slots__ = ()
-
-    def __init__(self, name: str, result: Any, error: Optional[BaseException],
-                 engine: Optional["Engine"] = None) -> None:
-        self.name, self._work, self._engine = name, None, engine
-        self._finished, self._callbacks, self._children = True, [], 0
-        self._result = result
-        self._error = None if error is None else _ours(name, error)
-
-
-def _call_back(handle: Handle, callbacks: list[Callable[[Handle], Any]]) -> None:
-    """Call `handle`'s done-callbacks; one that raises is reported, and the others still run
-    (the engine thread must not die of it)."""
-    for callback in callbacks:
-        try:
-            callback(handle)
-        except Exception as exc:
-            warnings.warn(f"ringreduce: a done-callback of collective '{handle.name}' raised "
-                          f"{type(exc).__name__}: {exc}")
-
-
-class _Waiting:
-    """While a thread waits for `handle`: marked so in its engine's `_waiting` (a wait inside
-    another's done-callback restores the outer one after)."""
-
-    __slots__ = ("waiting", "handle", "me", "outer")
-
-    def __init__(self, waiting: dict[int, Handle], handle: Handle) -> None:
-        self.waiting, self.handle = waiting, handle
-
-    def __enter__(self) -> None:
-        self.me = me = threading.get_ident()
-        self.outer = self.waiting.get(me)
-        self.waiting[me] = self.handle
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.outer is None:
-            del self.waiting[self.me]
-        else:
-            self.waiting[self.me] = self.outer
-
-
-class _Parent(threading.local):
-    handle: Optional[Handle] = None     # the collective whose future's callback runs here
-
-
-PARENT = _Parent()
-
-
-class children_of:
-    """Around a callback of collective `handle`'s future: the unnamed collectives it starts
-    are named after it, 'X.then.k' for the k-th (`child_name`), the same on every rank."""
-
-    __slots__ = ("handle", "outer")
-
-    def __init__(self, handle: Handle) -> None:
-        self.handle = handle
-
-    def __enter__(self) -> None:
-        self.outer, PARENT.handle = PARENT.handle, self.handle
-
-    def __exit__(self, *_: Any) -> bool:
-        PARENT.handle = self.outer
-        return False
-
-
-def child_name() -> str:
-    """Inside `children_of(X)`: the automatic name of the next collective started there."""
-    handle = PARENT.handle
-    with _CALLBACKS:    # (callbacks added to a done future run on the adding threads: one count)
-        k = handle._children
-        handle._children = k + 1
-    return f"{handle.name}.then.{k}"
-
-
-def children_end(handle: Handle, error: BaseException) -> None:
-    """A callback of collective `handle`'s future raised here: the collectives it had yet to
-    start ('X.then.k' from the count started so far) will not come from this rank. The set's
-    engine keeps that mark for its settlings, so that members waiting in such a collective
-    fail it with this error instead of stalling (negotiation.py), while this rank goes on."""
-    engine = handle._engine
-    if engine is None:      # (a synchronous collective's shared handle: no set to tell)
-        return
-    with _CALLBACKS:
-        k = handle._children
-    with engine._cv:
-        ended = engine._ended
-        if handle.name in ended:    # the first error (chained callbacks then fail with it)
-            return
-        ended[handle.name] = (k, f"{type(error).__name__}: {error}")
-        while len(ended) > _ENDED_KEPT:
-            ended.popitem(last=False)
-
-
-def _settle_first() -> None:
-    """The first run of a begun collective whose exchange showed the members' next ones
-    differ: the engine settles the order, then runs it whole."""
-    raise OutOfOrder
-
-
-def _call(name: str, work: Callable[[], Any]) -> Any:
-    """Run a collective; failures other than ours reach the caller as RingReduceError with
-    their cause chained."""
-    try:
-        return work()
-    except (RingReduceError, OutOfOrder):
-        raise
-    except Exception as exc:  # MPI failures and bugs
-        raise _ours(name, exc) from exc
-
-
-def _ours(name: str, exc: BaseException) -> RingReduceError:
-    """`exc` as the error a caller of the collective gets: ours as it is, anything else
-    (MPI, a bug, KeyboardInterrupt, MemoryError) wrapped with its cause chained."""
-    if isinstance(exc, RingReduceError):
-        return exc
-    error = RingReduceError(f"ringreduce: collective '{name}' failed: "
-                            f"{type(exc).__name__}: {exc}")
-    error.__cause__ = exc
-    return error
 
 
 class Engine:
@@ -282,11 +77,8 @@ class Engine:
         self._last_submission = self._last_poke = 0.0
         self._due: collections.deque[tuple[Handle, list]] = collections.deque()
         self._driver_in_callbacks = False
-        self._ended: collections.OrderedDict[str, tuple[int, str]] = collections.OrderedDict()
-        # Who could still submit (`_stuck`): the threads that have submitted to the set, and
-        # the collective each thread waits for, while it waits
-        self._submitters: dict[int, threading.Thread] = {}
-        self._waiting: dict[int, Handle] = {}
+        self.ended = EndedMarks()           # children_end marks, for the settlings
+        self._submitters = Submitters()     # who could still submit (`_stuck`)
         with self._cv:
             self._start_driver(thread_name)
 
@@ -342,7 +134,7 @@ class Engine:
         if handle is not None:
             return handle.wait()
         try:
-            return _call(name, work)
+            return run_collective(name, work)
         except OutOfOrder:
             handle = self.reorder(name, work)
         finally:
@@ -371,19 +163,11 @@ class Engine:
         return True
 
     def _submitted_here(self) -> None:
-        """Count this thread among the set's submitters (`_stuck`); forget those that ended
-        once there are many (a program may start a thread per request)."""
-        me, submitters = threading.get_ident(), self._submitters
-        if me not in submitters:
-            if len(submitters) >= _SUBMITTERS_KEPT:
-                for ident, thread in list(submitters.items()):
-                    if not thread.is_alive():
-                        submitters.pop(ident, None)
-            submitters[me] = threading.current_thread()
+        self._submitters.add()
 
-    def waiting_for(self, handle: Handle) -> "_Waiting":
+    def waiting_for(self, handle: Handle) -> "Waiting":
         """Around this thread's wait for `handle`, one of the set's collectives (`_stuck`)."""
-        return _Waiting(self._waiting, handle)
+        return Waiting(self._submitters.waiting, handle)
 
     def _stuck(self) -> bool:
         """(Under the condition's lock.) Whether nothing more can be submitted to the set on
@@ -396,16 +180,7 @@ class Engine:
         nothing more: stuck, whoever waits where."""
         if self._stopping:
             return True
-        if self._due:
-            return False
-        for ident, thread in list(self._submitters.items()):
-            if not thread.is_alive():
-                self._submitters.pop(ident, None)
-                continue
-            handle = self._waiting.get(ident)
-            if handle is None or handle.done():
-                return False
-        return bool(self._submitters)
+        return not self._due and self._submitters.stuck()
 
     def release_idle(self) -> None:
         """After a claim. The engine thread, if it waits, waits for the lock itself. (As
@@ -435,7 +210,7 @@ class Engine:
                     handle, callbacks = self._due.popleft()
                 except IndexError:
                     return
-                _call_back(handle, callbacks)
+                call_back(handle, callbacks)
         finally:
             if driving and me == self._driver:      # (not if a new engine thread took over)
                 self._driver_in_callbacks = outer
@@ -458,7 +233,7 @@ class Engine:
             return Finished(name, None, exc, self)
         if done:
             return Finished(name, value, None, self)
-        remaining = [_settle_first if value is None else value]
+        remaining = [settle_first if value is None else value]
 
         def work() -> Any:          # `rest` the first time, `whole` if it must run again
             return (remaining.pop() if remaining else whole)()
@@ -523,7 +298,7 @@ class Engine:
         then its name is free and it is done); False when it is still pending because the
         members' next collectives differed and the others ran first."""
         try:
-            handle._run()
+            handle.run_work()
         except OutOfOrder:
             return self._settled(handle)
         self._complete(handle)
@@ -535,7 +310,7 @@ class Engine:
             self._settle(handle)
         except BaseException as exc:    # the settling failed (a member left, MPI): so did it
             if not handle.done():
-                handle._fail(exc)
+                handle.fail_with(exc)
                 self._complete(handle)
             return True
         return handle.done()
@@ -544,11 +319,11 @@ class Engine:
         """Its name is free before it is done: a caller woken by wait() may reuse the name.
         Its callbacks wait until this thread lets go of the set (`_let_go`)."""
         self._release_name(handle.name)
-        callbacks = handle._set_done()
+        callbacks = handle.set_done()
         if callbacks:
             self._due.append((handle, callbacks))
 
-    def _run_up_to(self, handle: Handle) -> None:
+    def run_up_to(self, handle: Handle) -> None:
         """On a thread waiting for `handle`: while the engine is free, run the queue in order
         until `handle` is done, as the engine thread would."""
         while not handle.done() and self._running.acquire(False):
@@ -580,7 +355,7 @@ class Engine:
         naps = Backoff(SETTLING_NAP, LONGEST_SETTLING_NAP)
         while True:
             with self._cv:
-                pending, ended = [first, *self._queue], dict(self._ended)
+                pending, ended = [first, *self._queue], self.ended.copy()
                 stuck = self._stuck()
             agreed = agree([h.name for h in pending], ended, stuck)
             if agreed is None:

@@ -28,8 +28,9 @@ from ..core.version import __version__
 from ..core.waiting import wait_reporting
 from ..gpu.cuda_aware import resolve_cuda_aware
 from ..transport import ring
-from .process_sets import (ProcessSet, global_set, is_running, register_at_init, registered_sets,
-                           start, stop)
+from .job import is_running
+from .process_set import ProcessSet
+from .process_sets import global_set, register_at_init, registered_sets, start, stop
 
 log = logging.getLogger("ringreduce")
 _init_lock = threading.Lock()

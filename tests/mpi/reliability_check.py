@@ -35,7 +35,7 @@ import torch.nn as nn
 
 import ringreduce as hvd
 from checks import check_equal, expect, run_cases
-from ringreduce.sets import process_sets
+from ringreduce.sets import job
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -49,7 +49,7 @@ def leave():
     hvd.allreduce(torch.ones(3), name="before")
     if r == 0:
         if sys.argv[1] == "leave_ahead":
-            process_sets._job.active[0].transport.watch.begun += 3
+            job.current().active[0].transport.watch.begun += 3
         stamp("LEAVING")
         if sys.argv[1] == "leave_exit":
             sys.exit(0)
