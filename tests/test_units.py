@@ -115,21 +115,36 @@ def test_mismatch_message_names_tensor_field_and_ranks():
     assert signature.digest(sigs[0]) == signature.digest(dict(reversed(sigs[0].items())))
 
 
-def test_allreduce_digest_tells_every_field_apart():
-    """The C digest of one-tensor allreduces (fast path) is what digest() gives the general
-    path for the same signature, and changes with every field."""
-    base = {"collective": "allreduce", "name": "w", "op": "Sum", "prescale": 1.0,
-            "postscale": 1.0, "dtype": "float32", "shape": (3, 4)}
+def test_allreduce_signature_digest_is_the_c_digest_of_every_field():
+    """A one-tensor allreduce's signature (the one place its fields are listed) digests in C,
+    the small way's digest, and each of its fields changes that digest; a CUDA tensor's and a
+    rooted one's go by the general digest of their fields."""
+    base = signature.AllreduceSignature("w", "Sum", "float32", torch.Size([3, 4]))
     fast = _native.allreduce_digest("w", "Sum", "float32", torch.Size([3, 4]), 1.0, 1.0)
-    assert fast == signature.digest(base) == signature.digest(dict(reversed(base.items())))
+    assert base.digest() == fast == signature.AllreduceSignature.c_digest(
+        "w", "Sum", "float32", (3, 4), 1.0, 1.0)
+    listed = base.fields()
+    assert set(listed) == {"collective", "name", "op", "prescale", "postscale", "dtype", "shape"}
     variants = [("name", "w2"), ("name", ""), ("op", "Average"), ("prescale", 2.0),
                 ("postscale", 0.5), ("dtype", "float64"), ("shape", (4, 3)), ("shape", (12,)),
                 ("shape", (3, 4, 1)), ("shape", ())]
-    digests = {signature.digest({**base, field: value}) for field, value in variants}
+    assert {field for field, _ in variants} == set(listed) - {"collective"}
+    arguments = ("name", "op", "dtype", "shape", "prescale", "postscale")
+
+    def changed(field, value):
+        values = {a: getattr(base, a) for a in arguments}
+        return signature.AllreduceSignature(**{**values, field: value}).digest()
+
+    digests = {changed(field, value) for field, value in variants}
     assert len(digests) == len(variants) and fast not in digests
     # the field boundary counts: name "ab" + op "c" differs from name "a" + op "bc"
-    assert signature.digest({**base, "name": "ab", "op": "c"}) != \
-        signature.digest({**base, "name": "a", "op": "bc"})
+    assert changed("name", "ab") != changed("name", "a")
+    ab = signature.AllreduceSignature("ab", "c", "float32", (3,)).digest()
+    assert ab != signature.AllreduceSignature("a", "bc", "float32", (3,)).digest()
+    cuda = signature.AllreduceSignature("w", "Sum", "float32", (3, 4), cuda=True)
+    assert cuda.fields()["device"] == "cuda" and cuda.digest() == signature.digest(cuda.fields())
+    rooted = signature.AllreduceSignature("w", "Sum", "float32", (3, 4), root=1).fields()
+    assert rooted["collective"] == "reduce" and rooted["root_rank"] == 1
 
 
 @pytest.mark.parametrize("compressor,wire", [(hvd.Compression.fp16, torch.float16),

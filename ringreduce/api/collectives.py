@@ -23,11 +23,12 @@ from ..sets.process_set import ProcessSet, global_process_set
 from ..sets.process_sets import active, global_set
 from ..transport.signature import qualified
 from . import differentiable
-from .collective_work import (allgather_work, allreduce_work, alltoall_work, barrier_work,
-                              broadcast_work, first, grouped_allreduce_work, reduce_op,
-                              reducescatter_work, run, sparse_allreduce_work, submit, tupled)
+from .arguments import reduce_op
 from .compression import Compression, Compressor
-from .small_path import allreduce_now, queued_work, started
+from .movements import allgather_work, alltoall_work, barrier_work, broadcast_work
+from .reductions import grouped_allreduce_work, reducescatter_work, sparse_allreduce_work
+from .small_path import reduce_later, reduce_now
+from .work import first, run, submit, tupled
 
 Average = ReduceOp.Average
 Sum = ReduceOp.Sum
@@ -55,14 +56,9 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
                     postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
                     compression: type[Compressor] = Compression.none) -> Handle:
     """Start an allreduce of `tensor`; `synchronize(handle)` returns a new reduced tensor."""
-    name = qualified("allreduce", name)
-    if average is None and prescale_factor == 1.0 and compression is Compression.none:
-        work = queued_work(active(process_set, "allreduce_async()"), tensor, name, op,
-                           postscale_factor)
-        if work is not None:
-            return submit(work)
-    return submit(allreduce_work(tensor, average, name, op, prescale_factor, postscale_factor,
-                                 compression, False, process_set))
+    return reduce_later(active(process_set, "allreduce_async()"), tensor,
+                        qualified("allreduce", name), op, average, prescale_factor,
+                        postscale_factor, compression, False, process_set)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
@@ -70,14 +66,9 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
                      postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place allreduce; `tensor` is overwritten when the handle completes."""
-    name = qualified("allreduce", name)
-    if average is None and prescale_factor == 1.0:
-        handle = started(active(process_set, "allreduce_async_()"), tensor, name, op,
-                         postscale_factor)
-        if handle is not None:
-            return handle
-    return submit(allreduce_work(tensor, average, name, op, prescale_factor, postscale_factor,
-                                 Compression.none, True, process_set))
+    return reduce_later(active(process_set, "allreduce_async_()"), tensor,
+                        qualified("allreduce", name), op, average, prescale_factor,
+                        postscale_factor, Compression.none, True, process_set)
 
 
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -94,14 +85,9 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
                op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce `tensor` over the set's ranks in place and return it."""
-    name = qualified("allreduce", name)
-    if average is None and prescale_factor == 1.0:
-        out = allreduce_now(active(process_set, "allreduce_()"), tensor, name, op,
-                            postscale_factor, True)
-        if out is not None:
-            return out
-    return run(allreduce_work(tensor, average, name, op, prescale_factor, postscale_factor,
-                              Compression.none, True, process_set))
+    return reduce_now(active(process_set, "allreduce_()"), tensor, qualified("allreduce", name),
+                      op, average, prescale_factor, postscale_factor, Compression.none, True,
+                      process_set)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,

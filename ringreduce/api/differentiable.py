@@ -21,10 +21,12 @@ import torch
 from ..kernels.ops import ReduceOp
 from ..sets.process_set import ProcessSet
 from ..sets.process_sets import active
-from .collective_work import (allgather_work, allreduce_work, alltoall_work, broadcast_work,
-                              grouped_allreduce_work, reduce_op, reducescatter_work, run)
+from .arguments import reduce_op
 from .compression import Compression, Compressor, custom
-from .small_path import allreduce_now
+from .movements import allgather_work, alltoall_work, broadcast_work
+from .reductions import grouped_allreduce_work, reducescatter_work
+from .small_path import reduce_now
+from .work import run
 
 
 def requires_grad(tensor: Any) -> bool:
@@ -44,13 +46,8 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool], name: Optional[str]
                 process_set)])[0]
         return _AllreduceFunction.apply(tensor, average, name, compression, op, prescale,
                                         postscale, process_set)
-    if average is None and compression is Compression.none and prescale == 1.0:
-        out = allreduce_now(active(process_set, "allreduce()"), tensor, name, op, postscale,
-                            False)
-        if out is not None:
-            return out
-    return run(allreduce_work(tensor, average, name, op, prescale, postscale, compression,
-                              False, process_set))
+    return reduce_now(active(process_set, "allreduce()"), tensor, name, op, average, prescale,
+                      postscale, compression, False, process_set)
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool],

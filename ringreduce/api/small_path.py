@@ -1,7 +1,9 @@
-"""The small path's entry from the public calls (both front doors): a small allreduce taken
-straight to the set's small way (transport/small_way.py), on the caller's thread when the set's
-engine is idle. Each returns None where the call does not take the small way, and the caller
-goes the general way (collective_work.py)."""
+"""The one dispatch of an allreduce from the public calls of both front doors (Horovod's
+allreduce, allreduce_, allreduce_async, allreduce_async_, and the backend's all_reduce):
+`reduce_now` and `reduce_later` take a small one straight to the set's small way
+(transport/small_way.py), on the caller's thread when the set's engine is idle, and every
+other one the general way (reductions.allreduce_work). Below them, the small way's three
+entries, each None where the call does not take it."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -9,8 +11,43 @@ from typing import Any, Optional
 import torch
 
 from ..core import timeline
+from ..sets.active_set import ActiveSet
 from ..sets.handles import Handle
+from ..sets.process_set import ProcessSet
 from ..transport.negotiation import OutOfOrder
+from .compression import Compression, Compressor
+from .reductions import allreduce_work
+from .work import run, submit
+
+
+def reduce_now(ps: ActiveSet, tensor: torch.Tensor, name: Optional[str], op: Any,
+               average: Optional[bool], prescale: float, postscale: float,
+               compression: type[Compressor], in_place: bool,
+               process_set: ProcessSet) -> torch.Tensor:
+    """A synchronous allreduce of `tensor` on `ps` (`process_set`'s): its result."""
+    if average is None and prescale == 1.0 and compression is Compression.none:
+        out = allreduce_now(ps, tensor, name, op, postscale, in_place)
+        if out is not None:
+            return out
+    return run(allreduce_work(tensor, average, name, op, prescale, postscale, compression,
+                              in_place, process_set))
+
+
+def reduce_later(ps: ActiveSet, tensor: torch.Tensor, name: Optional[str], op: Any,
+                 average: Optional[bool], prescale: float, postscale: float,
+                 compression: type[Compressor], in_place: bool,
+                 process_set: ProcessSet) -> Handle:
+    """An asynchronous allreduce of `tensor` on `ps` (`process_set`'s): its handle."""
+    if average is None and prescale == 1.0 and compression is Compression.none:
+        if in_place:
+            handle = started(ps, tensor, name, op, postscale)
+        else:
+            work = queued_work(ps, tensor, name, op, postscale)
+            handle = None if work is None else submit(work)
+        if handle is not None:
+            return handle
+    return submit(allreduce_work(tensor, average, name, op, prescale, postscale, compression,
+                                 in_place, process_set))
 
 
 def allreduce_now(ps: Any, tensor: Any, name: Optional[str], op: Any, postscale: float,

@@ -24,13 +24,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..api.collective_work import (allgather_work, allreduce_work, alltoall_work, barrier_work,
-                                   bitwise_allreduce_work, broadcast_work, first,
-                                   grouped_allreduce_work, reducescatter_work, run,
-                                   sparse_allreduce_work, submit)
 from ..api.collectives import Average, Sum
 from ..api.compression import Compression
-from ..api.small_path import allreduce_now, started
+from ..api.movements import allgather_work, alltoall_work, barrier_work, broadcast_work
+from ..api.reductions import (allreduce_work, bitwise_allreduce_work, grouped_allreduce_work,
+                              reducescatter_work, sparse_allreduce_work)
+from ..api.small_path import reduce_later, reduce_now, started
+from ..api.work import first, submit
 from ..core.errors import RingReduceError, UnsupportedError
 from ..sets import world
 from ..sets.active_set import ActiveSet, refusing
@@ -232,20 +232,14 @@ class RingReduceGroup(dist.ProcessGroup):
         if opts is not None and not getattr(opts, "asyncOp", True):    # (torch >= 2.8 has it)
             # dist.all_reduce(t) waits at once: the synchronous call runs on this thread when
             # the set's engine is idle (the handle's queue costs as much as a small allreduce)
-            done = allreduce_now(ps, tensor, name, op, 1.0, True) if pre == 1.0 else None
-            if done is None:
-                run(allreduce_work(tensor, None, name, op, pre, 1.0, Compression.none, True,
-                                   self._process_set))
+            reduce_now(ps, tensor, name, op, None, pre, 1.0, Compression.none, True,
+                       self._process_set)
             if write_back is not None:
                 with torch.no_grad():       # (as the asynchronous Work writes it)
                     write_back(None)
             return CollectiveWork(FINISHED, tensors)
-        # small (unless the first try above was this very call: the same tensor and op)
-        retry = pre == 1.0 and (op is not Sum or tensor is not tensors[0])
-        handle = started(ps, tensor, name, op, 1.0) if retry else None
-        if handle is None:
-            handle = submit(allreduce_work(tensor, None, name, op, pre, 1.0, Compression.none,
-                                           True, self._process_set))
+        handle = reduce_later(ps, tensor, name, op, None, pre, 1.0, Compression.none, True,
+                              self._process_set)
         return CollectiveWork(handle, tensors, write_back)
 
     def _sparse_allreduce(self, ps: ActiveSet, name: str, tensor: torch.Tensor, op: Any,

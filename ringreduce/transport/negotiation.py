@@ -45,10 +45,10 @@ log = logging.getLogger("ringreduce")
 
 # One settling of the order: takes this rank's pending names, oldest first, its
 # `children_end` marks (collective name -> (the first child that will not come, the error)),
-# and whether nothing more can be submitted here (the engine's `_stuck`, sets/engine.py); returns the names to run
-# now, in the order every member runs them (empty: none is pending everywhere yet; None: leave
-# the settling with nothing run, on every member alike). It may raise, on every member whose
-# first name then fails with that error.
+# and whether nothing more can be submitted here (the engine's `_stuck`, sets/engine.py);
+# returns the names to run now, in the order every member runs them (empty: none is pending
+# everywhere yet; None: leave the settling with nothing run, on every member alike). It may
+# raise, on every member whose first name then fails with that error.
 Agreement = Callable[[list[str], dict[str, tuple[int, str]], bool], Optional[list[str]]]
 
 

@@ -9,8 +9,6 @@ from typing import Any, Mapping, Optional, Sequence
 from .. import _native
 
 Signature = Mapping[str, Any]
-ALLREDUCE_FIELDS = frozenset(("collective", "name", "op", "prescale", "postscale", "dtype",
-                              "shape"))
 # The kinds that qualify the names callers give (Horovod's 'allreduce.w'); see `qualified`.
 KINDS = frozenset(("allreduce", "grouped_allreduce", "sparse_allreduce", "allgather",
                    "grouped_allgather", "broadcast", "alltoall", "reducescatter",
@@ -48,19 +46,45 @@ def with_device(signature: dict, cuda: bool) -> dict:
 
 
 def digest(signature: Signature) -> int:
-    """64 bits that equal across ranks exactly when the signatures do. A one-tensor allreduce,
-    the most frequent and the most latency-bound, is hashed in C field by field
-    (`allreduce_digest`), which the fast path calls directly without building the dictionary;
-    other signatures by two CRCs of their fields in sorted order (a real mismatch slips through
-    only if both collide)."""
-    if (signature.keys() == ALLREDUCE_FIELDS and signature["collective"] == "allreduce"
-            and isinstance(signature["name"], str)):
-        return _native.allreduce_digest(signature["name"], signature["op"], signature["dtype"],
-                                        tuple(signature["shape"]), float(signature["prescale"]),
-                                        float(signature["postscale"]))
+    """64 bits that equal across ranks exactly when the signatures do: two CRCs of the fields in
+    sorted order (a real mismatch slips through only if both collide). (A one-tensor
+    allreduce's: AllreduceSignature.digest.)"""
     text = repr(sorted(signature.items())).encode()
     value = (zlib.crc32(text) << 32) | zlib.adler32(text)
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+class AllreduceSignature:
+    """A one-tensor allreduce as the members compare it, the most frequent and most
+    latency-bound collective: the one place its fields are listed. Its `digest()` hashes them
+    in C field by field (`c_digest`, FNV-1a, native/node.c), which the small way calls with
+    the same fields without making the object; a CUDA tensor's (`cuda`) or the
+    torch.distributed backend's reduce (`root`, a global rank) by `digest` of `fields()`."""
+
+    __slots__ = ("name", "op", "dtype", "shape", "prescale", "postscale", "cuda", "root")
+    c_digest = staticmethod(_native.allreduce_digest)   # (name, op, dtype, shape, pre, post)
+
+    def __init__(self, name: str, op: str, dtype: str, shape: Sequence[int],
+                 prescale: float = 1.0, postscale: float = 1.0, cuda: bool = False,
+                 root: Optional[int] = None) -> None:
+        self.name, self.op, self.dtype, self.shape = name, op, dtype, tuple(shape)
+        self.prescale, self.postscale = float(prescale), float(postscale)
+        self.cuda, self.root = cuda, root
+
+    def fields(self) -> dict:
+        """As messages show it (and as the general digest takes it)."""
+        fields = {"collective": "allreduce" if self.root is None else "reduce",
+                  "name": self.name, "op": self.op, "prescale": self.prescale,
+                  "postscale": self.postscale, "dtype": self.dtype, "shape": self.shape}
+        if self.root is not None:
+            fields["root_rank"] = self.root
+        return with_device(fields, self.cuda)
+
+    def digest(self) -> int:
+        if self.cuda or self.root is not None:
+            return digest(self.fields())
+        return self.c_digest(self.name, self.op, self.dtype, self.shape, self.prescale,
+                             self.postscale)
 
 
 def label(signature: Signature) -> str:

@@ -16,11 +16,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .. import _native
 from ..kernels.buffers import CODES, NAMES
 from ..kernels.ops import ReduceOp
 from .negotiation import OutOfOrder, PeersJoined, tell_members
 from .reduce_spec import ReduceSpec
+from .signature import AllreduceSignature
 from .stall import StallWatch
 from .way import Way
 
@@ -29,6 +29,7 @@ from .way import Way
 _OPS = {op: (op.name, op) for op in ReduceOp if op != ReduceOp.Adasum}
 _DTYPES = {dtype: (code, NAMES[dtype]) for dtype, code in CODES.items()}
 _AVERAGE = ReduceOp.Average
+_DIGEST = AllreduceSignature.c_digest    # (the fast path's, without making the object)
 _Tensor, _STRIDED = torch.Tensor, torch.strided
 AfterJoins = Callable[[torch.Tensor, torch.Tensor, ReduceSpec], None]
 
@@ -73,7 +74,7 @@ class SmallWay:
         makes nothing but the digest (at a few microseconds a call, each object shows)."""
         (op_name, op), (code, dtype) = case
         shape = tensor.shape
-        digest = _native.allreduce_digest(name, op_name, dtype, shape, 1.0, float(postscale))
+        digest = _DIGEST(name, op_name, dtype, shape, 1.0, float(postscale))
         self._watch.begin(f"allreduce '{name}'")     # (signature.label, without a dict)
         address, count = tensor.data_ptr(), tensor.numel()
         divisor = self._average_divisor if op is _AVERAGE else 1.0
@@ -151,7 +152,7 @@ def _signed(tensor: torch.Tensor, name: str, case: tuple,
     mismatch, a join, a stall report), keeping no reference to the tensor. (A partial, not a
     closure: it is made on every call, and costs half as much.)"""
     (op_name, _), (_, dtype) = case
-    digest = _native.allreduce_digest(name, op_name, dtype, tensor.shape, 1.0, float(postscale))
+    digest = _DIGEST(name, op_name, dtype, tensor.shape, 1.0, float(postscale))
     return digest, _spec_maker(tensor, name, case, postscale, digest)
 
 
@@ -164,6 +165,5 @@ def _spec_maker(tensor: torch.Tensor, name: str, case: tuple, postscale: float,
 
 def _spec(torch_dtype: torch.dtype, op: ReduceOp, postscale: float, digest: int, name: str,
           op_name: str, dtype: str, shape: torch.Size) -> ReduceSpec:
-    return ReduceSpec(torch_dtype, op, 1.0, postscale, digest, {
-        "collective": "allreduce", "name": name, "op": op_name, "prescale": 1.0,
-        "postscale": postscale, "dtype": dtype, "shape": tuple(shape)})
+    signature = AllreduceSignature(name, op_name, dtype, shape, 1.0, postscale)
+    return ReduceSpec(torch_dtype, op, 1.0, postscale, digest, signature.fields())

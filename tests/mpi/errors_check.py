@@ -8,7 +8,7 @@ import torch
 
 import ringreduce as hvd
 from checks import expect
-from ringreduce.api import collective_work
+from ringreduce.api import reductions
 from ringreduce.sets import world
 from ringreduce.sets.process_sets import active
 from ringreduce.transport.set_transport import Transport
@@ -457,17 +457,17 @@ def expect_met(name, injected, call, *args, **kwargs):
 
 
 def failing_fresh(*args, **kwargs):
-    collective_work.fresh = allocating
+    reductions.fresh = allocating
     raise MemoryError("injected before the collective")
 
 
-allocating = collective_work.fresh
+allocating = reductions.fresh
 if r == n - 1:
-    collective_work.fresh = failing_fresh
+    reductions.fresh = failing_fresh
 try:
     expect_met("early", "injected before the collective", hvd.allreduce, torch.ones(1 << 18))
 finally:
-    collective_work.fresh = allocating
+    reductions.fresh = allocating
 assert torch.equal(hvd.allreduce(torch.ones(1 << 18), op=hvd.Sum),
                    torch.full((1 << 18,), float(n)))
 

@@ -116,7 +116,7 @@ import ringreduce as hvd  # noqa: E402
 from ringreduce.gpu import staging  # noqa: E402
 from ringreduce.transport import gpu_ways  # noqa: E402
 from ringreduce.kernels.buffers import as_array, as_tensor  # noqa: E402
-from ringreduce.api.collective_work import _allreduce_spec  # noqa: E402
+from ringreduce.api.reductions import _allreduce_spec  # noqa: E402
 from ringreduce.sets.process_sets import active, global_set  # noqa: E402
 from ringreduce.transport.reduce_spec import ReduceSpec  # noqa: E402
 from checks import horovod_scaled  # noqa: E402
