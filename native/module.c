@@ -219,9 +219,10 @@ static PyObject *large_begin(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
-/* large_run(node, spin_seconds) -> 1 done, 0 waiting for peers (wait, then call again), 2 our
- * chunk is reduced on this node (run the ring between nodes on it, then call again), -1 when
- * the digests differ; an exception when its kernel fails or no begin succeeded. */
+/* large_run(node, spin_seconds) -> its outcome, by name: LARGE_DONE, LARGE_WAITING for peers
+ * (wait, then call again), LARGE_BETWEEN_NODES: our chunk is reduced on this node (run the ring
+ * between nodes on it, then call again), LARGE_MISMATCH when the digests differ; an exception
+ * when its kernel fails or no begin succeeded. */
 static PyObject *large_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (check_args(nargs, 2, "large_run")) return NULL;
     rr_node *node = node_of(args[0]);
@@ -231,13 +232,8 @@ static PyObject *large_run(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_BEGIN_ALLOW_THREADS
     status = rr_large_run(node, seconds);
     Py_END_ALLOW_THREADS
-    switch (status) {
-    case RR_OK: return PyLong_FromLong(1);
-    case RR_WAITING: return PyLong_FromLong(0);
-    case RR_BETWEEN_NODES: return PyLong_FromLong(2);
-    case RR_MISMATCH: return PyLong_FromLong(-1);
-    default: return raise_status(status, "large_run");
-    }
+    if (RR_FAILED(status) || status == RR_PENDING) return raise_status(status, "large_run");
+    return PyLong_FromLong(status);
 }
 
 /* large_chunk(node) -> (first element, count) of our chunk of the current block */
@@ -492,7 +488,9 @@ PyMODINIT_FUNC PyInit__native(void) {
         {"F16", RR_F16}, {"BF16", RR_BF16}, {"F32", RR_F32}, {"F64", RR_F64},
         {"LINE", RR_LINE}, {"PAGE", RR_PAGE}, {"HEADER_WORDS", RR_HEADER_WORDS},
         {"STREAM_MIN", RR_STREAM_MIN}, {"PHASES", RR_PHASES},
-        {"EXCHANGE_BYTES", sizeof(rr_exchange)}, {"PENDING", PENDING}};
+        {"EXCHANGE_BYTES", sizeof(rr_exchange)}, {"PENDING", PENDING},
+        {"LARGE_DONE", RR_OK}, {"LARGE_WAITING", RR_WAITING},
+        {"LARGE_BETWEEN_NODES", RR_BETWEEN_NODES}, {"LARGE_MISMATCH", RR_MISMATCH}};
     for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++)
         if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0) {
             Py_DECREF(m);

@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .core.errors import LaunchError
 from .core.version import __version__
 from .sets import world
 
@@ -96,10 +97,6 @@ _DEFAULTS = ("--mpi", "--stall-check", "--no-mpi-threads-disable", "--no-autotun
 # Variables horovodrun does not pass on to the ranks (its env_util.is_exportable), as Open MPI's
 # `-x` would; Hydra passes the whole environment itself.
 _NOT_EXPORTED = re.compile(r"BASH_FUNC_.*|OLDPWD|.*CUDA_VISIBLE_DEVICES")
-
-
-class LaunchError(Exception):
-    """A flag or combination this launcher cannot honour; the message says why."""
 
 
 def _positive_int(text: str) -> int:

@@ -21,7 +21,8 @@ from ringreduce.kernels import ops as kernels
 from ringreduce.optim import wrapped_optimizer
 from ringreduce.sets import engine, lineage
 from ringreduce.sets.handles import Finished
-from ringreduce.transport import crossnode, negotiation, ring, signature, stall
+from ringreduce.transport import crossnode, negotiation, ring, signature
+from ringreduce.transport.departures import Departures
 from ringreduce.kernels.buffers import CODES, as_array
 from ringreduce.core.mpi import mpi
 
@@ -338,8 +339,8 @@ def _two_local_ranks(small_bytes=4096, block_bytes=4096):
 def test_the_node_protocol_refuses_what_it_cannot_reduce_before_publishing():
     """large_begin refuses an unknown dtype or op (or Adasum) before raising any flag, and
     large_run then refuses to run (no stale job runs unreduced); small_end refuses with dst
-    untouched. The same two ranks then reduce correctly, and the return values Python reads
-    (1 done, 0 waiting, 2 between nodes, -1 mismatch) are kept."""
+    untouched. The same two ranks then reduce correctly, and large_run's outcomes are the ones
+    it names (LARGE_DONE, LARGE_WAITING, LARGE_BETWEEN_NODES, LARGE_MISMATCH), each its own."""
     segments, nodes = _two_local_ranks()
     flags = [s[:8].view(np.int64) for s in segments]
     x = [np.arange(3000, dtype=np.float32) * (r + 1) for r in range(2)]     # three blocks
@@ -355,8 +356,8 @@ def test_the_node_protocol_refuses_what_it_cannot_reduce_before_publishing():
             for r in range(2):
                 if results[r] is None:
                     status = _native.large_run(nodes[r], -1.0)
-                    assert status in (0, expect), status
-                    results[r] = None if status == 0 else status
+                    assert status in (_native.LARGE_WAITING, expect), status
+                    results[r] = None if status == _native.LARGE_WAITING else status
             if None not in results:
                 return
         raise AssertionError(f"stuck: {results}")
@@ -375,13 +376,15 @@ def test_the_node_protocol_refuses_what_it_cannot_reduce_before_publishing():
             with pytest.raises(RuntimeError, match="^ringreduce: large_run: no large allreduce"):
                 _native.large_run(nodes[0], -1.0)
         assert flags[0][0] == 0 and flags[1][0] == 0 and not out[0].any()
+        assert len({_native.LARGE_DONE, _native.LARGE_WAITING, _native.LARGE_BETWEEN_NODES,
+                    _native.LARGE_MISMATCH}) == 4
         begin(0), begin(1)
-        run_both(1)
+        run_both(_native.LARGE_DONE)
         assert all(np.array_equal(o, x[0] + x[1]) for o in out)
         begin(0, between_nodes=True), begin(1, between_nodes=True)
-        run_both(2)                     # our chunk reduced: the ring between nodes goes next
+        run_both(_native.LARGE_BETWEEN_NODES)   # our chunk reduced: the ring between nodes next
         begin(0, digest=5), begin(1, digest=6)
-        run_both(-1)
+        run_both(_native.LARGE_MISMATCH)
 
         small = [np.arange(100, dtype=np.int32) * (r + 1) for r in range(2)]
         dst = [np.full(100, 9, dtype=np.int32) for _ in range(2)]
@@ -427,7 +430,7 @@ def test_the_node_writes_its_staging_both_ways_and_the_results_stay_exact():
         done = [False, False]
         for _ in range(1000):
             for r in range(2):
-                done[r] = done[r] or _native.large_run(nodes[r], -1.0) == 1
+                done[r] = done[r] or _native.large_run(nodes[r], -1.0) == _native.LARGE_DONE
             if all(done):
                 break
         assert all(done)
@@ -849,7 +852,7 @@ def test_a_member_that_left_after_a_collective_does_not_fail_it():
     """A goodbye carries how many collectives the member had begun (it finished them all): the
     ones it took part in still complete on the others, whose last messages may arrive after it
     left; later ones cannot. A member's failure ends every one."""
-    departures = stall.Departures(mpi().COMM_SELF)
+    departures = Departures(mpi().COMM_SELF)
     assert not departures.ended(1)
     departures.gone[1] = 5
     assert not departures.ended(5)
@@ -862,7 +865,7 @@ def test_a_member_that_left_after_a_collective_does_not_fail_it():
 def test_a_set_is_restartable_after_a_failure_or_a_restart_and_not_after_a_member_left():
     """elastic's reset restarts the job (shutdown() and init() on every rank) only where no
     member has left for good: init() would wait for it."""
-    departures = stall.Departures(mpi().COMM_SELF)
+    departures = Departures(mpi().COMM_SELF)
     assert not departures.restartable()
     departures.failures[2] = "collective #3 allreduce 'x' (MemoryError: ...)"
     assert departures.restartable()

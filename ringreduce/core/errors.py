@@ -78,4 +78,18 @@ class ConsistencyError(RingReduceError):
     """Tensors that should be identical on every rank are not (see `check_consistency`)."""
 
 
+class HostsUpdatedInterrupt(RuntimeError):
+    """Raised on every rank by `commit()` / `check_host_updates()` after a host update; `run`
+    then resets without restoring the commit. `skip_sync`: hosts were only removed, so the
+    remaining ranks are in sync already. Not a `HorovodInternalError`, as in Horovod."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("hosts were added or removed; resetting")
+        self.skip_sync = skip_sync
+
+
+class LaunchError(Exception):
+    """A flag or combination `ringreduce-run` (run.py) cannot honour; the message says why."""
+
+
 HorovodInternalError = RingReduceError

@@ -38,11 +38,11 @@ from torch.futures import Future
 
 from ..core.errors import RingReduceError, ShutDownError
 from ..core.mpi import mpi
+from ..core.state import abandon
 from ..core.thread_places import internal
 from ..core.waiting import (DEPARTED_GRACE, LONGEST_NAP, LOOK_EVERY, SHORTEST_NAP, YIELD_SECONDS,
                             Backoff, Every, Once)
 from ..kernels.buffers import dtype_name
-from ..transport.ring import ABANDONED
 from ..transport.stall import StallWatch
 from .failed_future import fail
 
@@ -144,7 +144,7 @@ class MessageWork(dist.Work):
 
     def _fail(self, error: BaseException) -> None:
         """End the work with `error` though its requests are still pending (a peer that left):
-        they, and with them the buffers MPI may still write, are kept (ring.ABANDONED)."""
+        they, and with them the buffers MPI may still write, are kept (core/state.abandon)."""
         with self._lock:
             if self._done:
                 return
@@ -152,7 +152,7 @@ class MessageWork(dist.Work):
             if self._requests is None:
                 self._channel.abandon(self)
             else:
-                ABANDONED.extend([*self._requests, *self._buffers])
+                abandon(*self._requests, *self._buffers)
             future = self._future
         if future is not None:
             self._settle(future)
@@ -474,16 +474,16 @@ class Channel:
 
     def abandon(self, work: MessageWork) -> None:
         """Forget a receive whose bytes' receive was never posted (its peer left): its header
-        request and buffers are kept (ring.ABANDONED)."""
+        request and buffers are kept (core/state.abandon)."""
         with self._order:
             for incoming in self._incoming:
                 if incoming.work is work:
-                    ABANDONED.extend([incoming.request, incoming.message, incoming.landing])
+                    abandon(incoming.request, incoming.message, incoming.landing)
             self._incoming = [i for i in self._incoming if i.work is not work]
 
     def free(self) -> None:
         """(destroy_process_group.) A receive still waiting for its header fails, its request
-        and buffers kept (ring.ABANDONED)."""
+        and buffers kept (core/state.abandon)."""
         _POLLER.forget(self)
         with self._order:
             dropped = [incoming.work for incoming in self._incoming]

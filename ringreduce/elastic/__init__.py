@@ -41,16 +41,15 @@ import os
 from typing import Any, Callable, TypeVar
 
 from ..api.objects import allgather_object
-from ..core.errors import (HorovodInternalError, NotInitializedError, RingReduceError,
-                           ShutDownError, UnsupportedError, UsageError)
+from ..core.errors import (HorovodInternalError, HostsUpdatedInterrupt, NotInitializedError,
+                           RingReduceError, ShutDownError, UnsupportedError, UsageError)
 from ..sets import world
 from ..sets.process_sets import failed_sets
 from ..transport.negotiation import RESET_GIVEN, ResetPending
 from .sampler import ElasticSampler
-from .state import (ROOT_RANK, HostsUpdatedInterrupt, HostUpdateResult, LRSchedulerStateHandler,
-                    ModelStateHandler, ObjectState, OptimizerStateHandler, SamplerStateHandler,
-                    State, StateHandler, TorchState, abandon_pending_steps, get_handler_registry,
-                    set_handler_registry)
+from .state import (ROOT_RANK, HostUpdateResult, LRSchedulerStateHandler, ModelStateHandler,
+                    ObjectState, OptimizerStateHandler, SamplerStateHandler, State, StateHandler,
+                    TorchState, abandon_pending_steps, get_handler_registry, set_handler_registry)
 
 log = logging.getLogger("ringreduce")
 

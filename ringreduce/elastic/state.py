@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from ..api.objects import broadcast_object, broadcast_parameters
+from ..core.errors import HostsUpdatedInterrupt
 from ..optim import wrapped_optimizer
 from ..optim.optimizer_state import broadcast_optimizer_state
 from ..sets import world
@@ -31,16 +32,6 @@ class HostUpdateResult(enum.IntFlag):
     removed = 1
     added = 2
     mixed = removed | added
-
-
-class HostsUpdatedInterrupt(RuntimeError):
-    """Raised on every rank by `commit()` / `check_host_updates()` after a host update; `run`
-    then resets without restoring the commit. `skip_sync`: hosts were only removed, so the
-    remaining ranks are in sync already. Not a `HorovodInternalError`, as in Horovod."""
-
-    def __init__(self, skip_sync: bool = False) -> None:
-        super().__init__("hosts were added or removed; resetting")
-        self.skip_sync = skip_sync
 
 
 # ---------------------------------------------------------------------- states

@@ -39,9 +39,9 @@ class ActiveSet:
         self.homogeneous = len(set(comm.allgather(self.local.size))) == 1
         where = ("" if set_id == 0 else f" on {set_id} (ranks {self.ranks})"
                  if isinstance(set_id, str) else f" on process set {set_id} (ranks {self.ranks})")
-        watch = StallWatch(comm, settings.stall_check_time, settings.stall_shutdown_time, abort,
-                           self.ranks, where)
-        watch.elsewhere = functools.partial(waits_elsewhere, set_id, watch)
+        watch = self.watch = StallWatch(comm, settings.stall_check_time,
+                                        settings.stall_shutdown_time, abort, self.ranks, where)
+        watch.elsewhere = functools.partial(waits_elsewhere, set_id, watch)   # (ours to free)
         self.names = AutoNames(set_id)     # see auto_name
         self.transport = Transport(comm, self.local, self.cross, settings, watch, self.ranks,
                                    self.homogeneous, self.names)
@@ -126,6 +126,7 @@ class ActiveSet:
         departures.announce(self.transport.watch.begun, restarting)
         self.transport.watch.wait_for_goodbyes()
         self.transport.free()
+        self.watch.free()
         for comm in (self.cross, self.local, self.comm):
             comm.Free()
         return sorted(self.ranks[member] for member in departures.gone

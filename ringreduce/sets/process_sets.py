@@ -17,8 +17,8 @@ import numpy as np
 from ..core.config import Settings
 from ..core.errors import MismatchError, ShutDownError
 from ..core.mpi import mpi
+from ..core.state import abandon
 from ..core.waiting import wait_reporting
-from ..transport.ring import ABANDONED
 from ..transport.signature import digest
 from .active_set import ActiveSet, refusing
 from .job import Job, begin, current, end, state
@@ -303,7 +303,7 @@ def _meet_members(job: Job, ranks: Sequence[int], label: str) -> None:
             watch.departures.look()
             gone = [m for m in late if m in watch.departures.gone]
             if gone:
-                ABANDONED.extend([*sends, *receives.values(), mine, theirs])
+                abandon(*sends, *receives.values(), mine, theirs)
                 raise ShutDownError(f"ringreduce: rank {job.rank}: opening {label} for ranks "
                                     f"{list(ranks)}: ranks {gone} shut down without opening it")
         return not late

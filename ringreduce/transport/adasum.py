@@ -34,8 +34,9 @@ import numpy as np
 import torch
 
 from ..core.errors import HorovodInternalError, UnsupportedError
+from ..core.state import abandon
 from ..kernels.buffers import NAMES, STORAGE_DTYPES
-from .ring import ABANDONED, Wait
+from .ring import Wait
 
 Scratch = Callable[[str, np.dtype, int], np.ndarray]
 Span = tuple[int, int, int]          # (tensor index, first, stop) within one rank's part
@@ -261,7 +262,7 @@ def _swap(comm: Any, send: np.ndarray, recv: np.ndarray, partner: int, tag: int,
         wait(sent)
         wait(received)
     except BaseException:
-        ABANDONED.extend((sent, received))   # (their buffers, which MPI may still use)
+        abandon(sent, received)   # (their buffers, which MPI may still use)
         raise
 
 

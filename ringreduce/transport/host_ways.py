@@ -50,7 +50,7 @@ class Alone(Way):
     asynchronous one too, on the caller's thread, rather than a hand-off to the engine thread
     that costs ten times the copy)."""
 
-    carries_signature = True
+    carries_signature = begins = True
 
     def __init__(self, parts: SetParts) -> None:
         super().__init__(parts)
@@ -89,7 +89,7 @@ class BetweenNodesSmall(Way):
     message size and the node's slots. It begins without waiting (`publish`), so an
     asynchronous call posts its first message on the caller's thread."""
 
-    carries_signature = True
+    carries_signature = begins = True
 
     def __init__(self, parts: SetParts) -> None:
         super().__init__(parts)
@@ -155,17 +155,13 @@ class _OnNode(Way):
 
 
 class NodeSlots(_OnNode):
-    """Up to `limit` bytes: one slot per rank, every rank reducing every slot in rank order. On
-    one node the exchange carries the signature with the data."""
+    """Up to `limit` bytes: one slot per rank, every rank reducing every slot in rank order;
+    across nodes, then our ring between nodes."""
 
     def __init__(self, parts: SetParts) -> None:
         super().__init__(parts)
         self.limit = parts.node.small_bytes
         self.exchange = parts.node.small
-        self.carries_signature = parts.one_node
-        if parts.one_node:
-            self.begin = parts.node.small_now
-            self.complete = partial(parts.node.small_complete, False)
 
     def applies(self, src: torch.Tensor, spec: ReduceSpec) -> bool:
         return src.nbytes <= self.limit
@@ -180,6 +176,18 @@ class NodeSlots(_OnNode):
             self.explain(spec.describe)
         if not parts.one_node:
             parts.ring(parts.cross, "cross", as_array(dst), spec)
+
+
+class NodeSlotsOnOneNode(NodeSlots):
+    """Every member on one node: the slots' exchange carries the signature with the data, and
+    begins without waiting, in C (the small way's fast path)."""
+
+    carries_signature = begins = True
+
+    def __init__(self, parts: SetParts) -> None:
+        super().__init__(parts)
+        self.begin = parts.node.small_now
+        self.complete = partial(parts.node.small_complete, False)
 
 
 class NodeBlocks(_OnNode):

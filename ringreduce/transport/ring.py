@@ -23,14 +23,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
+from ..core.state import abandon
+
 Kernel = Callable[..., None]    # (target, arrived[, mine]): target = (mine or target) op arrived
 Wait = Callable[[Any], None]    # (request): returns once it is complete
 Bounds = Sequence[tuple[int, int]]
 TAG = 7
-# Requests an error left pending (a peer left or failed, see stall.py), here and in any other
-# exchange: MPI may still read or write their buffers, which these references keep alive for
-# the life of the process.
-ABANDONED: list[Any] = []
 
 
 def chunk_bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
@@ -87,7 +85,7 @@ def allgather(comm: Any, buf: Any, bounds: Bounds, wait: Wait) -> None:
             wait(send)
             wait(recv)
         except BaseException:
-            ABANDONED.extend((send, recv))
+            abandon(send, recv)
             raise
 
 
@@ -149,5 +147,5 @@ def _exchange_and_reduce(comm: Any, send: Any, target: Any, reduce: Kernel, scra
         for request in sends:
             wait(request)
     except BaseException:
-        ABANDONED.extend(sends + ([pending] if pending is not None else []))
+        abandon(*sends, *([pending] if pending is not None else []))
         raise

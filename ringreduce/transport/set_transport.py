@@ -93,10 +93,11 @@ class Transport:
             signed, watch, comm.size, self.joins.allreduce))
 
     def free(self) -> None:
+        """Free what the transport made: its device scratch and the node's window. (The stall
+        watch is its set's, which frees it.)"""
         self.device_scratch.free()
         if self.node is not None:
             self.node.free()
-        self.watch.free()
 
     # ------------------------------------------------------------------ allreduce
 

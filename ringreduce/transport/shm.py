@@ -24,6 +24,8 @@ SPIN_SECONDS = 0.00005  # C polls flat out this long before the stall watch take
 PUBLISH_SPIN_SECONDS = 0.00001
 # The large allreduce's phases, in native/constants.h's RR_PHASE_* order.
 PHASES = ("copy_in", "wait_in", "reduce", "publish", "wait_out", "copy_out")
+_DONE, _MISMATCH = _native.LARGE_DONE, _native.LARGE_MISMATCH     # large_run's outcomes
+_BETWEEN_NODES = _native.LARGE_BETWEEN_NODES
 assert len(PHASES) == _native.PHASES
 
 
@@ -123,11 +125,11 @@ class NodeWindow:
                             between_nodes is not None)
         while True:
             status = _native.large_run(self.node, SPIN_SECONDS)
-            if status == 1:
+            if status == _DONE:
                 return True
-            if status < 0:
+            if status == _MISMATCH:
                 return False
-            if status == 2:
+            if status == _BETWEEN_NODES:
                 between_nodes(*_native.large_chunk(self.node))
-            else:
+            else:       # (_native.LARGE_WAITING)
                 self._wait()

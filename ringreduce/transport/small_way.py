@@ -43,7 +43,7 @@ class SmallWay:
         self.limit = way.limit
         self._exchange, self._explain = way.exchange, way.explain
         self._begin, self._complete = way.begin, way.complete
-        self.begins = way.begin is not None     # see begin()
+        self.begins = way.begins     # see begin()
         self._watch, self._after_joins = watch, after_joins
         self._average_divisor = float(size)
 

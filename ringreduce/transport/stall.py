@@ -1,17 +1,16 @@
 """Waiting for a process set's members, and why a wait fails: stalls and departures.
 
 Each rank publishes how many collectives it has begun on a process set, and which one it waits
-in, in a two-integer MPI window of that set. A rank that has waited `stall_check_time` seconds
-in a collective reads every member's count (one-sided, so the missing ranks need not cooperate)
-and logs which ranks have not reached the collective and the last one they did reach, and where
+in (progress_board.py). A rank that has waited `stall_check_time` seconds in a collective
+reads every member's count (one-sided, so the missing ranks need not cooperate) and logs
+which ranks have not reached the collective and the last one they did reach, and where
 they wait on the other sets this rank shares with them (`elsewhere`: each rank waiting for the
 other on a different set is a mistake made on one rank, a group passed to one call on one rank
 alone, say), again every interval for as long as the stall lasts; after `stall_shutdown_time` it
 hands that message to its `on_shutdown` (which ends the job). A member that shuts down says
-goodbye to the others (a small message on the set's communicator, with how many collectives it
-began); a rank waiting in a collective that member never began, or starting one, raises
-ShutDownError naming it. (One it began, it finished: that one still completes here, though its
-last messages may arrive after the goodbye.)
+goodbye to the others (departures.py); a rank waiting in a collective that member never
+began, or starting one, raises ShutDownError naming it. (One it began, it finished: that one
+still completes here, though its last messages may arrive after the goodbye.)
 
 A member whose collective fails in a way its peers cannot see (an allocation, a kernel, MPI, an
 interrupt: anything but the errors every member raises alike) tells them so, the same way. Its
@@ -25,17 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-import numpy as np
-
 from ..core.errors import RingReduceError, ShutDownError
-from ..core.mpi import mpi
-from ..core.thread_places import internal
-from ..core.waiting import (DEPARTED_GRACE, LOOK_EVERY, YIELD_SECONDS, Backoff, Every, Once,
-                             wait_reporting)
-from .ring import ABANDONED
+from ..core.state import abandon
+from ..core.waiting import DEPARTED_GRACE, LOOK_EVERY, YIELD_SECONDS, Backoff, Every, Once
+from .departures import Departures
+from .progress_board import ProgressBoard
 
 log = logging.getLogger("ringreduce")
 _REMEMBERED = 4096       # the labels of this many recent collectives, for stall reports
@@ -43,127 +38,7 @@ _JOINED_COUNT = 1 << 62  # what a joined rank publishes on the progress board
 _OPENING = -1            # what it publishes as waited in while it opens a group (`opening`)
 _READ_SECONDS = 2.0      # how long a stall report waits for the members' counts (at most
                          # half the check interval, so that reports keep their interval)
-GOODBYE_TAG = 31
-FAILED_TAG = 32
 _FAILURE_CHARACTERS = 400   # of the cause, in the message that tells the peers
-
-
-class ProgressBoard:
-    """Every member's count of collectives begun, and the one it waits in (0: none), readable
-    by all through one-sided MPI."""
-
-    def __init__(self, comm: Any) -> None:
-        self.comm = comm
-        self.win = mpi().Win.Allocate(16, disp_unit=8, comm=comm)
-        self.mine = np.frombuffer(self.win.tomemory(), dtype=np.int64)  # (begun, waiting in)
-        self.mine[:] = 0
-        self._counts = np.zeros((comm.size, 2), dtype=np.int64)
-        self._reader: Optional[threading.Thread] = None
-        self._starting = threading.Lock()   # reports of two sets may read one board at once
-        comm.Barrier()
-
-    def publish(self, count: int) -> None:
-        self.mine[0] = count
-
-    def read_all(self, timeout: float) -> Optional[np.ndarray]:
-        """Every member's (count, collective it waits in), one row each, or None if some
-        member did not answer within `timeout` s.
-
-        A read completes only when its targets make MPI progress (idle engine threads poke
-        MPI), so it runs on a helper thread: a member stuck in native code, or stopped, must
-        not turn the report itself into a hang. There is never more than one reader: a read
-        still waiting is waited for, not overlapped (a second lock of the window is an error)."""
-        with self._starting:
-            if self._reader is None or not self._reader.is_alive():
-                self._reader = threading.Thread(target=self._read,
-                                                name="ringreduce-stall-read", daemon=True)
-                internal(self._reader)
-                self._reader.start()
-            reader = self._reader
-        reader.join(timeout)
-        return None if reader.is_alive() else self._counts.copy()
-
-    def _read(self) -> None:
-        self.win.Lock_all()
-        for r in range(self.comm.size):
-            self.win.Get(self._counts[r:r + 1], r)
-        self.win.Unlock_all()
-
-    def free(self) -> None:
-        """Free the window (collective: every member is shutting down, so a read still waiting
-        for one of them completes first)."""
-        if self._reader is not None:
-            self._reader.join()
-        self.win.Free()
-
-
-class Departures:
-    """Which members have shut down, and which have failed in a collective. A member leaving
-    says goodbye to every other member, with how many collectives it had begun (it finished
-    them all first), one failing says why; the others notice it whenever they look (while
-    waiting, and before each collective)."""
-
-    def __init__(self, comm: Any) -> None:
-        self.comm = comm
-        self.gone: dict[int, int] = {}       # set rank -> the collectives it had begun
-        self.restarting: set[int] = set()    # of those, the ones that start afresh (restart)
-        self.failures: dict[int, str] = {}   # set rank -> what failed there, and why
-        self._received = np.zeros(3, dtype=np.int64)
-        self._looking = threading.Lock()     # a probed message is received by its prober
-
-    def announce(self, begun: int, restarting: bool = False) -> None:
-        """Say goodbye: this member leaves, having begun `begun` collectives; `restarting`:
-        to start afresh at once with every member (world.restart)."""
-        token = np.array([self.comm.rank, begun, restarting], dtype=np.int64)
-        requests = [self.comm.Isend(token, dest=r, tag=GOODBYE_TAG)
-                    for r in range(self.comm.size) if r != self.comm.rank]
-        mpi().Request.Waitall(requests)
-
-    def announce_failure(self, what: str) -> None:
-        """Record this member's own failure and tell every other member (a short text each)."""
-        self.failures[self.comm.rank] = what
-        requests = [self.comm.isend(what, dest=r, tag=FAILED_TAG)
-                    for r in range(self.comm.size) if r != self.comm.rank]
-        mpi().Request.Waitall(requests)
-
-    def look(self) -> None:
-        """Receive every goodbye and failure that has arrived (from any thread: the engine's,
-        or one waiting for a point-to-point message)."""
-        MPI = mpi()
-        status = MPI.Status()
-        with self._looking:
-            while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=GOODBYE_TAG, status=status):
-                self.comm.Recv(self._received, source=status.Get_source(), tag=GOODBYE_TAG)
-                member, begun, restarting = self._received.tolist()
-                self.gone[member] = begun
-                if restarting:
-                    self.restarting.add(member)
-            while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=FAILED_TAG, status=status):
-                source = status.Get_source()
-                self.failures[source] = self.comm.recv(source=source, tag=FAILED_TAG)
-
-    def restartable(self) -> bool:
-        """Whether shutdown() and init() on every member bring the set back: a member failed
-        inside a collective, or left to start afresh, and none left for good."""
-        return bool(self.failures or self.gone) and self.restarting.issuperset(self.gone)
-
-    def ended(self, collective: int) -> bool:
-        """Whether collective #`collective` can no longer complete: some member failed, or
-        left before beginning it. (One that left after, finished its part first: a collective
-        that completes on some members sooner than on others still completes on all.)"""
-        return bool(self.failures) or any(begun < collective for begun in self.gone.values())
-
-    def wait_for_everyone(self, report: Callable[[float, list[int]], None],
-                          every: float) -> None:
-        """Until every other member has said goodbye too (at shut-down, before the frees that
-        are collective); `report(seconds, members not gone)` every `every` seconds meanwhile
-        (0: never)."""
-        def everyone_gone() -> bool:
-            self.look()
-            return len(self.gone) == self.comm.size - 1
-
-        wait_reporting(everyone_gone, every, lambda seconds: report(seconds, [
-            r for r in range(self.comm.size) if r != self.comm.rank and r not in self.gone]))
 
 
 class StallWatch:
@@ -253,7 +128,7 @@ class StallWatch:
         try:
             self.wait(request.Test)
         except BaseException:
-            ABANDONED.append(request)
+            abandon(request)
             raise
 
     def wait(self, done: Callable[[], bool]) -> None:

@@ -2,7 +2,7 @@
 what one process set's ways share (`SetParts`)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from .crossnode import BetweenNodes
 from .negotiation import Negotiator
 from .reduce_spec import ReduceSpec
 from .shm import NodeWindow
+from .signature import Signature
 
 _AVERAGE = ReduceOp.Average     # (an enum's class attribute costs a lookup each time)
 Pieces = Callable[[ReduceSpec], Callable[[np.ndarray], None]]
@@ -93,18 +94,23 @@ class SetParts:
 
 
 class Way:
-    """One entry of the table: `applies` says whether it takes a request, `run` allreduces
-    `src` into `dst` (the same tensor, or a contiguous one of its size and dtype on its device),
-    writing `dst` only once the signatures agree."""
+    """One entry of the table, on the interface every entry declares (the transport and the
+    small way read nothing else): `applies` says whether it takes a request, `run` allreduces
+    `src` into `dst` (the same tensor, or a contiguous one of its size and dtype on its
+    device), writing `dst` only once the signatures agree.
 
-    carries_signature = False   # its one exchange carries the signature with the data
-    # A way whose exchange can begin without waiting, in place (the small way begins
-    # asynchronous calls with these): `begin(address, nbytes, count, dtype, op, divisor,
-    # scale, digest)` posts ours and, where every peer's is there already, finishes: True
-    # (done) or False (the digests differ, nothing written); None when the peers are still
-    # to come, and `complete(address, count, dtype, op, divisor, scale)` then finishes it.
-    begin: Optional[Callable[..., Optional[bool]]] = None
-    complete: Optional[Callable[..., bool]] = None
+    A way whose one exchange carries the signature with the data (`carries_signature`) also
+    serves the small way (small_way.py), up to `limit` bytes, through `exchange` (a whole
+    allreduce by addresses; False, nothing written, where the digests differ) and `explain`
+    (what a disagreement is: PeersJoined, OutOfOrder or MismatchError, raised alike on every
+    member). One whose exchange can begin without waiting (`begins`) also has `begin`, which
+    posts this rank's part in place and, where every peer's is there already, finishes: True
+    (done) or False (the digests differ, nothing written); None while the peers are still to
+    come, and `complete` finishes it then."""
+
+    carries_signature = False
+    begins = False
+    limit = 0
 
     def __init__(self, parts: SetParts) -> None:
         self.parts = parts
@@ -113,4 +119,22 @@ class Way:
         return True
 
     def run(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
+        raise NotImplementedError
+
+    def exchange(self, src: int, dst: int, nbytes: int, count: int, code: int, op: ReduceOp,
+                 divisor: float, factor: float, digest: int,
+                 output: Optional[Callable[[], int]] = None) -> bool:
+        """`nbytes` at address `src` allreduced into `dst` (or into what `output()` makes,
+        once this rank's data is on its way), times factor / divisor."""
+        raise NotImplementedError
+
+    def explain(self, describe: Callable[[], Signature]) -> NoReturn:
+        raise NotImplementedError
+
+    def begin(self, address: int, nbytes: int, count: int, code: int, op: ReduceOp,
+              divisor: float, factor: float, digest: int) -> Optional[bool]:
+        raise NotImplementedError
+
+    def complete(self, address: int, count: int, code: int, op: ReduceOp, divisor: float,
+                 factor: float) -> bool:
         raise NotImplementedError

@@ -17,21 +17,22 @@ request alone. In order:
                     nodes, the signature in the same messages (crossnode.py; a power-of-two
                     number of nodes with as many members each)
     node slots      members share nodes, small: one shared-memory slot per rank, in C (shm.py,
-                    native/node.c); across nodes, then our ring between nodes
+                    native/node.c); on one node its exchange carries the signature; across
+                    nodes, then our ring between nodes
     node blocks     members share nodes: cache-sized shared-memory blocks; across nodes, our
                     ring between nodes on each reduced chunk
     MPI gather      no shared memory, small: MPI gather and reduce in rank order (ring.py)
     MPI ring        no shared memory: our segmented ring reduce-scatter + allgather (ring.py)
 
 The GPU way comes before the host ways, so those see CPU tensors only. A way whose one exchange
-carries the signature with the data (`carries_signature`) also serves the small way's fast path
-(small_way.py): its `limit`, `exchange` and `explain`.
+carries the signature with the data (`carries_signature`, way.py) also serves the small way's
+fast path (small_way.py).
 """
 from __future__ import annotations
 
 from .gpu_ways import CudaAware, StagedGpu
 from .host_ways import (Adasum, Alone, BetweenNodesSmall, MpiGather, MpiRing, NodeBlocks,
-                        NodeSlots)
+                        NodeSlots, NodeSlotsOnOneNode)
 from .way import Pieces, SetParts, Way
 
 
@@ -48,5 +49,6 @@ def allreduce_ways(parts: SetParts, pieces: Pieces) -> list[Way]:
     if parts.between is not None:
         ways.append(BetweenNodesSmall(parts))
     if parts.node is not None:
-        return ways + [NodeSlots(parts), NodeBlocks(parts)]
+        slots = NodeSlotsOnOneNode(parts) if parts.one_node else NodeSlots(parts)
+        return ways + [slots, NodeBlocks(parts)]
     return ways + [MpiGather(parts), MpiRing(parts)]
