@@ -1,15 +1,15 @@
 """The public tensor collectives, with Horovod's names and semantics, on a process set.
 
 Each function picks how its call runs: through autograd where an input needs a gradient
-(differentiable.py), straight to the small way where a small allreduce qualifies
-(small_way.py), else the collective's work (collective_work.py: arguments checked on the
-caller's thread, then the set's transport moves the data), run at once or queued on the set's
-engine. `reduce_op` and `submit` are the internal API the optimizer shares.
+(differentiable.py), an allreduce by the one dispatch (small_path.py: the small way where a
+small allreduce qualifies), else the collective's work (reductions.py, movements.py: arguments
+checked on the caller's thread, then the set's transport moves the data), run at once or
+queued on the set's engine. `reduce_op` and `submit` are the internal API the optimizer shares.
 
 A name the caller gives is qualified by the collective's kind, as Horovod's are
 (`allreduce.w`, `allgather.w`): collectives of different kinds may share a name, and in-place
 and differentiable variants of one kind pair with each other under it. Front ends with names of
-their own (torch_group.py) call collective_work.py directly.
+their own (distributed/group.py) make the collectives' work directly.
 """
 from __future__ import annotations
 

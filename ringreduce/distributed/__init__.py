@@ -15,7 +15,7 @@ Under `mpiexec`:
 Groups: the default group is ringreduce's global set; `new_group(ranks)` opens a set of those
 ranks by its members alone (`process_sets.open_group`: torch calls a backend on the members
 only), labelled with torch's group name, which is unique and the same on every member;
-`destroy_process_group` closes it. How each group runs torch's calls: torch_group.py.
+`destroy_process_group` closes it. How each group runs torch's calls: group.py.
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ from ..core.errors import RingReduceError
 from ..sets import world
 from ..sets.process_set import global_process_set
 from ..sets.process_sets import active, open_group
-from .group import BACKEND, DEVICES, RingReduceGroup
+from .group import RingReduceGroup
+from .group_base import BACKEND, DEVICES
 from .point_to_point import Channel
 
 _EXPORTED: dict[str, str] = {}  # the env:// variables init_process_group set, as it set them

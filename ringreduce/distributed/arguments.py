@@ -1,7 +1,7 @@
 """torch.distributed's arguments as ringreduce's: its ReduceOp as our op (and prescale), its
 lists of one tensor per call, contiguous copies of the tensors gloo takes and ringreduce's
 collectives refuse, and the size checks and copies of the backend's outputs, each error naming
-the call (torch_group.py uses these)."""
+the call (group.py's calls use these)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence

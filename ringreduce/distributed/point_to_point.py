@@ -17,43 +17,31 @@ outweighs MPI's.)
 each time: the peer may need the core), and never waits silently: past the set's stall check
 time it logs a report naming the peer and the tag, every interval, and at the stall shutdown
 time it ends the job, as a collective's wait does; a peer that shuts down without the message
-raises ShutDownError; and torch's `wait(timeout)` raises past its timeout (`_Overdue`). A
-thread shared by every channel (`_Poller`), asleep while there is nothing to do, posts the
+raises ShutDownError; and torch's `wait(timeout)` raises past its timeout (messages.py). A
+thread shared by every channel (poller.py), asleep while there is nothing to do, posts the
 receives of bytes whose header came while no caller waits for them, and completes
 `get_future()`'s futures, reporting and failing the messages it waits for in the same way.
 """
 from __future__ import annotations
 
-import datetime
-import logging
 import struct
 import threading
-import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from torch.futures import Future
 
-from ..core.errors import RingReduceError, ShutDownError
+from ..core.errors import RingReduceError
 from ..core.mpi import mpi
 from ..core.state import abandon
-from ..core.thread_places import internal
-from ..core.waiting import (DEPARTED_GRACE, LONGEST_NAP, LOOK_EVERY, SHORTEST_NAP, YIELD_SECONDS,
-                            Backoff, Every, Once)
 from ..kernels.buffers import dtype_name
 from ..transport.stall import StallWatch
-from .failed_future import fail
+from .messages import MessageWork
+from .poller import POLLER
 
-_LINGER = 0.1               # seconds the poller keeps advancing a channel with no receive
-_WORK_INIT = dist.Work.__init__
 _STRIDED = torch.strided
 _NAME_BYTES = 24            # a header's room for the dtype's name ('float8_e4m3fnuz')
 _HEADER = struct.Struct(f"=qq{_NAME_BYTES}s")   # element count, byte count, dtype name
-log = logging.getLogger("ringreduce")
-
-
 _NAMES: dict[torch.dtype, bytes] = {}    # a dtype -> its name, as a header holds it
 
 
@@ -87,258 +75,6 @@ def _described(header: tuple) -> str:
     return f"{count} {name.rstrip(bytes(1)).decode()} elements ({nbytes} bytes)"
 
 
-class MessageWork(dist.Work):
-    """One send or receive with group rank `peer` (None: any), on the channel `channel`:
-    torch's Work on MPI requests. `requests`: what it waits for (None: a receive whose bytes'
-    receive `Channel.advance` has not posted yet), `buffers` what they read or write;
-    `arrived`: a receive's, run once they have come (it raises if the sender's tensor differs,
-    or copies them in). `wait()` returns True once the message has gone (or arrived, checked
-    and copied in) or raises why not."""
-
-    __slots__ = ("_channel", "_peer", "_what", "_tensor", "_requests", "_buffers", "_arrived",
-                 "_source", "_lock", "_done", "_error", "_future")
-
-    def __init__(self, channel: "Channel", what: str, peer: Optional[int],
-                 tensor: torch.Tensor, requests: Optional[list] = None, buffers: tuple = (),
-                 arrived: Optional[Callable[[], None]] = None) -> None:
-        _WORK_INIT(self)    # (as torch_work's: super() and a __dict__ cost a microsecond)
-        self._channel, self._peer, self._what, self._tensor = channel, peer, what, tensor
-        self._requests, self._buffers, self._arrived = requests, buffers, arrived
-        self._source = peer                 # a receive's sender, once its header came
-        self._lock = threading.Lock()      # MPI forbids two threads testing one request
-        self._done = False
-        self._error: Optional[BaseException] = None
-        self._future: Optional[Future] = None
-
-    def _test(self) -> bool:
-        """Whether the message is complete (then checked, copied in, and its future set)."""
-        with self._lock:
-            if self._done:
-                return True
-            try:
-                if self._channel.waiting():     # (a send's too: the peer's may wait for it)
-                    self._channel.advance()
-                if self._requests is None:
-                    return False
-                if not mpi().Request.Testall(self._requests):
-                    return False
-                if self._arrived is not None:
-                    self._arrived()
-            except Exception as exc:        # our size and dtype check, or an MPI error
-                self._error = exc if isinstance(exc, RingReduceError) else RingReduceError(
-                    f"ringreduce: {self._what} failed: {type(exc).__name__}: {exc}")
-                self._error.__cause__ = exc
-                if self._requests is None:      # (its bytes are not to land in it later)
-                    self._channel.abandon(self)
-            self._done = True
-            future = self._future
-        if future is not None:
-            self._settle(future)
-        return True
-
-    def _settle(self, future: Future) -> None:
-        if self._error is not None:
-            fail(future, self._error)
-        else:
-            future.set_result([self._tensor])
-
-    def _fail(self, error: BaseException) -> None:
-        """End the work with `error` though its requests are still pending (a peer that left):
-        they, and with them the buffers MPI may still write, are kept (core/state.abandon)."""
-        with self._lock:
-            if self._done:
-                return
-            self._error, self._done = error, True
-            if self._requests is None:
-                self._channel.abandon(self)
-            else:
-                abandon(*self._requests, *self._buffers)
-            future = self._future
-        if future is not None:
-            self._settle(future)
-
-    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        if not self._test():
-            overdue, backoff = _Overdue(self, timeout), Backoff(SHORTEST_NAP, LONGEST_NAP)
-            while not self._test():
-                now = backoff.pause()
-                if now - backoff.start < YIELD_SECONDS:
-                    continue
-                try:
-                    overdue.check(now)
-                except ShutDownError as exc:
-                    self._fail(exc)
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def is_completed(self) -> bool:
-        return self._test()
-
-    def is_success(self) -> bool:
-        return self._test() and self._error is None
-
-    def exception(self) -> Optional[BaseException]:
-        return self._error if self._test() else None
-
-    def result(self) -> list:
-        self.wait()
-        return [self._tensor]
-
-    def get_future(self) -> Future:
-        with self._lock:
-            if self._future is None:
-                self._future = Future()
-                if self._done:
-                    self._settle(self._future)
-                else:
-                    _POLLER.watch(self)
-            return self._future
-
-    def source_rank(self) -> int:
-        """The group rank a receive from any source got its message from (the channel's
-        communicators rank the group's members as the group does)."""
-        self.wait()
-        return self._source
-
-    _source_rank = source_rank
-
-
-class _Overdue:
-    """A message's wait, past what it should take (the module docstring): `check(now)` logs
-    the stall reports when due, ends the job at the stall shutdown time, and raises
-    ShutDownError for a peer that has left without its side, RingReduceError past torch's
-    `timeout`."""
-
-    def __init__(self, work: MessageWork, timeout: Optional[datetime.timedelta]) -> None:
-        self.work, self.timeout, watch = work, timeout, work._channel.watch
-        start = self.start = time.monotonic()
-        self.limit = Once(None if timeout is None else timeout.total_seconds(), start)
-        self.reports = Every(watch.check_time, start)
-        self.shutdown = Once(watch.shutdown_time, start)
-        self.looks, self.gone = Every(LOOK_EVERY, start), Once(None, start)
-
-    def check(self, now: float) -> None:
-        work, watch = self.work, self.work._channel.watch
-        me = work._channel.comm.rank
-        if work._peer is not None and self.looks.due(now):
-            watch.departures.look()
-            if work._peer in watch.departures.gone:
-                self.gone.earlier(now + DEPARTED_GRACE)
-        if self.gone.passed(now) and not work._test():
-            raise ShutDownError(
-                f"ringreduce: {work._what}, rank {me}: rank {work._peer} shut down "
-                "(ringreduce.shutdown(), or the end of its script) without its side of this "
-                "message: every send needs its recv, on the peer, before it leaves")
-        if self.limit.passed(now):
-            raise RingReduceError(f"ringreduce: {work._what}, rank {me}: not complete after "
-                                  f"wait()'s timeout of {self.timeout}")
-        if self.reports.due(now):
-            log.warning(self._stalled(now - self.start))
-        if self.shutdown.passed(now):
-            watch.on_shutdown(f"{self._stalled(now - self.start)} Shutting the job down after "
-                              f"{watch.shutdown_time:g} s (RINGREDUCE_STALL_SHUTDOWN_TIME).")
-
-    def _stalled(self, waited: float) -> str:
-        """The stall report, with where the peer waits in a collective of a set this rank
-        shares with it (StallWatch.waits: one this rank has not begun, say, while it waits
-        here)."""
-        work = self.work
-        peer = "any rank" if work._peer is None else f"rank {work._peer}"
-        text = (f"ringreduce: stall: rank {work._channel.comm.rank} has waited {waited:.0f} s "
-                f"in {work._what}: {peer} has not made the matching "
-                f"{'send' if work._arrived is not None else 'recv'} (same tag, same group)")
-        watch = work._channel.watch
-        return text if work._peer is None else text + watch.meanwhile([watch.ranks[work._peer]])
-
-
-class _Poller:
-    """Progress for messages that no caller waits on, by one thread for every channel, asleep
-    while there is none: it posts the bytes' receives of receives whose headers have come
-    (`Channel.advance`, every millisecond while a channel has receives, and for a while
-    after; a peer's large send waits for that receive, while the receiving caller may be
-    waiting for something else, a collective with that peer, say), and completes the futures
-    of pending messages, reporting their stalls and failing those whose peer left, as `wait()`
-    does."""
-
-    def __init__(self) -> None:
-        self._wake = threading.Condition()
-        self._pending: dict[MessageWork, _Overdue] = {}
-        self._channels: dict[Channel, float] = {}   # -> when it last had receives waiting
-        self._thread: Optional[threading.Thread] = None
-
-    def watch(self, work: MessageWork) -> None:
-        with self._wake:
-            self._pending[work] = _Overdue(work, None)
-            self._rouse()
-
-    def advance(self, channel: "Channel") -> None:
-        """Advance `channel` while it has receives waiting (call after adding one)."""
-        if channel in self._channels:   # (polled already; _loop looks again after dropping one)
-            return
-        with self._wake:
-            if channel not in self._channels:
-                self._channels[channel] = time.monotonic()
-                self._rouse()
-
-    def forget(self, channel: "Channel") -> None:
-        with self._wake:
-            self._channels.pop(channel, None)
-
-    def _rouse(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="ringreduce-p2p",
-                                            daemon=True)
-            internal(self._thread)
-            self._thread.start()
-        self._wake.notify()
-
-    def _loop(self) -> None:
-        naps = Backoff(SHORTEST_NAP, LONGEST_NAP)
-        while True:
-            with self._wake:
-                while not self._pending and not self._channels:
-                    self._wake.wait()
-                    naps = Backoff(SHORTEST_NAP, LONGEST_NAP)
-                pending, channels = list(self._pending.items()), list(self._channels)
-            for channel in channels:
-                if channel.waiting():
-                    try:
-                        channel.advance()
-                    except Exception:       # (MPI's: the waiting callers meet it too)
-                        log.exception("ringreduce: the point-to-point thread could not "
-                                      "advance the receives of %s", channel.label)
-                        self.forget(channel)
-            finished = []
-            for work, overdue in pending:
-                if not work._test():
-                    try:
-                        overdue.check(time.monotonic())
-                        continue
-                    except ShutDownError as exc:
-                        work._fail(exc)
-                finished.append(work)
-            now = time.monotonic()
-            with self._wake:
-                for work in finished:
-                    del self._pending[work]
-                for channel in channels:
-                    if channel in self._channels:
-                        if channel.waiting():
-                            self._channels[channel] = now
-                        elif now - self._channels[channel] > _LINGER:
-                            del self._channels[channel]
-                            if channel.waiting():   # (a receive added as it went: `advance`
-                                self._channels[channel] = now   # saw it still polled)
-                busy = bool(self._pending)
-            if finished or not busy:    # (progress, or only channels to advance: short naps)
-                naps = Backoff(SHORTEST_NAP, LONGEST_NAP)
-            time.sleep(naps.nap() if busy else LONGEST_NAP)
-
-
-_POLLER = _Poller()
-
-
 class _Incoming:
     """A receive waiting for its header (`request`, into `message`) or for its turn to post
     the receive of its bytes (`Channel.advance`): `source` and `tag` as asked (MPI's
@@ -370,6 +106,7 @@ class Channel:
         self.tag_limit, self.size = comm.Get_attr(mpi().TAG_UB), comm.size
         self._order = threading.Lock()          # over _incoming and its header requests
         self._incoming: list[_Incoming] = []    # in the order the receives were made
+        self.poller = POLLER
 
     def _check(self, what: str, tensor: torch.Tensor, peer: Optional[int], tag: int) -> None:
         """(Each test written for the common case's speed: a message costs microseconds.)"""
@@ -427,7 +164,7 @@ class Channel:
         with self._order:
             incoming.request = self.comm.Irecv(header, source=source, tag=tag)
             self._incoming.append(incoming)
-        _POLLER.advance(self)       # (after the append: see _Poller._loop)
+        self.poller.advance(self)       # (after the append: see poller.Poller._loop)
         return work
 
     def waiting(self) -> int:
@@ -484,7 +221,7 @@ class Channel:
     def free(self) -> None:
         """(destroy_process_group.) A receive still waiting for its header fails, its request
         and buffers kept (core/state.abandon)."""
-        _POLLER.forget(self)
+        self.poller.forget(self)
         with self._order:
             dropped = [incoming.work for incoming in self._incoming]
         for work in dropped:

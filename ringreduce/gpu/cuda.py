@@ -66,13 +66,13 @@ def device_tensor(tensor: torch.Tensor, what: str) -> torch.Tensor:
     Horovod's and NCCL's: `model.to(local_rank)` without `set_device` works): every view,
     stream, event and scratch block is taken on `tensor.device`. The other collectives
     (allgather, broadcast, alltoall, reducescatter) work on a host copy made here, on the
-    caller's thread after what its stream has queued; collective_work moves their results
+    caller's thread after what its stream has queued; api/arguments moves their results
     back to the tensor's device, as Horovod returns them.
     """
     if what not in REDUCTIONS:
         return tensor.detach().cpu()
     cupy_module()
-    return tensor.detach()      # (contiguous: collective_work checked it)
+    return tensor.detach()      # (contiguous: api/arguments checked it)
 
 
 # ---------------------------------------------------------------- streams and events

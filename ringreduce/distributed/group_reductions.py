@@ -1,0 +1,186 @@
+"""The reductions of a ringreduce group: all_reduce (sparse, and BAND/BOR/BXOR, as gloo),
+its coalesced forms, reduce, and the reduce-scatters (one row per rank)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..api.collectives import Average, Sum
+from ..api.compression import Compression
+from ..api.reductions import (allreduce_work, bitwise_allreduce_work, grouped_allreduce_work,
+                              reducescatter_work, sparse_allreduce_work)
+from ..api.small_path import reduce_later, reduce_now, started
+from ..api.work import first, submit
+from ..core.errors import UnsupportedError
+from ..sets.active_set import ActiveSet, refusing
+from .arguments import SUM, all_reducible, bitwise, copy_flat, one, reducible, restored, worked_on
+from .group_base import SEQUENCE, GroupBase
+from .work import FINISHED, CollectiveWork
+
+_BOOL = torch.bool
+_SPARSE = torch.sparse_coo
+
+
+class Reductions(GroupBase):
+    """A group's reductions (torch's names, as ProcessGroup declares them)."""
+
+    def allreduce(self, tensors: list, opts: Any = None) -> CollectiveWork:
+        """(DDP's every bucket, and small ones cost what this adds to our collective: the
+        common case takes the fewest steps.)"""
+        ps = self._active("allreduce")
+        name = ps.call_order_name(SEQUENCE)
+        # (ReduceOp == RedOpType: the cheapest test torch's bindings offer)
+        if len(tensors) == 1 and (opts is None or opts.reduceOp == SUM):
+            tensor, op, pre = tensors[0], Sum, 1.0
+            if opts is None or getattr(opts, "asyncOp", True):     # (torch >= 2.8 has it)
+                handle = started(ps, tensor, name, Sum, 1.0)    # small: it checks the tensor
+                if handle is not None:
+                    return CollectiveWork(handle, tensors)
+        else:
+            with refusing(ps, name, "allreduce"):
+                tensor = one(tensors, "allreduce")
+                folding = None if opts is None else bitwise(opts.reduceOp)
+                if folding is None:
+                    op, pre = (Sum, 1.0) if opts is None else self._op(opts, "allreduce")
+            if folding is not None:
+                return self._bitwise(name, tensor, folding)
+        if tensor.layout is _SPARSE:
+            return self._sparse_allreduce(ps, name, tensor, op, pre)
+        write_back = None
+        if not tensor.is_contiguous():      # (the common case pays for this test alone)
+            (tensor,), write_back = worked_on([tensor])
+        if tensor.dtype is _BOOL or tensor.is_complex():   # (complex: a call on the group
+            # itself; dist.all_reduce makes a complex tensor real first)
+            with refusing(ps, name, "allreduce"):
+                tensor, op = reducible(tensor, op, pre, f"allreduce on rank {self.rank()}")
+        if opts is not None and not getattr(opts, "asyncOp", True):    # (torch >= 2.8 has it)
+            # dist.all_reduce(t) waits at once: the synchronous call runs on this thread when
+            # the set's engine is idle (the handle's queue costs as much as a small allreduce)
+            reduce_now(ps, tensor, name, op, None, pre, 1.0, Compression.none, True,
+                       self._process_set)
+            if write_back is not None:
+                with torch.no_grad():       # (as the asynchronous Work writes it)
+                    write_back(None)
+            return CollectiveWork(FINISHED, tensors)
+        handle = reduce_later(ps, tensor, name, op, None, pre, 1.0, Compression.none, True,
+                              self._process_set)
+        return CollectiveWork(handle, tensors, write_back)
+
+    def _sparse_allreduce(self, ps: ActiveSet, name: str, tensor: torch.Tensor, op: Any,
+                          pre: float) -> CollectiveWork:
+        """A sparse COO tensor (DDP's bucket for a sparse embedding's gradient) as gloo
+        reduces one: every member's entries gathered (Horovod's sparse allreduce,
+        reductions.sparse_allreduce_work), their sum coalesced and written over the
+        input. SUM, AVG and PREMUL_SUM; another op is a mistake refused to the others."""
+        with refusing(ps, name, "sparse_allreduce"):
+            if op not in (Sum, Average):
+                raise UnsupportedError(f"ringreduce backend: allreduce of a sparse tensor on "
+                                       f"rank {self.rank()} takes SUM, AVG or PREMUL_SUM, not "
+                                       f"{op.name.upper()}")
+        scaled = tensor if pre == 1.0 else tensor * pre
+        handle = submit(sparse_allreduce_work(scaled, name, op, self._process_set))
+
+        def finish(result: torch.Tensor) -> None:
+            tensor.copy_(result.coalesce())
+
+        return CollectiveWork(handle, [tensor], finish)
+
+    def _bitwise(self, name: str, tensor: torch.Tensor, folding: tuple,
+                 root: Optional[int] = None) -> CollectiveWork:
+        """BAND, BOR or BXOR (`folding`: bitwise()) of an integer or bool tensor, as gloo has
+        them (reductions.bitwise_allreduce_work), its result written over the tensor;
+        for reduce, on group rank `root` alone (checked by the caller)."""
+        op_name, fold = folding
+        handle = submit(bitwise_allreduce_work(
+            tensor, name, op_name, fold, self._process_set,
+            None if root is None else self._process_set.ranks[root]))
+
+        def finish(result: torch.Tensor) -> None:
+            if root is None or self.rank() == root:
+                tensor.copy_(result)
+
+        return CollectiveWork(handle, [tensor], finish)
+
+    def allreduce_coalesced(self, tensors: list, opts: Any = None) -> CollectiveWork:
+        what = "allreduce_coalesced"
+        ps, name, checks = self._call(what, tensors)
+        targets, write_back = worked_on(tensors)
+        with checks:
+            op, pre = self._op(opts, what) if opts is not None else (Sum, 1.0)
+            targets, op = all_reducible(targets, op, pre, f"{what} on rank {self.rank()}")
+        handle = submit(grouped_allreduce_work(targets, name, op, None, pre, 1.0,
+                                               Compression.none, True, "grouped_allreduce_",
+                                               ps))
+        return CollectiveWork(handle, tensors, write_back)
+
+    def reduce(self, tensors: list, opts: Any) -> CollectiveWork:
+        """An allreduce whose result only the root keeps."""
+        ps, name, checks = self._call("reduce", tensors)
+        with checks:
+            tensor = one(tensors, "reduce")
+            root = opts.rootRank
+            root_rank = self._global(root, "reduce")
+            folding = bitwise(opts.reduceOp)
+            if folding is None:
+                op, pre = self._op(opts, "reduce")
+                tensor, op = reducible(tensor, op, pre, f"reduce on rank {self.rank()}")
+        if folding is not None:
+            return self._bitwise(name, tensor, folding, root)
+        handle = submit(allreduce_work(tensor.contiguous(), None, name, op, pre, 1.0,
+                                       Compression.none, False, ps, root_rank))
+
+        def finish(result: torch.Tensor) -> None:
+            if self.rank() == root:
+                tensor.copy_(result)
+
+        return CollectiveWork(handle, tensors, finish)
+
+    def reduce_scatter(self, output_tensors: list, input_tensors: list,
+                       opts: Any) -> CollectiveWork:
+        kind = "reduce_scatter"
+        _, name, checks = self._call(kind, output_tensors, input_tensors)
+        with checks:
+            output, inputs = one(output_tensors, kind), one(input_tensors, kind)
+            self._one_per_rank(inputs, inputs[0], kind, "input")
+            stacked = torch.stack([t.detach().reshape(-1) for t in inputs])
+            return self._reduce_scatter(output, stacked, opts, kind, output_tensors, name)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Any) -> CollectiveWork:
+        kind = "reduce_scatter_tensor"
+        _, name, checks = self._call(kind, output, input)
+        with checks:
+            return self._reduce_scatter(output, self._rows(input, kind), opts, kind, [output],
+                                        name)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def _reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor, opts: Any, kind: str,
+                        value: list, name: str) -> CollectiveWork:
+        """Row r of `rows` reduced over the group lands in rank r's `output`."""
+        op, pre = self._op(opts, kind)
+        reduced, op = reducible(rows, op, pre, f"{kind} on rank {self.rank()}")
+        handle = submit(first(reducescatter_work([reduced], name, op, pre, 1.0,
+                                                 Compression.none, self._process_set)))
+
+        def finish(mine: torch.Tensor) -> None:
+            mine = restored(mine, rows)
+            self._check_output(output, mine, kind)
+            copy_flat(output, mine)
+
+        return CollectiveWork(handle, value, finish)
+
+    def reduce_scatter_single_coalesced(self, outputs: list, inputs: list,
+                                        opts: Any) -> CollectiveWork:
+        what = "reduce_scatter_tensor_coalesced"
+        ps, name, checks = self._call(what, outputs, inputs)
+        with checks:
+            rows = [self._rows(i, what) for i in inputs]
+            op, pre = self._op(opts, what)
+            reduced, op = all_reducible(rows, op, pre, f"{what} on rank {self.rank()}")
+            handle = submit(reducescatter_work(reduced, name, op, pre, 1.0, Compression.none,
+                                               ps, "grouped_reducescatter"))
+        return self._written(handle, outputs, what, rows)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
