@@ -2,9 +2,10 @@
 completes: its result or error, and its done-callbacks (a torch future's `then()` chain),
 which run on the thread that finished it once that thread has let go of the set.
 
-Any exception raised while running a collective (ours, MPI's, a bug) is stored on its handle
-and re-raised by `wait()` in the caller's thread, as a RingReduceError with the cause chained,
-so the engine thread never dies and later collectives still run."""
+Any exception raised while running a collective (ours, MPI's, a bug, an interrupt) is stored on
+its handle and re-raised by `wait()` in the caller's thread, so the engine thread never dies and
+later collectives still run: ours and interrupts as they are, anything else as a
+RingReduceError with the cause chained."""
 from __future__ import annotations
 
 import threading
@@ -145,10 +146,12 @@ def run_collective(name: str, work: Callable[[], Any]) -> Any:
         raise _ours(name, exc) from exc
 
 
-def _ours(name: str, exc: BaseException) -> RingReduceError:
-    """`exc` as the error a caller of the collective gets: ours as it is, anything else
-    (MPI, a bug, KeyboardInterrupt, MemoryError) wrapped with its cause chained."""
-    if isinstance(exc, RingReduceError):
+def _ours(name: str, exc: BaseException) -> BaseException:
+    """`exc` as the error a caller of the collective gets: ours as it is, an interrupt (any
+    BaseException that is not an Exception: KeyboardInterrupt, SystemExit) as it is too, so
+    that `except KeyboardInterrupt` catches it wherever the collective ran; anything else
+    (MPI, a bug, MemoryError) wrapped with its cause chained."""
+    if isinstance(exc, RingReduceError) or not isinstance(exc, Exception):
         return exc
     error = RingReduceError(f"ringreduce: collective '{name}' failed: "
                             f"{type(exc).__name__}: {exc}")
