@@ -52,19 +52,40 @@ _NUMERIC = [f.name for f in dataclasses.fields(config.Settings)
 @pytest.mark.parametrize("name", _NUMERIC)
 def test_every_numeric_setting_is_range_checked(monkeypatch, name):
     """Below its range (and above, where it has a top), from the environment or init()'s
-    keyword: ValueError naming the variable and the accepted range."""
-    low, high = dataclasses.fields(config.Settings)[
-        [f.name for f in dataclasses.fields(config.Settings)].index(name)].metadata["accepted"]
+    keyword: ValueError naming the variable and the accepted range. A time setting takes 0
+    (off), or 1 s or more: 1e-300 would report a stall thousands of times a second."""
+    field = next(f for f in dataclasses.fields(config.Settings) if f.name == name)
+    low, high = field.metadata["accepted"]
     variable = config.Settings.env_name(name)
-    for bad in [low - 1] + ([high + 1] if high != float("inf") else []):
-        monkeypatch.setenv(variable, str(int(bad)))
-        with pytest.raises(ValueError, match=f"{variable}={int(bad)} is out of range: expected"):
+    below = [low / 2, 1e-300] if field.metadata["off"] else [low - 1]
+    for bad in below + ([high + 1] if high != float("inf") else []):
+        text = repr(bad) if isinstance(bad, float) else str(int(bad))
+        monkeypatch.setenv(variable, text)
+        with pytest.raises(ValueError, match=f"{variable}={text} is out of range: expected"):
             config.Settings.load()
         monkeypatch.delenv(variable)
         with pytest.raises(ValueError, match=f"init\\({name}=.*{variable}.*expected"):
             config.Settings.load(**{name: bad})
     monkeypatch.setenv(variable, str(int(low)))
     assert getattr(config.Settings.load(), name) == low
+    if field.metadata["off"]:
+        monkeypatch.setenv(variable, "0")
+        assert getattr(config.Settings.load(), name) == 0
+        assert "0 (off), or a number >= 1" in str(pytest.raises(
+            ValueError, config.Settings.load, **{name: 0.5}).value)
+
+
+def test_a_blank_or_directory_path_is_refused(monkeypatch):
+    for bad, why in [(" ", "a blank path"), ("\t", "a blank path"), ("runs/", "a directory")]:
+        monkeypatch.setenv("RINGREDUCE_TIMELINE", bad)
+        with pytest.raises(ValueError, match=f"RINGREDUCE_TIMELINE: {why}"):
+            config.Settings.load()
+        monkeypatch.delenv("RINGREDUCE_TIMELINE")
+        with pytest.raises(ValueError, match=f"init\\(timeline=\\): {why}"):
+            config.Settings.load(timeline=bad)
+    monkeypatch.setenv("RINGREDUCE_TIMELINE", "")
+    assert config.Settings.load().timeline == ""
+    assert config.Settings.load(timeline="t.json").timeline == "t.json"
 
 
 def test_collectives_before_init_raise_clearly():

@@ -75,12 +75,13 @@ def _accepted(config, field) -> str:
     if isinstance(value, str) and value == "auto":
         return "auto, or 0/1"
     if isinstance(value, str):
-        return "a path"
+        return "a file's path, or empty"
     low, high = field.metadata["accepted"]
+    off = "0 (off), or " if field.metadata["off"] else ""
     if field.metadata["parse"] is config.parse_bytes:
         high = "" if high == float("inf") else f" to {_bytes(int(high))}"
-        return f"{_bytes(int(low))}{high or ' or more'} bytes (K, M, G: powers of 1024)"
-    return f"{low:g} or more" if high == float("inf") else f"{low:g} to {high:g}"
+        return f"{off}{_bytes(int(low))}{high or ' or more'} bytes (K, M, G: powers of 1024)"
+    return off + (f"{low:g} or more" if high == float("inf") else f"{low:g} to {high:g}")
 
 
 def _cell(text: str) -> str:

@@ -44,16 +44,29 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def _parse_path(text: str) -> str:
+    """A file's path; empty: none. A blank one, or one naming a directory, is a mistake."""
+    if text and not text.strip():
+        raise ValueError("a blank path; leave it empty for none")
+    if text.endswith(("/", os.sep)):
+        raise ValueError("a directory, not a file's path")
+    return text
+
+
 _GIB = 1 << 30
 _NO_LIMIT = float("inf")
+_SHORTEST_SECONDS = 1.0     # a time setting's least value but 0 (off): reports and shutdowns
+                            # sooner than this take the job over (1e-300 printed 11,400 lines
+                            # in 6 s)
 
 
 def _setting(default: Any, parse: Callable[[str], Any], doc: str, horovod: str = "",
-             accepted: tuple[float, float] = (0, _NO_LIMIT)) -> Any:
+             accepted: tuple[float, float] = (0, _NO_LIMIT), off: bool = False) -> Any:
     """A field; `horovod` names the Horovod environment variable that means the same;
-    `accepted` is the range of a number (both ends included)."""
+    `accepted` is the range of a number (both ends included); `off`: 0 is accepted too, for
+    none."""
     return dataclasses.field(default=default, metadata={
-        "parse": parse, "doc": doc, "horovod": horovod, "accepted": accepted})
+        "parse": parse, "doc": doc, "horovod": horovod, "accepted": accepted, "off": off})
 
 
 def _parsed(field: Any, raw: str, source: str) -> Any:
@@ -65,16 +78,18 @@ def _parsed(field: Any, raw: str, source: str) -> Any:
         raise ValueError(f"ringreduce: bad value {raw!r} for {source}: {exc}") from None
 
 
-def _in_range(value: Any, accepted: tuple[float, float]) -> bool:
-    low, high = accepted
-    return isinstance(value, bool) or not isinstance(value, (int, float)) or low <= value <= high
+def _in_range(value: Any, field: Any) -> bool:
+    low, high = field.metadata["accepted"]
+    return isinstance(value, bool) or not isinstance(value, (int, float)) or \
+        low <= value <= high or (field.metadata["off"] and value == 0)
 
 
-def _describe_range(accepted: tuple[float, float]) -> str:
-    low, high = accepted
+def _describe_range(field: Any) -> str:
+    low, high = field.metadata["accepted"]
+    off = "0 (off), or " if field.metadata["off"] else ""
     if high == _NO_LIMIT:
-        return f"a number >= {low:g}"
-    return f"{low:.0f} to {high:.0f}" + (f" ({high / _GIB:g} GiB)" if high >= _GIB else "")
+        return f"{off}a number >= {low:g}"
+    return f"{off}{low:.0f} to {high:.0f}" + (f" ({high / _GIB:g} GiB)" if high >= _GIB else "")
 
 
 @dataclass(frozen=True)
@@ -115,12 +130,14 @@ class Settings:
         60.0, float,
         "seconds a rank waits for the others to join a collective (or to reach init(), or "
         "shutdown()) before it logs so (and again every such interval); 0 = off",
-        horovod="HOROVOD_STALL_CHECK_TIME_SECONDS")
+        horovod="HOROVOD_STALL_CHECK_TIME_SECONDS", accepted=(_SHORTEST_SECONDS, _NO_LIMIT),
+        off=True)
     stall_shutdown_time: float = _setting(
         0.0, float,
         "seconds of such waiting (in a collective or init()) after which the job is aborted "
         "with that message; 0 = never",
-        horovod="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
+        horovod="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", accepted=(_SHORTEST_SECONDS, _NO_LIMIT),
+        off=True)
     consistency_check_steps: int = _setting(
         0, int,
         "DistributedOptimizer: every this many steps, check that all parameters are bitwise "
@@ -134,7 +151,7 @@ class Settings:
         "an uncaught exception on any rank aborts the whole MPI job (non-zero exit) instead of "
         "leaving the other ranks waiting in a collective")
     timeline: str = _setting(
-        "", str,
+        "", _parse_path,
         "write a Chrome-trace/Perfetto timeline of every collective's phases to this path, one "
         "file per rank ('{rank}' in the path, else '.rank<r>' before the extension); empty or "
         "DYNAMIC (Horovod's: only start_timeline() starts one) = off",
@@ -178,14 +195,14 @@ class Settings:
                 continue
             raw = os.environ[variable]
             values[name] = _parsed(f, raw, variable)
-            if not _in_range(values[name], f.metadata["accepted"]):
+            if not _in_range(values[name], f):
                 raise ValueError(f"ringreduce: {variable}={raw} is out of range: expected "
-                                 f"{_describe_range(f.metadata['accepted'])}")
+                                 f"{_describe_range(f)}")
         for name, value in overrides.items():
-            if value is not None and not _in_range(value, known[name].metadata["accepted"]):
+            if value is not None and not _in_range(value, known[name]):
                 raise ValueError(f"ringreduce: init({name}={value!r}) is out of range "
                                  f"({cls.env_name(name)}): expected "
-                                 f"{_describe_range(known[name].metadata['accepted'])}")
+                                 f"{_describe_range(known[name])}")
         return cls(**values)
 
 
