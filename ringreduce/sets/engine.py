@@ -71,6 +71,9 @@ class Engine:
         self._cv = threading.Condition()        # guards the queue, the names, _stopping
         self._queue: collections.deque[Handle] = collections.deque()
         self._in_flight: set[str] = set()
+        # Names of collectives done here whose handles nobody has waited for yet: still taken,
+        # as Horovod's stay until the collective is done on every member (`_complete`)
+        self.held: dict[str, Handle] = {}
         self._inline: Optional[str] = None
         self._stopping = False
         self._dozing = True             # the engine thread sleeps long: a submission wakes it
@@ -151,7 +154,7 @@ class Engine:
             return False
         if name is not None:
             self._inline = name            # before looking at the names: see _claim_name
-            if name in self._in_flight:
+            if name in self._in_flight or name in self.held:
                 self.release_idle()
                 raise ValueError(self._duplicate(name))
         if self._queue or self._stopping:
@@ -232,7 +235,11 @@ class Engine:
         except Exception as exc:    # (an interrupt of the caller's thread goes to the caller)
             return Finished(name, None, exc, self)
         if done:
-            return Finished(name, value, None, self)
+            finished = Finished(name, value, None, self)
+            with self._cv:
+                self.held.clear()
+                self.held[name] = finished
+            return finished
         remaining = [settle_first if value is None else value]
 
         def work() -> Any:          # `rest` the first time, `whole` if it must run again
@@ -282,7 +289,7 @@ class Engine:
         once, at least one sees the other."""
         if self._stopping:
             raise RingReduceError("ringreduce: the engine is shut down; call init() again")
-        if name in self._in_flight:
+        if name in self._in_flight or name in self.held:
             raise ValueError(self._duplicate(name))
         self._in_flight.add(name)
         if name == self._inline:
@@ -290,8 +297,17 @@ class Engine:
             raise ValueError(self._duplicate(name))
 
     def _release_name(self, name: str) -> None:
+        """(A synchronous collective done on this thread, its result its caller's: every name
+        held before it is free, see `_complete`.)"""
         with self._cv:
             self._in_flight.discard(name)
+            self.held.clear()
+
+    def waited(self, handle: Handle) -> None:
+        """`handle`'s result has reached a caller: its name is free (Handle.wait)."""
+        with self._cv:
+            if self.held.get(handle.name) is handle:
+                del self.held[handle.name]
 
     def _execute(self, handle: Handle) -> bool:
         """Run `handle` (its caller holds `_running`). True when it finished (result or error:
@@ -316,9 +332,17 @@ class Engine:
         return handle.done()
 
     def _complete(self, handle: Handle) -> None:
-        """Its name is free before it is done: a caller woken by wait() may reuse the name.
-        Its callbacks wait until this thread lets go of the set (`_let_go`)."""
-        self._release_name(handle.name)
+        """Its name stays taken (`held`) until a caller has waited for it, or until a later
+        collective of the set is done here, by which time every member has done this one: a
+        name submitted again meanwhile is a duplicate, as Horovod's is until the collective is
+        done on every member (a second submission accepted because the first was done here
+        already would pair with nothing). It is held before the handle is done, so that a
+        caller woken by wait() frees it. Its callbacks wait until this thread lets go of the
+        set (`_let_go`)."""
+        with self._cv:
+            self._in_flight.discard(handle.name)
+            self.held.clear()
+            self.held[handle.name] = handle
         callbacks = handle.set_done()
         if callbacks:
             self._due.append((handle, callbacks))

@@ -68,6 +68,9 @@ class Handle:
                     engine.run_up_to(self)
                     with self._pending:
                         pass
+        engine = self._engine
+        if engine is not None and self.name in engine.held:
+            engine.waited(self)
         if self._error is not None:
             raise self._error
         return self._result
