@@ -71,8 +71,10 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict]
     Horovod, except under Slurm without hosts, where the allocation decides (as with
     `ringreduce-run`). `hosts` ("h1:4,h2:4"), `hostfile`, `ssh_port`, `mpi_args` and
     `verbose` act as `ringreduce-run`'s flags; `executable` is the Python every rank runs
-    (default this one; the MPI launcher beside it is preferred). Arguments that need
-    Horovod's own driver (the elastic ones, Gloo, network interfaces, ...) raise ValueError
+    (default this one; the MPI launcher beside it is preferred). `use_mpi` and `use_gloo`
+    left out or False let the runner choose, as Horovod's do (Horovod's MNIST example passes
+    both False): it runs over MPI, as with `use_mpi=True`. Arguments that need Horovod's own
+    driver (the elastic ones, `use_gloo=True`, network interfaces, ...) raise ValueError
     saying why, as `ringreduce-run` refuses their flags.
 
     Raises RuntimeError naming the ranks that raised (with their tracebacks) or returned
@@ -89,9 +91,6 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict]
         if value is not None and value is not False:
             raise ValueError(f"ringreduce.runner.run: {name}={value!r} is not supported: "
                              f"{launcher.why_refused(_REFUSED_ARGUMENTS[name])}")
-    if use_mpi is False:
-        raise ValueError("ringreduce.runner.run: use_mpi=False is not supported: "
-                         f"{launcher.why_refused('--gloo')}")
     if np is not None:
         warnings.warn("np is deprecated, use num_proc instead", DeprecationWarning,
                       stacklevel=2)

@@ -29,6 +29,16 @@ def test_module_function_in_rank_order_with_np():
 
 
 @pytest.mark.timeout(60)
+def test_leaving_the_choice_of_controller_to_the_runner_runs_over_mpi():
+    """Horovod's MNIST example passes use_mpi=False, use_gloo=False: "choose"; so does
+    use_mpi=False alone, and use_mpi=True asks for MPI."""
+    for choice in ({"use_mpi": False, "use_gloo": False}, {"use_mpi": False},
+                   {"use_mpi": True}):
+        assert runner.run(rank_size_and_sum, args=(1,), num_proc=2, **choice) == \
+            expected(2, 1), choice
+
+
+@pytest.mark.timeout(60)
 def test_closure_by_value_at_three_ranks():
     """A closure and a lambda travel by value; values come back as returned (a tensor and
     a lambda too)."""
