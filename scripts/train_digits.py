@@ -68,10 +68,10 @@ def train(args, rank, size, distributed, progress=None):
     model = DigitsCNN()
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     done_steps = 0
-    if distributed:
+    if distributed:     # (the README's order: wrap, then broadcast)
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(opt, root_rank=0)
-        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
         checkpoint = os.path.join(args.checkpoint_dir or "", "checkpoint.pt")
         if args.checkpoint_dir and os.path.exists(checkpoint):
             done_steps = hvd.checkpoint.load(checkpoint, model, opt)["step"]
