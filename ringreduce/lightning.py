@@ -1,7 +1,8 @@
 """`RingReduceStrategy`: ringreduce under PyTorch Lightning 2.x, `Trainer(strategy="ringreduce")`.
 
 Lightning 2 dropped its Horovod strategy; this is its successor on our collectives. Launch with
-`mpiexec -n N python train.py`, one process per device. Importing this module registers the
+`mpiexec -n N python train.py`, one process per device; started as `python train.py` with
+`devices=N`, the script runs itself again on N ranks under mpiexec (lightning_launch.py). Importing this module registers the
 strategy name with each Lightning package that is installed: `lightning` (`lightning.pytorch`)
 and the standalone `pytorch_lightning`. Each has its own Trainer, registry and base classes, so
 the classes are built once per package from the one definition in `strategy_classes`:
@@ -47,6 +48,7 @@ from .api.compression import Compression, Compressor
 from .api.objects import broadcast_object, broadcast_parameters
 from .api.sync_batch_norm import SyncBatchNorm
 from .core.errors import UsageError
+from .lightning_launch import launcher_class, needs_launching
 from .distributed.group import RingReduceGroup
 from .optim.adasum_optimizer import AdasumOptimizer
 from .optim.optimizer import DistributedOptimizer
@@ -76,6 +78,9 @@ def strategy_classes(package: str) -> SimpleNamespace:
     TrainerFn = importlib.import_module(f"{package}.trainer.states").TrainerFn
     rank_zero_only = importlib.import_module(f"{package}.utilities.rank_zero").rank_zero_only
     LightningModule = importlib.import_module(package).LightningModule
+    rank_zero_info = importlib.import_module(f"{package}.utilities.rank_zero").rank_zero_info
+    MpiScriptLauncher = launcher_class(
+        importlib.import_module(f"{package}.strategies.launchers.launcher")._Launcher)
 
     class RingReduceEnvironment(MPIEnvironment):
         """Lightning's MPI environment with ranks and nodes as ringreduce sees them (its node
@@ -113,6 +118,7 @@ def strategy_classes(package: str) -> SimpleNamespace:
         """
 
         strategy_name = "ringreduce"
+        num_nodes = 1       # (the Trainer's num_nodes, set by its connector)
 
         def __init__(self, accelerator=None, parallel_devices=None, checkpoint_io=None,
                      precision_plugin=None, compression: type[Compressor] = Compression.none,
@@ -131,6 +137,12 @@ def strategy_classes(package: str) -> SimpleNamespace:
             self._reduced: set[int] = set()     # optimizers synchronized by backward, unstepped
 
         # ------------------------------------------------------------ where this rank runs
+
+        def _configure_launcher(self) -> None:
+            """Never one process alone where devices/num_nodes ask for more (lightning_launch)."""
+            processes = len(self.parallel_devices or ()) or 1
+            if needs_launching(processes, self.num_nodes):
+                self._launcher = MpiScriptLauncher(processes, rank_zero_info)
 
         @property
         def root_device(self) -> torch.device:
