@@ -72,7 +72,7 @@ def _create(options: Any, backend_options: Any = None) -> RingReduceGroup:
 
 def _store(timeout: datetime.timedelta) -> dist.Store:
     """A TCPStore on rank 0 (a free port it picks), its address told to the others over MPI;
-    the env:// variables are set to match, for libraries that read them. Every rank has
+    MASTER_ADDR and MASTER_PORT are set to match, for libraries that read them. Every rank has
     connected before any returns: a rank whose init_process_group then fails (torch refusing
     an argument) drops its store, and rank 0's, the server, must outlive the others' connects,
     or they would wait in them until the timeout, and a retry with them."""
@@ -87,11 +87,24 @@ def _store(timeout: datetime.timedelta) -> dist.Store:
     if rank != 0:
         store = dist.TCPStore(host, port, size, False, timeout=timeout)
     allgather_object(True, name="dist.init.connected")
-    _EXPORTED.update(MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(rank),
-                     WORLD_SIZE=str(size), LOCAL_RANK=str(world.local_rank()),
-                     LOCAL_WORLD_SIZE=str(world.local_size()))
+    _EXPORTED.update(MASTER_ADDR=host, MASTER_PORT=str(port))
     os.environ.update(_EXPORTED)
     return store
+
+
+def _tell_libraries() -> None:
+    """The job as torchrun would describe it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    where the user set none), for the libraries that read it; and, on a machine without
+    CUDA, ACCELERATE_USE_CPU, which makes Hugging Face Accelerate's default `Accelerator()`
+    train on this group, every rank its part (without it, Accelerate takes a CPU job for one
+    process and trains each rank alone)."""
+    job = {"RANK": world.rank(), "WORLD_SIZE": world.size(), "LOCAL_RANK": world.local_rank(),
+           "LOCAL_WORLD_SIZE": world.local_size()}
+    if not torch.cuda.is_available():
+        job["ACCELERATE_USE_CPU"] = "true"
+    for name, value in job.items():
+        if name not in os.environ or os.environ[name] == _EXPORTED.get(name):
+            _EXPORTED[name] = os.environ[name] = str(value)
 
 
 def init_process_group(timeout: Optional[datetime.timedelta] = None,
@@ -101,7 +114,9 @@ def init_process_group(timeout: Optional[datetime.timedelta] = None,
     `torch.distributed.init_process_group("ringreduce")`. Under mpiexec nothing else is needed:
     with MASTER_ADDR and MASTER_PORT set, torch's env:// rendezvous is used; otherwise rank 0
     opens torch's store on a free port and tells the others over MPI (and sets the env://
-    variables to match; set again by a later call, they are not taken for the user's).
+    variables to match; set again by a later call, they are not taken for the user's). Either
+    way the job is then described to libraries as torchrun would (`_tell_libraries`), so that
+    a default `accelerate.Accelerator()` trains on this group.
     `device_id`: torch's (this rank's accelerator, `torch.device("cuda", local_rank)`), passed
     on where given. Does nothing if torch.distributed is initialised already on this backend;
     another backend there is an error."""
@@ -120,6 +135,7 @@ def init_process_group(timeout: Optional[datetime.timedelta] = None,
     else:
         dist.init_process_group(BACKEND, store=_store(timeout), rank=world.rank(),
                                 world_size=world.size(), timeout=timeout, **device)
+    _tell_libraries()
 
 
 dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=list(DEVICES))
