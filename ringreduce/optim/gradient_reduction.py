@@ -102,20 +102,22 @@ class GradientReduction(WrappedOptimizer):
         with mistakes:
             self._plan()
         self._agree_on_plan()
+        self._ever_planned |= self._planned
         self._reset_step()
 
     # ------------------------------------------------------------ the plan
 
     def _trainable(self) -> list[tuple[str, torch.Tensor]]:
-        """The parameters reduced: those trainable now or in an earlier plan (Horovod keeps
-        reducing a parameter frozen after wrapping)."""
+        """The parameters reduced: those trainable now or in an earlier plan that every rank
+        agreed on (Horovod keeps reducing a parameter frozen after wrapping). A plan that
+        failed its check (a parameter unfrozen on some ranks only) leaves no trace: frozen
+        again, the parameter is out of the plan, and the ranks agree again."""
         return [(n, p) for n, p in self._named if p.requires_grad or id(p) in self._ever_planned]
 
     def _plan(self) -> None:
         """Buckets over the trainable parameters with dense gradients, their reductions, the
         step's agreement, and a gradient hook on every trainable parameter."""
         trainable = self._trainable()
-        self._ever_planned.update(id(p) for _, p in trainable)
         dense = [(n, p) for n, p in trainable if id(p) not in self._sparse]
         wire = None if self._custom else self._compression.wire_dtype
 
@@ -521,6 +523,7 @@ class GradientReduction(WrappedOptimizer):
         if failures:
             self._compressed = []
             raise failures[0]
+        self._ever_planned |= self._planned     # (every rank's first bucket carried the plan)
         if self._compressed:
             self._decompress()
         if self._densified:     # sparse_as_dense
