@@ -1,16 +1,12 @@
 """The life cycle of a `DistributedOptimizer` step on a member of its process set: gradients are
 reduced (averaged, by default) across the set's ranks while backward runs.
 
-  wrapping: the first plan (buckets over the trainable parameters), checked alike on every
-      member in one signature check.
+  wrapping: the first plan (planning.py), checked alike on every member.
   backward: the step's first gradient checks the plan (which parameters train, which have
-      sparse gradients); a change re-plans the buckets, the same way on every rank. As in
-      Horovod, a parameter trainable when wrapped stays in the plan when frozen (its gradient
-      is reduced as zeros); one made trainable since joins it (Horovod would leave it
-      unreduced, and the ranks' parameters would drift apart). Each
+      sparse gradients); a change re-plans the buckets, the same way on every rank. Each
       parameter's post-accumulate hook counts its passes; on the last pass its gradient is
-      packed into its bucket; a full bucket is handed to the set's engine (in bucket order, the
-      same on every rank), which reduces it on its thread while backward goes on.
+      packed into its bucket; a full bucket is handed to the set's engine (submission.py, in
+      bucket order, the same on every rank), which reduces it while backward goes on.
   synchronize(): buckets that never filled are packed with zeros where this rank has no
       gradient and submitted, so every rank reduces the same buckets (and, as in Horovod, a
       gradient no rank had is zeros); sparse gradients are allgathered (Horovod's sparse
@@ -18,10 +14,6 @@ reduced (averaged, by default) across the set's ranks while backward runs.
       (on some rank, or a second step() on some ranks only); then wait. Called again before
       the step, it reduces every gradient again, as Horovod's does.
   step(): synchronize() unless inside skip_synchronize(), then the wrapped optimizer's step.
-
-A compressor of the user's own (compression.custom) is called on each gradient, as Horovod
-calls it: every parameter is a bucket of its own, its gradient compressed when ready, the
-compressed tensor reduced, and decompressed into `.grad` at synchronize().
 """
 from __future__ import annotations
 
@@ -33,27 +25,22 @@ from typing import Any, Callable, NoReturn, Optional
 import torch
 from torch.autograd import Variable
 
-from ..api.collectives import submit
 from ..api.compression import custom
 from ..api.objects import check_consistency
 from ..core import timeline
 from ..core.compile_boundary import in_compiled_backward
 from ..core.errors import MismatchError, UnsupportedError, UsageError
-from ..gpu import cuda, device_kernels
-from ..kernels.buffers import CODES, dtype_name
 from ..kernels.ops import ReduceOp
 from ..sets.active_set import refusing
-from ..sets.engine import Handle
+from ..sets.handles import Handle
 from ..sets.process_sets import active
-from ..transport.reduce_spec import ReduceSpec
-from ..transport.signature import digest, with_device
-from . import fusion, sparse_gradients
-from .step_agreement import StepAgreement
-from .wrapped_optimizer import (STEP_AFTER_SYNCHRONIZE, Options, WrappedOptimizer, explicit_groups,
-                                remove_hooks)
+from . import sparse_gradients
+from .planning import Planning
+from .submission import Submission
+from .wrapped_optimizer import STEP_AFTER_SYNCHRONIZE, Options, WrappedOptimizer, remove_hooks
 
 
-class GradientReduction(WrappedOptimizer):
+class GradientReduction(Planning, Submission, WrappedOptimizer):
     """See the module's docstring; `AdasumOptimizer` changes what a final gradient does."""
 
     # A parameter alone in its bucket is reduced in place in its `.grad`, without a buffer.
@@ -104,122 +91,6 @@ class GradientReduction(WrappedOptimizer):
         self._agree_on_plan()
         self._ever_planned |= self._planned
         self._reset_step()
-
-    # ------------------------------------------------------------ the plan
-
-    def _trainable(self) -> list[tuple[str, torch.Tensor]]:
-        """The parameters reduced: those trainable now or in an earlier plan that every rank
-        agreed on (Horovod keeps reducing a parameter frozen after wrapping). A plan that
-        failed its check (a parameter unfrozen on some ranks only) leaves no trace: frozen
-        again, the parameter is out of the plan, and the ranks agree again."""
-        return [(n, p) for n, p in self._named if p.requires_grad or id(p) in self._ever_planned]
-
-    def _plan(self) -> None:
-        """Buckets over the trainable parameters with dense gradients, their reductions, the
-        step's agreement, and a gradient hook on every trainable parameter."""
-        trainable = self._trainable()
-        dense = [(n, p) for n, p in trainable if id(p) not in self._sparse]
-        wire = None if self._custom else self._compression.wire_dtype
-
-        def wire_dtype(dtype: torch.dtype) -> torch.dtype:
-            return wire if wire is not None and self._compression.applies_to(dtype) else dtype
-
-        self._buckets = fusion.plan(dense, 0 if self._custom else self._threshold,
-                                    self._first_bucket, wire_dtype,
-                                    explicit_groups(self._groups, dense), self._prefix,
-                                    direct=self._direct_buckets)
-        op, prescale, postscale = self._reduction
-        for b in self._buckets:     # (a rank given another op or factor: MismatchError)
-            b.signature.update(op=op.name, prescale=prescale, postscale=postscale)
-        # The first bucket (a plan has one, maybe empty) carries the plan: see _submit_bucket.
-        self._plan_signed = self._plan_fields()
-        self._buckets[0].signature.update(self._plan_signed)
-        self._specs = [ReduceSpec(b.buffer.dtype, op, prescale, postscale, digest(b.signature),
-                                  b.signature, [p.numel() for p in b.params])
-                       for b in self._buckets]
-        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
-        self._view_of = {id(p): v for b in self._buckets for p, v in zip(b.params, b.views)}
-        self._sparse_params = [(n, p) for n, p in trainable if id(p) in self._sparse]
-        self._planned = frozenset(id(p) for _, p in trainable)
-        self._planned_sparse = frozenset(self._sparse)
-        self._agreement = StepAgreement(self._set, self._process_set, self._prefix,
-                                        [n for n, _ in dense])
-        self._agrees = self._set.size > 1
-        for bucket in self._buckets:
-            describe(bucket)
-        if self._views:
-            self._point_grads_at_buckets()
-        self._hook([p for _, p in trainable])
-
-    def _agree_on_plan(self) -> None:
-        """One signature check of the first plan, as every member wraps its optimizer: the
-        parameters in bucket order, how many go in each bucket, the reduction and the passes
-        per step. A rank wrapped otherwise (num_groups, groups, a fusion threshold, another
-        model, op ...) makes a MismatchError on every rank here, rather than at the first
-        step, where a rank with more buckets than the others then waited for ever for theirs.
-        (The plans made again later, at a step, change alike on every rank: a parameter
-        frozen or unfrozen on some ranks only meets the others' first bucket at that step,
-        which carries the plan, see _submit_bucket.)"""
-        if self._set.size == 1:
-            return
-        op, prescale, postscale = self._reduction
-        signature = {"collective": "DistributedOptimizer", "name": f"{self._prefix}plan",
-                     **self._plan_signed,
-                     "reduction": (op.name, prescale, postscale),
-                     "backward_passes_per_step": self._passes,
-                     "sparse_as_dense": self._sparse_as_dense}
-        self._set.agree(signature)
-
-    def _plan_fields(self) -> dict:
-        """What makes two ranks' plans the same: the parameters in bucket order, and how many
-        go in each bucket."""
-        return {"plan": tuple(n for b in self._buckets for n in b.names),
-                "bucket sizes": tuple(len(b.params) for b in self._buckets)}
-
-    def _hook(self, params: list[torch.Tensor]) -> None:
-        # The hooks live in torch's C++ parameter objects, which the garbage collector cannot
-        # see through: hold the optimizer weakly there.
-        me = weakref.ref(self)
-
-        def on_gradient(p: torch.Tensor) -> None:
-            optimizer = me()
-            if optimizer is not None:
-                optimizer._on_gradient(p)
-
-        for p in params:
-            if id(p) not in self._hooked:
-                self._hooked.add(id(p))
-                self._hooks.append(p.register_post_accumulate_grad_hook(on_gradient))
-
-    def _replan_if_changed(self) -> None:
-        """Before anything of a step is submitted: a parameter frozen or unfrozen since the
-        plan, a gradient found sparse, or the set made anew by init(), re-plans the buckets.
-        Every rank that makes the same change re-plans alike; a rank that does not fails the
-        buckets' signature check (MismatchError naming the parameters)."""
-        trainable = frozenset(id(p) for _, p in self._trainable())
-        if (self._found_new_set() or trainable != self._planned
-                or self._sparse != self._planned_sparse):
-            self._plan()
-            self._reset_step()
-
-    def _found_new_set(self) -> bool:
-        """After shutdown() and init() (Horovod's way on after an error, which its optimizers
-        survive), the set this optimizer reduced on is closed: take the set's new one (a
-        process set other than the global one must be registered again first, as in
-        Horovod), and a new prefix of bucket names there, as every rank does at the same
-        step. True where it did."""
-        if not self._set.closed:
-            return False
-        self._set = active(self._process_set, "DistributedOptimizer's step")
-        self._prefix = self._set.optimizer_prefix()
-        return True
-
-    def _point_grads_at_buckets(self) -> None:
-        for bucket in self._buckets:
-            for p, view in zip(bucket.params, bucket.views):
-                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
-                p.grad = view
 
     # ------------------------------------------------------------ backward
 
@@ -335,147 +206,6 @@ class GradientReduction(WrappedOptimizer):
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
         """What a final gradient does before its bucket is packed (Adasum: the local step)."""
-
-    def _submit_ready_buckets(self, force: bool = False) -> None:
-        while self._next_bucket < len(self._buckets) and (
-                force or self._waiting[self._next_bucket] == 0):
-            bucket = self._buckets[self._next_bucket]
-            self._trace_waiting(bucket)
-            if self._custom:
-                self._submit_custom(bucket)
-                self._next_bucket += 1
-                continue
-            ready = None   # GPU: an event on torch's stream, after which the bucket is packed
-            gradient = None
-            with timeline.span(bucket.name, "pack"):
-                if bucket.direct:
-                    gradient = self._direct_gradient(bucket)
-                else:
-                    ready = self._pack(bucket)
-            self._submit_bucket(bucket, self._reduce_work(bucket, ready, gradient))
-            self._next_bucket += 1
-
-    def _submit_bucket(self, bucket: fusion.Bucket, work: Callable[[], Any]) -> Handle:
-        """Queue a bucket's reduction. Where the step's first bucket failed its signature check
-        (a MismatchError, which every rank gets for it), the later ones fail without meeting
-        the others: the first bucket carries the whole plan, and plans that differ (a
-        parameter unfrozen on one rank only) may differ in how many buckets they have, where a
-        rank's extra ones would wait for ever."""
-        def guarded() -> Any:
-            if self._first_bucket_failed is not None:
-                raise self._first_bucket_failed
-            try:
-                return work()
-            except MismatchError as exc:
-                if bucket.index == 0:
-                    self._first_bucket_failed = exc
-                raise
-
-        handle = submit((self._set, bucket.name, guarded))
-        self._handles.append(handle)
-        return handle
-
-    def _submit_custom(self, bucket: fusion.Bucket) -> None:
-        """A bucket under a compressor of the user's own, as Horovod runs one: each gradient
-        (made zeros where this rank has none; zeros stand in for a sparse one, which travels
-        on its own) compressed here, each compressed tensor reduced in place, and
-        decompressed at synchronize()."""
-        wires, contexts = [], []
-        for p in bucket.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            gradient = p.grad if p.grad.layout == torch.strided else torch.zeros_like(p)
-            wire, context = self._compression.compress(gradient)
-            if wire.dtype not in CODES:
-                raise UnsupportedError(f"ringreduce: the compressor {self._compression!r} "
-                                       f"made {wire.dtype} from parameter "
-                                       f"'{self._names[id(p)]}' on rank {self._rank}, which "
-                                       "cannot be reduced")
-            wires.append(wire.contiguous())
-            contexts.append(context)
-        op, prescale, postscale = self._reduction
-        specs = []
-        for wire, name in zip(wires, bucket.names):
-            signature = with_device({
-                "collective": "allreduce", "name": bucket.name, "parameter": name,
-                "compressed": True, "dtype": dtype_name(wire.dtype),
-                "shape": tuple(wire.shape), "op": op.name, "prescale": prescale,
-                "postscale": postscale}, wire.is_cuda)
-            if bucket.index == 0 and not specs:     # the whole plan: see _submit_bucket
-                signature.update(self._plan_signed)
-            specs.append(ReduceSpec(wire.dtype, op, prescale, postscale, digest(signature),
-                                    signature))
-        transport = self._set.transport
-
-        def work() -> list[torch.Tensor]:
-            for wire, spec in zip(wires, specs):
-                transport.allreduce(wire, wire, spec)
-            return wires
-
-        handle = self._submit_bucket(bucket, work)
-        self._compressed.append((bucket.params, handle, contexts))
-
-    def _decompress(self) -> None:
-        """synchronize()'s end under a compressor of the user's own: each reduced tensor
-        decompressed into its dense gradient (`set_`, as Horovod's)."""
-        for params, handle, contexts in self._compressed:
-            for p, wire, context in zip(params, handle.wait(), contexts):
-                if p.grad.layout == torch.strided:
-                    p.grad.set_(self._compression.decompress(wire, context))
-        self._compressed = []
-
-    def _pack(self, bucket: fusion.Bucket) -> Any:
-        """Gradients into the bucket's buffer; on a GPU, returns the event the reduction waits
-        for."""
-        if bucket.buffer.is_cuda:
-            return device_kernels.pack(bucket)
-        bucket.pack()
-        return None
-
-    def _unpack(self, bucket: fusion.Bucket) -> None:
-        """The reduced buffer back into the gradients (on a GPU it waits: complete before
-        synchronize() returns)."""
-        with timeline.span(bucket.name, "unpack"):
-            if bucket.buffer.is_cuda:
-                device_kernels.unpack(bucket)
-            else:
-                bucket.unpack()
-
-    def _direct_gradient(self, bucket: fusion.Bucket) -> torch.Tensor:
-        """The tensor a direct bucket reduces in place: its parameter's gradient, or zeros
-        standing in for a sparse one (which travels on its own)."""
-        p = bucket.params[0]
-        if p.grad is not None and p.grad.layout != torch.strided:
-            return torch.zeros_like(p)
-        return bucket.gradient()
-
-    def _reduce_work(self, bucket: fusion.Bucket, ready: Any = None,
-                     gradient: Optional[torch.Tensor] = None):
-        """The engine's work for a bucket: reduce its buffer (or, for a direct bucket,
-        `gradient` in place), then unpack."""
-        transport, spec = self._set.transport, self._specs[bucket.index]
-
-        def work() -> None:
-            timeline.record(bucket.name, "reduce start")
-            tensor = bucket.buffer if gradient is None else gradient
-            with timeline.span(bucket.name, "allreduce"), cuda.after(ready):
-                transport.allreduce(tensor, tensor, spec)
-            if not bucket.direct:
-                self._unpack(bucket)
-            timeline.record(bucket.name, "reduce done")
-
-        return work
-
-    def _trace_waiting(self, bucket: fusion.Bucket) -> None:
-        """While a timeline runs: name the bucket's parameters for its events, and emit its
-        "waiting for gradients" span, from its first gradient hook of the step until now (its
-        submission), the part of backward that its communication can overlap."""
-        if not timeline.running():
-            return
-        describe(bucket)
-        start = self._first_gradient_at.get(bucket.index)
-        if start is not None:
-            timeline.add_span(bucket.name, "waiting for gradients", start, time.perf_counter())
 
     def _complete_collectives(self, again: bool = False) -> None:
         """Submit whatever of this step's collectives are left, in the same order on every
@@ -661,8 +391,3 @@ class GradientReduction(WrappedOptimizer):
         if not self._handles:
             self._reset_step()
 
-
-def describe(bucket: fusion.Bucket) -> None:
-    """Tell the timeline which parameters a bucket's events are about."""
-    timeline.describe(bucket.name, parameters=bucket.names, bytes=bucket.nbytes,
-                      in_place=bucket.direct)

@@ -1,0 +1,139 @@
+"""A DistributedOptimizer's bucket plan over its parameters, as its life cycle keeps it
+(gradient_reduction.py): which parameters are reduced (those trainable now, or in a plan every
+rank agreed on: as in Horovod, a parameter trainable when wrapped stays in the plan when
+frozen, its gradient reduced as zeros; one made trainable since joins it, where Horovod would
+leave it unreduced and the ranks' parameters would drift apart), the buckets (fusion.py) and
+their specs, the plan checked alike on every member as the optimizer is wrapped, made again
+when a parameter is frozen or unfrozen, a gradient comes sparse or the set is made anew, and a
+hook on every reduced parameter."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..sets.process_sets import active
+from ..transport.reduce_spec import ReduceSpec
+from ..transport.signature import digest
+from . import fusion
+from .step_agreement import StepAgreement
+from .submission import describe
+from .wrapped_optimizer import explicit_groups
+
+
+class Planning:
+    """(A part of GradientReduction: the attributes it reads are set in its `_setup`.)"""
+
+    def _trainable(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters reduced: those trainable now or in an earlier plan that every rank
+        agreed on (Horovod keeps reducing a parameter frozen after wrapping). A plan that
+        failed its check (a parameter unfrozen on some ranks only) leaves no trace: frozen
+        again, the parameter is out of the plan, and the ranks agree again."""
+        return [(n, p) for n, p in self._named if p.requires_grad or id(p) in self._ever_planned]
+
+    def _plan(self) -> None:
+        """Buckets over the trainable parameters with dense gradients, their reductions, the
+        step's agreement, and a gradient hook on every trainable parameter."""
+        trainable = self._trainable()
+        dense = [(n, p) for n, p in trainable if id(p) not in self._sparse]
+        wire = None if self._custom else self._compression.wire_dtype
+
+        def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+            return wire if wire is not None and self._compression.applies_to(dtype) else dtype
+
+        self._buckets = fusion.plan(dense, 0 if self._custom else self._threshold,
+                                    self._first_bucket, wire_dtype,
+                                    explicit_groups(self._groups, dense), self._prefix,
+                                    direct=self._direct_buckets)
+        op, prescale, postscale = self._reduction
+        for b in self._buckets:     # (a rank given another op or factor: MismatchError)
+            b.signature.update(op=op.name, prescale=prescale, postscale=postscale)
+        # The first bucket (a plan has one, maybe empty) carries the plan: see _submit_bucket.
+        self._plan_signed = self._plan_fields()
+        self._buckets[0].signature.update(self._plan_signed)
+        self._specs = [ReduceSpec(b.buffer.dtype, op, prescale, postscale, digest(b.signature),
+                                  b.signature, [p.numel() for p in b.params])
+                       for b in self._buckets]
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        self._view_of = {id(p): v for b in self._buckets for p, v in zip(b.params, b.views)}
+        self._sparse_params = [(n, p) for n, p in trainable if id(p) in self._sparse]
+        self._planned = frozenset(id(p) for _, p in trainable)
+        self._planned_sparse = frozenset(self._sparse)
+        self._agreement = StepAgreement(self._set, self._process_set, self._prefix,
+                                        [n for n, _ in dense])
+        self._agrees = self._set.size > 1
+        for bucket in self._buckets:
+            describe(bucket)
+        if self._views:
+            self._point_grads_at_buckets()
+        self._hook([p for _, p in trainable])
+
+    def _agree_on_plan(self) -> None:
+        """One signature check of the first plan, as every member wraps its optimizer: the
+        parameters in bucket order, how many go in each bucket, the reduction and the passes
+        per step. A rank wrapped otherwise (num_groups, groups, a fusion threshold, another
+        model, op ...) makes a MismatchError on every rank here, rather than at the first
+        step, where a rank with more buckets than the others then waited for ever for theirs.
+        (The plans made again later, at a step, change alike on every rank: a parameter
+        frozen or unfrozen on some ranks only meets the others' first bucket at that step,
+        which carries the plan, see _submit_bucket.)"""
+        if self._set.size == 1:
+            return
+        op, prescale, postscale = self._reduction
+        signature = {"collective": "DistributedOptimizer", "name": f"{self._prefix}plan",
+                     **self._plan_signed,
+                     "reduction": (op.name, prescale, postscale),
+                     "backward_passes_per_step": self._passes,
+                     "sparse_as_dense": self._sparse_as_dense}
+        self._set.agree(signature)
+
+    def _plan_fields(self) -> dict:
+        """What makes two ranks' plans the same: the parameters in bucket order, and how many
+        go in each bucket."""
+        return {"plan": tuple(n for b in self._buckets for n in b.names),
+                "bucket sizes": tuple(len(b.params) for b in self._buckets)}
+
+    def _hook(self, params: list[torch.Tensor]) -> None:
+        # The hooks live in torch's C++ parameter objects, which the garbage collector cannot
+        # see through: hold the optimizer weakly there.
+        me = weakref.ref(self)
+
+        def on_gradient(p: torch.Tensor) -> None:
+            optimizer = me()
+            if optimizer is not None:
+                optimizer._on_gradient(p)
+
+        for p in params:
+            if id(p) not in self._hooked:
+                self._hooked.add(id(p))
+                self._hooks.append(p.register_post_accumulate_grad_hook(on_gradient))
+
+    def _replan_if_changed(self) -> None:
+        """Before anything of a step is submitted: a parameter frozen or unfrozen since the
+        plan, a gradient found sparse, or the set made anew by init(), re-plans the buckets.
+        Every rank that makes the same change re-plans alike; a rank that does not fails the
+        buckets' signature check (MismatchError naming the parameters)."""
+        trainable = frozenset(id(p) for _, p in self._trainable())
+        if (self._found_new_set() or trainable != self._planned
+                or self._sparse != self._planned_sparse):
+            self._plan()
+            self._reset_step()
+
+    def _found_new_set(self) -> bool:
+        """After shutdown() and init() (Horovod's way on after an error, which its optimizers
+        survive), the set this optimizer reduced on is closed: take the set's new one (a
+        process set other than the global one must be registered again first, as in
+        Horovod), and a new prefix of bucket names there, as every rank does at the same
+        step. True where it did."""
+        if not self._set.closed:
+            return False
+        self._set = active(self._process_set, "DistributedOptimizer's step")
+        self._prefix = self._set.optimizer_prefix()
+        return True
+
+    def _point_grads_at_buckets(self) -> None:
+        for bucket in self._buckets:
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                p.grad = view
