@@ -1,7 +1,7 @@
-"""The torch.distributed backend "ringreduce" (ringreduce/distributed/__init__.py) under a real mpiexec:
-the cases are in tests/mpi/distributed_check.py, in the launches shared at 1 to 4 ranks (at 2
-with Lightning's strategies and a stalled rank too; alone, those that need no peer), and at 2
-ranks on the Open MPI wheel."""
+"""The torch.distributed backend "ringreduce" (ringreduce/distributed/) under a real mpiexec: the
+cases are in tests/mpi/distributed_*.py, run by distributed_check.py in the launches shared at
+1 to 4 ranks (at 2 with Lightning's strategies and a stalled rank too; alone, those that need
+no peer), and at 2 ranks on the Open MPI wheel."""
 import re
 import subprocess
 import sys

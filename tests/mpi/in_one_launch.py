@@ -2,10 +2,10 @@
 once (3-7 s a launch on two cores) where each script would start them again.
 
 The argument: a JSON list of {"label", "script", "args", "env", "timeout", "output"}. Each
-script runs as its own launch would: fresh globals, its own argv, its environment variables set
-around it, and ringreduce shut down after it. Its output, Python's and C's (file descriptors 1
-and 2), goes to `<output>.<rank>.log`, so that a test reads what its own script printed, not
-its neighbours'. The runner prints
+script runs as its own launch would: fresh globals and fresh imports of this folder's modules,
+its own argv, its environment variables set around it, and ringreduce shut down after it. Its
+output, Python's and C's (file descriptors 1 and 2), goes to `<output>.<rank>.log`, so that a
+test reads what its own script printed, not its neighbours'. The runner prints
 `SCRIPT <label> ok rank <r>` or `SCRIPT <label> FAILED rank <r>: <why>` to the launch's
 output, then waits for every rank to finish that script before the next one starts, so a
 failure in one script does not hide the others. A script still running past its timeout on
@@ -70,9 +70,18 @@ def give_up(label: str, timeout: float) -> None:
     os._exit(3)
 
 
+def forget_modules_of_this_folder(known: set) -> None:
+    """Modules of tests/mpi a script imported (its cases, its set-up) are imported again by
+    the next script that wants them, so their set-up runs again as in a launch of its own."""
+    for name, module in list(sys.modules.items()):
+        if name not in known and (getattr(module, "__file__", None) or "").startswith(HERE):
+            del sys.modules[name]
+
+
 def run_script(label: str, script: str, args: list) -> bool:
     """Run one script to its end on this rank; whether it succeeded."""
     sys.argv = [os.path.join(HERE, script), *args]
+    known = set(sys.modules)
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
         return True
@@ -83,6 +92,8 @@ def run_script(label: str, script: str, args: list) -> bool:
         say(f"SCRIPT {label} FAILED rank {rank}: {why}")
         traceback.print_exc()
         return False
+    finally:
+        forget_modules_of_this_folder(known)
 
 
 def main() -> int:
