@@ -11,11 +11,10 @@ whole story. When they do not, the collective's signature check says so on every
 (`OutOfOrder`, before any data is used), and the thread running it settles the order with the
 other members: rounds of exchanging the names each member has pending (`agreement`), until
 some are pending on every member; those run, in the same order everywhere, and the rest
-return to the queue. A name may be pending only once per rank: a second submission while the
-first is in flight is Horovod's `ValueError`. Where none is pending everywhere and none can
-come, since on every member each thread that has submitted to the set waits for one of its
-pending collectives (`Engine._stuck`), the program has deadlocked: every member fails its
-first (negotiation.py), where Horovod waits for ever.
+return to the queue. A name may be pending only once per rank (names.py). Where none is
+pending everywhere and none can come, since on every member each thread that has submitted to
+the set waits for one of its pending collectives (`Engine._stuck`), the program has
+deadlocked: every member fails its first (negotiation.py), where Horovod waits for ever.
 
 Each collective's handle (handles.py) holds its result or error. Its done-callbacks (a torch
 future's `then()` chain: user code) run after the thread that finished it has let go of the
@@ -33,21 +32,13 @@ from typing import Any, Callable, Optional, Union
 
 from ..core.errors import RingReduceError
 from ..core.thread_places import fix_place, internal
-from ..core.waiting import LONGEST_SETTLING_NAP, SETTLING_NAP, Backoff
+from ..core.waiting import (AWAKE_SECONDS, IDLE_POKE_SECONDS, LONGEST_PICKUP,
+                             LONGEST_SETTLING_NAP, PICKUP_SECONDS, SETTLING_NAP, Backoff)
 from ..transport.negotiation import Agreement, OutOfOrder
 from .handles import Finished, Handle, call_back, run_collective, settle_first
 from .lineage import EndedMarks
+from .names import TakenNames
 from .submitters import Submitters, Waiting
-
-_IDLE_POKE_SECONDS = 0.05
-_AWAKE_SECONDS = 0.005     # after a submission, the engine thread looks for more this long
-_PICKUP_SECONDS = 0.0002   # this often, so that a submission in a burst need not wake it
-_LONGEST_PICKUP = 0.0032   # (which costs more than a small allreduce); but each look that
-                           # finds a caller running the set's work (synchronize runs its own)
-                           # doubles the pause, until the engine thread runs work again. Each
-                           # look costs ~20 us of CPU: looking every 0.2 ms for a second after
-                           # each submission took 11% of a core from training. After the
-                           # burst, a submission wakes it (~30 us).
 
 
 class Engine:
@@ -59,7 +50,7 @@ class Engine:
     queued work, a caller for a synchronous one (taken only while nothing is queued). The
     engine thread takes it before it pops the next handle, so a caller never overtakes work
     queued before it. A non-blocking acquire is the fast path's whole claim; its name, if the
-    caller gave one, is `_inline` meanwhile, so that a duplicate is refused. Whoever lets go
+    caller gave one, is taken meanwhile (`names`), so that a duplicate is refused. Whoever lets go
     of it (`_let_go`) then calls the done-callbacks of what finished meanwhile (`_due`).
     `_driver` is the engine thread of the moment (see the module's docstring)."""
 
@@ -70,11 +61,7 @@ class Engine:
         self._running = threading.Lock()
         self._cv = threading.Condition()        # guards the queue, the names, _stopping
         self._queue: collections.deque[Handle] = collections.deque()
-        self._in_flight: set[str] = set()
-        # Names of collectives done here whose handles nobody has waited for yet: still taken,
-        # as Horovod's stay until the collective is done on every member (`_complete`)
-        self.held: dict[str, Handle] = {}
-        self._inline: Optional[str] = None
+        self.names = TakenNames(rank)
         self._stopping = False
         self._dozing = True             # the engine thread sleeps long: a submission wakes it
         self._last_submission = self._last_poke = 0.0
@@ -104,7 +91,7 @@ class Engine:
         """Under the condition's lock: queue `work` and wake the engine thread."""
         handle = Handle(name, work, self)
         self._claim_name(name)
-        self._submitted_here()
+        self._submitters.add()
         self._queue.append(handle)
         self._queued()
         return handle
@@ -131,7 +118,7 @@ class Engine:
                 except BaseException:
                     self._running.release()
                     raise
-                self._submitted_here()
+                self._submitters.add()
             else:
                 handle = self._enqueue(name, work)
         if handle is not None:
@@ -142,7 +129,8 @@ class Engine:
             handle = self.reorder(name, work)
         finally:
             if handle is None:
-                self._release_name(name)
+                with self._cv:
+                    self.names.release(name)
             self._let_go()
         return handle.wait()
 
@@ -153,10 +141,11 @@ class Engine:
         if not self._running.acquire(False):
             return False
         if name is not None:
-            self._inline = name            # before looking at the names: see _claim_name
-            if name in self._in_flight or name in self.held:
+            try:
+                self.names.claim_inline(name)
+            except ValueError:
                 self.release_idle()
-                raise ValueError(self._duplicate(name))
+                raise
         if self._queue or self._stopping:
             self.release_idle()
             return False
@@ -164,9 +153,6 @@ class Engine:
             self.release_idle()         # the general path settles its place (thread_places),
             return False                # which may wait, first
         return True
-
-    def _submitted_here(self) -> None:
-        self._submitters.add()
 
     def waiting_for(self, handle: Handle) -> "Waiting":
         """Around this thread's wait for `handle`, one of the set's collectives (`_stuck`)."""
@@ -188,7 +174,7 @@ class Engine:
     def release_idle(self) -> None:
         """After a claim. The engine thread, if it waits, waits for the lock itself. (As
         `_let_go`, written out: the small allreduce's every call comes here.)"""
-        self._inline = None
+        self.names.inline = None
         self._running.release()
         if self._due:
             self._run_due()
@@ -237,8 +223,7 @@ class Engine:
         if done:
             finished = Finished(name, value, None, self)
             with self._cv:
-                self.held.clear()
-                self.held[name] = finished
+                self.names.hold(name, finished)
             return finished
         remaining = [settle_first if value is None else value]
 
@@ -247,7 +232,7 @@ class Engine:
 
         handle = Handle(name, work, self)
         with self._cv:
-            self._in_flight.add(name)   # (not a duplicate: the claim checked the name)
+            self.names.in_flight.add(name)   # (not a duplicate: the claim checked the name)
             self._queue.appendleft(handle)
             self._queued()
         return handle
@@ -258,7 +243,7 @@ class Engine:
         the queue for the engine thread (wait for it after letting go of the engine)."""
         handle = Handle(name, work, self)
         with self._cv:
-            self._in_flight.add(name)
+            self.names.in_flight.add(name)
         with self.waiting_for(handle):      # (this thread settles for it)
             settled = self._settled(handle)
         if not settled:
@@ -279,35 +264,15 @@ class Engine:
         with self._running:
             pass
 
-    def _duplicate(self, name: str) -> str:
-        return (f"ringreduce: a collective named '{name}' is still in flight on rank "
-                f"{self.rank}; wait for it (synchronize) before reusing the name")
-
-    def _claim_name(self, name: str) -> None:
-        """Under the condition's lock. The name goes in before `_inline` is read, and a claim
-        sets `_inline` before it reads the names, so of two threads submitting one name at
-        once, at least one sees the other."""
+    def _claim_name(self, name: str) -> None:      # (under the condition's lock)
         if self._stopping:
             raise RingReduceError("ringreduce: the engine is shut down; call init() again")
-        if name in self._in_flight or name in self.held:
-            raise ValueError(self._duplicate(name))
-        self._in_flight.add(name)
-        if name == self._inline:
-            self._in_flight.discard(name)
-            raise ValueError(self._duplicate(name))
-
-    def _release_name(self, name: str) -> None:
-        """(A synchronous collective done on this thread, its result its caller's: every name
-        held before it is free, see `_complete`.)"""
-        with self._cv:
-            self._in_flight.discard(name)
-            self.held.clear()
+        self.names.claim(name)
 
     def waited(self, handle: Handle) -> None:
         """`handle`'s result has reached a caller: its name is free (Handle.wait)."""
         with self._cv:
-            if self.held.get(handle.name) is handle:
-                del self.held[handle.name]
+            self.names.waited(handle)
 
     def _execute(self, handle: Handle) -> bool:
         """Run `handle` (its caller holds `_running`). True when it finished (result or error:
@@ -332,17 +297,11 @@ class Engine:
         return handle.done()
 
     def _complete(self, handle: Handle) -> None:
-        """Its name stays taken (`held`) until a caller has waited for it, or until a later
-        collective of the set is done here, by which time every member has done this one: a
-        name submitted again meanwhile is a duplicate, as Horovod's is until the collective is
-        done on every member (a second submission accepted because the first was done here
-        already would pair with nothing). It is held before the handle is done, so that a
-        caller woken by wait() frees it. Its callbacks wait until this thread lets go of the
-        set (`_let_go`)."""
+        """Its name is held (names.py) before the handle is done, so that a caller woken by
+        wait() frees it. Its callbacks wait until this thread lets go of the set
+        (`_let_go`)."""
         with self._cv:
-            self._in_flight.discard(handle.name)
-            self.held.clear()
-            self.held[handle.name] = handle
+            self.names.hold(handle.name, handle)
         callbacks = handle.set_done()
         if callbacks:
             self._due.append((handle, callbacks))
@@ -403,7 +362,7 @@ class Engine:
                     self._queue.appendleft(handle)
 
     def _loop(self) -> None:
-        pause = _PICKUP_SECONDS
+        pause = PICKUP_SECONDS
         me = threading.get_ident()
         while True:
             with self._cv:
@@ -411,21 +370,21 @@ class Engine:
                     return
                 while not self._queue and not self._stopping:
                     now = time.monotonic()
-                    self._dozing = now - self._last_submission > _AWAKE_SECONDS
-                    if self._dozing or now - self._last_poke > _IDLE_POKE_SECONDS:
+                    self._dozing = now - self._last_submission > AWAKE_SECONDS
+                    if self._dozing or now - self._last_poke > IDLE_POKE_SECONDS:
                         self._last_poke = now
                         self._poke_if_idle()
                     if self._dozing:
-                        self._cv.wait(_IDLE_POKE_SECONDS)
-                        pause = _PICKUP_SECONDS
+                        self._cv.wait(IDLE_POKE_SECONDS)
+                        pause = PICKUP_SECONDS
                     else:
                         self._cv.wait(pause)
                         if self._running.locked():      # a caller runs the set's work
-                            pause = min(2 * pause, _LONGEST_PICKUP)
+                            pause = min(2 * pause, LONGEST_PICKUP)
                 self._dozing = False
                 if not self._queue:
                     return
-            pause = _PICKUP_SECONDS     # work came while looking: look often again
+            pause = PICKUP_SECONDS     # work came while looking: look often again
             self._running.acquire()         # after a synchronous call in progress
             try:
                 self._run_next()

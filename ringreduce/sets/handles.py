@@ -69,7 +69,7 @@ class Handle:
                     with self._pending:
                         pass
         engine = self._engine
-        if engine is not None and self.name in engine.held:
+        if engine is not None and self.name in engine.names.held:
             engine.waited(self)
         if self._error is not None:
             raise self._error
