@@ -4,7 +4,7 @@ Each function picks how its call runs: through autograd where an input needs a g
 (differentiable.py), an allreduce by the one dispatch (small_path.py: the small way where a
 small allreduce qualifies), else the collective's work (reductions.py, movements.py: arguments
 checked on the caller's thread, then the set's transport moves the data), run at once or
-queued on the set's engine. `reduce_op` and `submit` are the internal API the optimizer shares.
+queued on the set's engine.
 
 A name the caller gives is qualified by the collective's kind, as Horovod's are
 (`allreduce.w`, `allgather.w`): collectives of different kinds may share a name, and in-place
@@ -23,30 +23,15 @@ from ..sets.process_set import ProcessSet, global_process_set
 from ..sets.process_sets import active, global_set
 from ..transport.signature import qualified
 from . import differentiable
-from .arguments import reduce_op
 from .compression import Compression, Compressor
 from .movements import allgather_work, alltoall_work, barrier_work, broadcast_work
 from .reductions import grouped_allreduce_work, reducescatter_work, sparse_allreduce_work
 from .small_path import reduce_later, reduce_now
 from .work import first, run, submit, tupled
 
-Average = ReduceOp.Average
-Sum = ReduceOp.Sum
-Adasum = ReduceOp.Adasum
-Min = ReduceOp.Min
-Max = ReduceOp.Max
-Product = ReduceOp.Product
-
-__all__ = [
-    "Average", "Sum", "Adasum", "Min", "Max", "Product", "reduce_op", "submit",
-    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
-    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
-    "sparse_allreduce_async", "allgather", "allgather_async", "grouped_allgather",
-    "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
-    "grouped_reducescatter", "grouped_reducescatter_async", "join", "barrier", "barrier_async",
-    "poll", "synchronize",
-]
+# Horovod's names for the operations, as module constants
+Average, Sum, Adasum = ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum
+Min, Max, Product = ReduceOp.Min, ReduceOp.Max, ReduceOp.Product
 
 
 # ---------------------------------------------------------------- allreduce

@@ -36,7 +36,24 @@ class HostUpdateResult(enum.IntFlag):
 
 # ---------------------------------------------------------------------- states
 
-class State:
+class Restorable:
+    """What a state and each of its handlers do: save in memory, go back to the last save,
+    take rank 0's."""
+
+    def save(self) -> None:
+        """Save the state in memory."""
+        raise NotImplementedError()
+
+    def restore(self) -> None:
+        """Go back to the last saved state, undoing uncommitted changes."""
+        raise NotImplementedError()
+
+    def sync(self) -> None:
+        """Give every rank rank 0's state. Collective."""
+        raise NotImplementedError()
+
+
+class State(Restorable):
     """Tracks training state in memory across ranks: `commit()` saves it, `restore()` goes back
     to the last commit, `sync()` gives every rank rank 0's.
 
@@ -91,18 +108,6 @@ class State:
         if self._last_updated_timestamp > previous:
             raise HostsUpdatedInterrupt(skip_sync=update == HostUpdateResult.removed)
 
-    def save(self) -> None:
-        """Save the state in memory."""
-        raise NotImplementedError()
-
-    def restore(self) -> None:
-        """Go back to the last saved state, undoing uncommitted changes."""
-        raise NotImplementedError()
-
-    def sync(self) -> None:
-        """Give every rank rank 0's state. Collective."""
-        raise NotImplementedError()
-
     def reset(self) -> None:
         """Hook for subclasses: runs after a reset, before the callbacks and the sync."""
 
@@ -150,20 +155,11 @@ class ObjectState(State):
 
 # ---------------------------------------------------------------------- handlers
 
-class StateHandler:
+class StateHandler(Restorable):
     """How a `TorchState` saves, restores and synchronises one kind of object."""
 
     def __init__(self, value: Any) -> None:
         self.value = value
-
-    def save(self) -> None:
-        raise NotImplementedError()
-
-    def restore(self) -> None:
-        raise NotImplementedError()
-
-    def sync(self) -> None:
-        raise NotImplementedError()
 
     def set_value(self, value: Any) -> None:
         """The attribute was rebound (`state.model = other`): track and save the new object."""

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from ..api.collectives import reduce_op
+from ..api.arguments import reduce_op
 from ..api.compression import Compression, Compressor, custom
 from ..core.errors import UnsupportedError
 from ..kernels.ops import ReduceOp

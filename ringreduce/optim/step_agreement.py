@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..api.collectives import submit
 from ..api.objects import allgather_object
+from ..api.work import submit
 from ..kernels.ops import ReduceOp
 from ..sets.active_set import ActiveSet
 from ..sets.handles import Handle

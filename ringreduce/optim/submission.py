@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..api.collectives import submit
+from ..api.work import submit
 from ..core import timeline
 from ..core.errors import MismatchError, UnsupportedError
 from ..gpu import cuda, device_kernels

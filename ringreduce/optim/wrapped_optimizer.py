@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from ..api.collectives import reduce_op
+from ..api.arguments import reduce_op
 from ..api.compression import Compressor
 from ..core.errors import UsageError
 from ..kernels.ops import ReduceOp
