@@ -129,8 +129,7 @@ class Engine:
             handle = self.reorder(name, work)
         finally:
             if handle is None:
-                with self._cv:
-                    self.names.release(name)
+                self.names.release(name)
             self._let_go()
         return handle.wait()
 
@@ -222,8 +221,7 @@ class Engine:
             return Finished(name, None, exc, self)
         if done:
             finished = Finished(name, value, None, self)
-            with self._cv:
-                self.names.hold(name, finished)
+            self.names.hold(finished)       # (before the claim lets go of `inline`)
             return finished
         remaining = [settle_first if value is None else value]
 
@@ -269,11 +267,6 @@ class Engine:
             raise RingReduceError("ringreduce: the engine is shut down; call init() again")
         self.names.claim(name)
 
-    def waited(self, handle: Handle) -> None:
-        """`handle`'s result has reached a caller: its name is free (Handle.wait)."""
-        with self._cv:
-            self.names.waited(handle)
-
     def _execute(self, handle: Handle) -> bool:
         """Run `handle` (its caller holds `_running`). True when it finished (result or error:
         then its name is free and it is done); False when it is still pending because the
@@ -297,11 +290,9 @@ class Engine:
         return handle.done()
 
     def _complete(self, handle: Handle) -> None:
-        """Its name is held (names.py) before the handle is done, so that a caller woken by
-        wait() frees it. Its callbacks wait until this thread lets go of the set
-        (`_let_go`)."""
-        with self._cv:
-            self.names.hold(handle.name, handle)
+        """Its name is held (names.py) until a caller has waited for it. Its callbacks wait
+        until this thread lets go of the set (`_let_go`)."""
+        self.names.hold(handle)
         callbacks = handle.set_done()
         if callbacks:
             self._due.append((handle, callbacks))

@@ -24,7 +24,7 @@ class Handle:
     it, once that thread has let go of the set; or at once if it is done already)."""
 
     __slots__ = ("name", "_work", "_engine", "_finished", "_pending", "_result", "_error",
-                 "_callbacks", "_children")     # (one or two per collective: slots, cheaper)
+                 "_callbacks", "_children", "waited")   # (one or two per collective: slots)
 
     def __init__(self, name: str, work: Callable[[], Any],
                  engine: Optional[Any] = None) -> None:
@@ -38,6 +38,7 @@ class Handle:
         self._error: Optional[BaseException] = None
         self._callbacks: list[Callable[["Handle"], Any]] = []
         self._children = 0      # how many collectives its callbacks started (child_name)
+        self.waited = False     # whether a caller has had its result (names.py)
 
     def done(self) -> bool:
         return self._finished
@@ -68,9 +69,7 @@ class Handle:
                     engine.run_up_to(self)
                     with self._pending:
                         pass
-        engine = self._engine
-        if engine is not None and self.name in engine.names.held:
-            engine.waited(self)
+        self.waited = True          # its name is free (names.py)
         if self._error is not None:
             raise self._error
         return self._result
@@ -116,7 +115,7 @@ class Finished(Handle):
     def __init__(self, name: str, result: Any, error: Optional[BaseException],
                  engine: Optional[Any] = None) -> None:
         self.name, self._work, self._engine = name, None, engine
-        self._finished, self._callbacks, self._children = True, [], 0
+        self._finished, self._callbacks, self._children, self.waited = True, [], 0, False
         self._result = result
         self._error = None if error is None else _ours(name, error)
 
