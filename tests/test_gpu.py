@@ -284,6 +284,26 @@ def test_the_real_mpi_library_answers():
     assert done.stdout.strip() == "(False, 'MPIX_Query_cuda_support()')"
 
 
+@pytest.mark.parametrize("told, aware", [("1", True), ("0", False), (None, False)])
+def test_mvapich2_gdr_is_aware_where_told(monkeypatch, told, aware):
+    """MVAPICH2-GDR has no MPIX_Query_cuda_support: MV2_USE_CUDA=1 is what turns its device
+    support on, so that decides (its library version names it); its communicator's info is
+    not asked."""
+    monkeypatch.setattr(cuda_aware.ctypes, "CDLL", lambda library: SimpleNamespace())
+    if told is None:
+        monkeypatch.delenv("MV2_USE_CUDA", raising=False)
+    else:
+        monkeypatch.setenv("MV2_USE_CUDA", told)
+    gdr = SimpleNamespace(__file__="mpi4py/MPI.so", Get_library_version=lambda:
+                          "MVAPICH2-GDR Version 2.3.7\nMVAPICH2-GDR Release date: ...")
+    got, how = cuda_aware.query_cuda_support(gdr, comm=None)
+    assert got is aware and how == f"MVAPICH2-GDR with MV2_USE_CUDA={told or 0}"
+    other = SimpleNamespace(__file__="mpi4py/MPI.so", Get_library_version=lambda: "MPICH 3.2")
+    info = SimpleNamespace(Get=lambda key: None, Free=lambda: None)
+    assert cuda_aware.query_cuda_support(other, SimpleNamespace(Get_info=lambda: info)) == (
+        False, "the MPI library offers no CUDA query")
+
+
 def test_init_logs_the_choice_once():
     """Each init() (one launch: an init per setting, a shutdown after each) logs its choice
     once, and keeps it in the settings."""

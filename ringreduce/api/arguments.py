@@ -69,7 +69,11 @@ def checked_tensor(tensor: Any, what: str, name: str, ps: ActiveSet,
 def on_callers_device(result: torch.Tensor, caller: torch.Tensor) -> torch.Tensor:
     """A result on the caller's tensor's device: a CUDA tensor's collective other than an
     allreduce works on a host copy (cuda.device_tensor)."""
-    return result.to(caller.device) if caller.is_cuda else result
+    if not caller.is_cuda:
+        return result
+    moved = result.to(caller.device)
+    cuda.landed((moved,))       # (this thread may be the engine's, its stream not the caller's)
+    return moved
 
 
 def as_callers(result: torch.Tensor, caller: torch.Tensor) -> torch.Tensor:

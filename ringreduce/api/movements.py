@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ..core.errors import ArgumentTypeError
+from ..gpu import cuda
 from ..kernels.buffers import dtype_name
 from ..sets.active_set import ActiveSet, refusing
 from ..sets.process_set import ProcessSet
@@ -63,6 +64,7 @@ def broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
             if ps.rank != root and not same_memory(out, tensor):   # (the root's is unchanged)
                 with torch.no_grad():
                     tensor.copy_(as_callers(out, tensor))
+                cuda.landed((tensor,))
             return tensor
         return as_callers(out.clone() if same_memory(out, tensor) else out, tensor)
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from ..gpu import cuda
 from ..sets.handles import Finished, Handle
 from ..sets.lineage import children_end, children_of
 from .failed_future import fail
@@ -104,6 +105,7 @@ class CollectiveWork(dist.Work):
                 try:
                     with torch.no_grad():
                         self._finish(result)
+                    cuda.landed(self._value)    # (the copies: on this thread's stream)
                 except BaseException as exc:
                     self._error = exc
                 self._finish = None

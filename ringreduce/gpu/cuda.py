@@ -130,17 +130,53 @@ def cupy_stream(stream: torch.cuda.Stream) -> Any:
     return cp.cuda.ExternalStream(stream.cuda_stream, stream.device.index)
 
 
+def _ready_stream(device: int) -> torch.cuda.Stream:
+    """Our stream on `device`, made to wait for the event set by `after`, or else for torch's
+    current stream of this thread."""
+    stream = our_stream(device)
+    ready = getattr(_ready, "event", None)
+    stream.wait_event(ready if ready is not None
+                      else torch.cuda.current_stream(device).record_event())
+    return stream
+
+
 @contextlib.contextmanager
 def on_our_stream(array: Any) -> Iterator[torch.cuda.Stream]:
     """Our stream on the array's device, CuPy queuing on it, started after the event set by
     `after`, or else after torch's current stream of this thread."""
     device = array.device.id
-    stream = our_stream(device)
-    ready = getattr(_ready, "event", None)
-    stream.wait_event(ready if ready is not None
-                      else torch.cuda.current_stream(device).record_event())
+    stream = _ready_stream(device)
     with on_device(device), cupy_stream(stream):
         yield stream
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of a CUDA tensor, for a way that reduces on the host (Adasum), taken on our
+    stream after the event set by `after` (else after torch's current stream of this thread):
+    the engine thread's own current stream would not wait for the caller's."""
+    with torch.cuda.stream(_ready_stream(tensor.device.index)):
+        return tensor.cpu()
+
+
+def from_host(target: torch.Tensor, host: torch.Tensor) -> None:
+    """`host` into the CUDA tensor `target`, landed when this returns (any stream may read it)."""
+    stream = our_stream(target.device.index)
+    with torch.cuda.stream(stream):
+        target.copy_(host)
+    stream.synchronize()
+
+
+def landed(tensors: Any) -> None:
+    """Wait for what this thread queued on torch's current stream of each CUDA tensor's device
+    among `tensors` (a list, maybe of lists): a copy into a collective's result is in device
+    memory before the result is handed over, whichever stream then reads it."""
+    devices = set()
+    for item in tensors:
+        for t in (item if isinstance(item, (list, tuple)) else (item,)):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                devices.add(t.device)
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
 
 
 # ---------------------------------------------------------------- device memory we keep

@@ -5,6 +5,7 @@ transport then holds the GPU way that fits (ways.py).
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Any
 
 
@@ -17,12 +18,16 @@ def resolve_cuda_aware(setting: Any, MPI: Any, comm: Any) -> tuple[bool, str]:
 
 
 def query_cuda_support(MPI: Any, comm: Any) -> tuple[bool, str]:
-    """Ask the MPI library: MPIX_Query_cuda_support() (MPICH, Open MPI), else the MPI 4.1
-    memory allocation kinds of `comm`; a library that answers neither is taken as not aware."""
+    """Ask the MPI library: MPIX_Query_cuda_support() (MPICH, Open MPI), else what MVAPICH2-GDR
+    is told (it has no query: `MV2_USE_CUDA=1` turns its device support on), else the MPI 4.1
+    memory allocation kinds of `comm`; a library that answers none is taken as not aware."""
     for library in (None, MPI.__file__):   # the global namespace, then mpi4py's dependencies
         query = getattr(ctypes.CDLL(library), "MPIX_Query_cuda_support", None)
         if query is not None:
             return bool(query()), "MPIX_Query_cuda_support()"
+    if "MVAPICH2-GDR" in MPI.Get_library_version().upper():
+        told = os.environ.get("MV2_USE_CUDA", "0").strip()
+        return told == "1", f"MVAPICH2-GDR with MV2_USE_CUDA={told}"
     info = comm.Get_info()
     try:
         kinds = info.Get("mpi_memory_alloc_kinds")

@@ -97,10 +97,14 @@ class Submission:
             specs.append(ReduceSpec(wire.dtype, op, prescale, postscale, digest(signature),
                                     signature))
         transport = self._set.transport
+        # on a GPU, the reduction waits for the compressions, queued on torch's current stream
+        ready = next((torch.cuda.current_stream(w.device).record_event() for w in wires
+                      if w.is_cuda), None)
 
         def work() -> list[torch.Tensor]:
-            for wire, spec in zip(wires, specs):
-                transport.allreduce(wire, wire, spec)
+            with cuda.after(ready):
+                for wire, spec in zip(wires, specs):
+                    transport.allreduce(wire, wire, spec)
             return wires
 
         handle = self._submit_bucket(bucket, work)

@@ -13,6 +13,7 @@ import torch
 from .. import _native
 from ..core.errors import RingReduceError
 from ..core.mpi import mpi
+from ..gpu import cuda
 from ..kernels import ops
 from ..kernels.buffers import as_array
 from ..kernels.ops import ReduceOp
@@ -34,14 +35,16 @@ class Adasum(Way):
     def run(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
         parts = self.parts
         parts.check(spec)
-        host = src.cpu() if src.is_cuda else parts.prescaled(src, dst, spec, always_copy=True)
-        if src.is_cuda:
+        if src.is_cuda:     # (after the caller's stream, or the bucket's ready event)
+            host = cuda.to_host(src)
             scale(host, spec, 1.0, spec.prescale)
+        else:
+            host = parts.prescaled(src, dst, spec, always_copy=True)
         adasum.adasum_allreduce(parts.comm, as_array(host), spec.dtype, spec.lengths,
                                 parts.scratch.get, parts.wait)
         scale(host, spec, 1.0, spec.postscale)
         if src.is_cuda:
-            dst.copy_(host)
+            cuda.from_host(dst, host)
 
 
 class Alone(Way):
