@@ -26,8 +26,10 @@ import ringreduce as hvd
 from ringreduce.api import collectives
 from ringreduce.core import config
 from ringreduce.gpu import cuda, cuda_aware, device_kernels, staging
+from ringreduce.kernels.buffers import CODES
 from ringreduce.optim import fusion
 from ringreduce.core.mpi import mpi
+from ringreduce.transport import peer_node
 from ringreduce.transport.stall import StallWatch
 from ringreduce.transport.set_transport import Transport
 
@@ -143,7 +145,10 @@ def test_kernel_sources_define_every_kernel_used():
     assert launched == set(device_kernels.KERNEL_MODULES)
     sources = {name: device_kernels.kernel_source(name) for name in device_kernels.KERNEL_MODULES}
     for kind in ("bf16", "fp16"):
-        assert f"HALF_KERNELS({kind}," in sources["half"]
+        assert f"HALF_KERNELS({kind}," in sources["reduce"]
+    for kind in device_kernels._PEER.values():      # every dtype the CPU kernels take
+        assert f"PEER_REDUCE({kind}," in sources["reduce"]
+    assert set(device_kernels._PEER) == set(CODES)
     for size in (1, 2, 4, 8):
         assert f"BATCHED_COPY({size}," in sources["batched_copy"]
     for text in sources.values():   # the op codes come as -D options: nothing to include
@@ -156,9 +161,9 @@ def test_kernel_sources_define_every_kernel_used():
 def test_a_missing_kernel_source_says_the_install_is_broken(monkeypatch):
     monkeypatch.setattr(device_kernels, "KERNEL_DIR", "gone")
     with pytest.raises(hvd.RingReduceError) as caught:
-        device_kernels.kernel_source("half")
+        device_kernels.kernel_source("reduce")
     message = str(caught.value)
-    assert "gone/half.cu is missing from the installed package" in message
+    assert "gone/reduce.cu is missing from the installed package" in message
     assert "--force-reinstall" in message and "cuda12" not in message
     with pytest.raises(ValueError, match="'nope' is not one of ringreduce's CUDA kernel"):
         device_kernels.kernel_source("nope")
@@ -176,9 +181,10 @@ def test_kernel_compiles_with_nvcc(name, tmp_path):
     entries = {line.split()[-1].rstrip("(") for line in ptx.read_text().splitlines()
                if ".entry" in line}
     expected = ({f"{k}_{f}" for k in ("bf16", "fp16") for f in ("reduce", "scale")}
-                if name == "half" else {f"batched_copy_{n}" for n in (1, 2, 4, 8)})
+                | {f"peer_reduce_{k}" for k in device_kernels._PEER.values()}
+                if name == "reduce" else {f"batched_copy_{n}" for n in (1, 2, 4, 8)})
     assert entries == expected   # extern "C": the names device_kernels.py asks CuPy for
-    if name == "half":          # without the op codes it refuses to compile, and says why
+    if name == "reduce":        # without the op codes it refuses to compile, and says why
         done = subprocess.run(["nvcc", "--ptx", "-arch=sm_80", "-o", str(ptx), str(copy)],
                               capture_output=True, text=True)
         assert done.returncode != 0 and "kernel_options()" in done.stderr
@@ -420,6 +426,51 @@ def test_device_paths_under_mpi_with_numpy_standing_in_for_the_device(n):
     buffers into many parts."""
     run_ok(n, "gpu_paths_check.py", "1,0", "4096", timeout=400,
            env={"RINGREDUCE_SEGMENT_BYTES": "1024", "RINGREDUCE_SMALL_MESSAGE_BYTES": "4096"})
+
+
+# ---------------------------------------------------------------- the GPU node way
+
+PEER_SETTINGS = {
+    "one node": {"RINGREDUCE_SMALL_MESSAGE_BYTES": "4096"},
+    "2 nodes": {"RINGREDUCE_SIMULATED_NODES": "2"},
+    "2 nodes, CUDA-aware": {"RINGREDUCE_SIMULATED_NODES": "2", "RINGREDUCE_CUDA_AWARE": "1"},
+    "a node a rank": {"RINGREDUCE_SIMULATED_NODES": "4"},
+    "turned off": {"RINGREDUCE_GPU_NODE_WAY": "staging"},
+    "opening fails on local rank 1": {"FAKE_FAIL_OPEN": "1"},
+    "each rank sees its own GPU only": {"FAKE_PRIVATE_GPUS": "1"},
+    "opening fails, ipc forced": {"FAKE_FAIL_OPEN": "1", "RINGREDUCE_GPU_NODE_WAY": "ipc"}}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_gpu_node_way_under_mpi_with_host_memory_standing_in_for_the_device(n):
+    """transport/peer_node.py's protocol, registry, fallback and step between nodes, each
+    setting in turn (peer_node_check.py says what each checks); the simulated nodes at 4 ranks
+    only (2 nodes of 2, 4 of 1)."""
+    settings = {label: env for label, env in PEER_SETTINGS.items()
+                if n == 4 or "RINGREDUCE_SIMULATED_NODES" not in env}
+    run_ok(n, "peer_node_check.py", json.dumps(settings), timeout=300)
+
+
+@pytest.mark.parametrize("count, ranks, itemsize", [
+    (0, 2, 4), (1, 4, 4), (63, 2, 4), (64, 2, 4), (1000, 3, 2), (50_003, 4, 4), (7, 8, 8)])
+def test_slices_cover_the_buffer_on_whole_lines(count, ranks, itemsize):
+    """Each local rank's slice of the two-shot: consecutive, covering every element once,
+    starting on a SLICE_ALIGNMENT boundary, as even as whole lines allow."""
+    bounds = peer_node.slices(count, ranks, itemsize)
+    assert len(bounds) == ranks and bounds[0][0] == 0 and bounds[-1][1] == count
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    line = peer_node.SLICE_ALIGNMENT // itemsize
+    assert all(lo % line == 0 or lo == count for lo, _ in bounds)
+    sizes = [hi - lo for lo, hi in bounds]
+    assert max(sizes) - min(sizes) < 2 * line, sizes   # (a line more, the last one partial)
+
+
+def test_the_gpu_node_way_setting():
+    for text, value in (("auto", "auto"), ("IPC", "ipc"), (" staging ", "staging")):
+        assert config.Settings.load(gpu_node_way=text).gpu_node_way == value
+    with pytest.raises(ValueError, match="expected auto, ipc or staging"):
+        config.Settings.load(gpu_node_way="nccl")
+    assert "gpu_node_way" in config.Settings.AGREED
 
 
 # ---------------------------------------------------------------- on a GPU

@@ -29,6 +29,13 @@ def _parse_bool_or_auto(text: str) -> Union[bool, str]:
     return "auto" if text.strip().lower() == "auto" else _parse_bool(text)
 
 
+def _parse_gpu_node_way(text: str) -> str:
+    choice = text.strip().lower()
+    if choice not in ("auto", "ipc", "staging"):
+        raise ValueError(f"expected auto, ipc or staging, got {text!r}")
+    return choice
+
+
 def parse_bytes(text: str) -> int:
     """Integer byte counts, with optional K/M/G suffix (powers of 1024)."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
@@ -146,6 +153,12 @@ class Settings:
         "auto", _parse_bool_or_auto,
         "1: hand CUDA device pointers straight to MPI; 0: stage GPU buffers through pinned host "
         "memory; auto: ask the MPI library at init()")
+    gpu_node_way: str = _setting(
+        "auto", _parse_gpu_node_way,
+        "how CUDA tensors are reduced among the ranks of a node: ipc: in device memory shared "
+        "through CUDA IPC, by ringreduce's kernels; staging: through host memory (or MPI, "
+        "where it is CUDA-aware); auto: ipc where every node can share its GPUs' memory, else "
+        "staging, said once")
     abort_on_error: bool = _setting(
         True, _parse_bool,
         "an uncaught exception on any rank aborts the whole MPI job (non-zero exit) instead of "
@@ -162,7 +175,8 @@ class Settings:
     # Ranks that differ would pair one collective under one signature and move its bytes two
     # ways (wrong sums, or a hang); init() compares them.
     AGREED = ("small_message_bytes", "shared_small_bytes", "segment_bytes", "shared_memory",
-              "block_bytes", "simulated_nodes", "cuda_aware", "consistency_check_steps")
+              "block_bytes", "simulated_nodes", "cuda_aware", "gpu_node_way",
+              "consistency_check_steps")
 
     @staticmethod
     def env_name(name: str) -> str:

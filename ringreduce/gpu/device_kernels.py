@@ -1,7 +1,8 @@
 """Our CUDA kernels: the sources in cuda_kernels/*.cu (package data, compiled at run time by
 CuPy's NVRTC and cached on disk, so installing needs no CUDA toolkit), scaling and reducing
-device arrays as the CPU kernels do, and the one-launch copies between a bucket's gradients
-and its buffer (`pack`, `unpack`)."""
+device arrays as the CPU kernels do (a ring's step; every rank's block on the node at once,
+`reduce_from_peers`), and the one-launch copies between a bucket's gradients and its buffer
+(`pack`, `unpack`)."""
 from __future__ import annotations
 
 import functools
@@ -18,11 +19,13 @@ from .cuda import cupy_module, cupy_stream, on_device, our_stream
 # The CUDA sources the GPU path compiles: cuda_kernels/<name>.cu inside the package (package
 # data, so a wheel ships them), each loaded by kernel_source() only.
 KERNEL_DIR = "cuda_kernels"
-KERNEL_MODULES = ("half", "batched_copy")
+KERNEL_MODULES = ("reduce", "batched_copy")
 THREADS = 256
 MAX_BLOCKS = 4096
 MAX_ROWS = 65535                # CUDA's limit on gridDim.y: tensors per batched copy
 _HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_PEER = {torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.int32: "i32",
+         torch.int64: "i64", torch.float32: "f32", torch.float64: "f64", **_HALF}
 _UFUNC = {ReduceOp.Sum: "add", ReduceOp.Average: "add", ReduceOp.Min: "minimum",
           ReduceOp.Max: "maximum", ReduceOp.Product: "multiply"}
 
@@ -75,7 +78,7 @@ def scale(array: Any, dtype: torch.dtype, factor: float) -> None:
     if factor == 1.0 or array.size == 0:
         return
     if dtype in _HALF:
-        launch(kernel("half", f"{_HALF[dtype]}_scale"), array.size,
+        launch(kernel("reduce", f"{_HALF[dtype]}_scale"), array.size,
                (array, np.int64(array.size), np.float32(factor)))
     elif dtype.is_floating_point:
         cupy_module().multiply(array, array.dtype.type(factor), out=array)
@@ -94,7 +97,7 @@ def device_reducer(dtype: torch.dtype, op: ReduceOp,
     """`target = target op source` on the GPU, finished before it returns: ring.py reuses the
     source slot and sends the target right after."""
     if dtype in _HALF:
-        function = kernel("half", f"{_HALF[dtype]}_reduce")
+        function = kernel("reduce", f"{_HALF[dtype]}_reduce")
 
         def combine(target: Any, source: Any) -> None:
             launch(function, target.size, (target, source, np.int64(target.size), np.int32(op)))
@@ -109,6 +112,17 @@ def device_reducer(dtype: torch.dtype, op: ReduceOp,
         stream.synchronize()
 
     return reduce
+
+
+def reduce_from_peers(table: Any, ranks: int, offset: int, out: int, count: int,
+                      dtype: torch.dtype, op: ReduceOp) -> None:
+    """On CuPy's current stream: `count` elements at address `out` = elements `offset` on of
+    each rank's block reduced in rank order (`table`: a device array of the blocks' addresses,
+    uint64), each step rounded as the CPU's node way rounds it."""
+    if count:
+        launch(kernel("reduce", f"peer_reduce_{_PEER[dtype]}"), count,
+               (table, np.int32(ranks), np.int64(offset), np.uint64(out), np.int64(count),
+                np.int32(op)))
 
 
 def pack(bucket: Any) -> torch.cuda.Event:

@@ -84,8 +84,8 @@ class Transport:
                    and (self.node is not None or local.size == 1) else None)
         self.negotiator = Negotiator(comm, watch, ranks, self.node if self.one_node else None,
                                      between, names)
-        self.parts = SetParts(comm, cross, self.node, between, self.negotiator, settings,
-                              self.scratch, self.device_scratch)
+        self.parts = SetParts(comm, local, cross, homogeneous, self.node, between,
+                              self.negotiator, settings, self.scratch, self.device_scratch)
         self.ways: list[Way] = allreduce_ways(self.parts, self.host_pieces)
         self.joins = JoinRounds(comm, ranks, watch, self.negotiator, self._way)
         signed = next((way for way in self.ways if way.carries_signature), None)
@@ -93,8 +93,10 @@ class Transport:
             signed, watch, comm.size, self.joins.allreduce))
 
     def free(self) -> None:
-        """Free what the transport made: its device scratch and the node's window. (The stall
-        watch is its set's, which frees it.)"""
+        """Free what the transport made: its ways' memory, its device scratch and the node's
+        window. (The stall watch is its set's, which frees it.)"""
+        for way in self.ways:
+            way.free()
         self.device_scratch.free()
         if self.node is not None:
             self.node.free()

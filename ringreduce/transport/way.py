@@ -31,14 +31,17 @@ def scale(tensor: torch.Tensor, spec: ReduceSpec, divisor: float, factor: float)
 
 
 class SetParts:
-    """What one process set's ways share: `comm` holds its members, `cross` those with this
-    rank's local rank; its node window and exchanges between nodes (None where the topology has
-    none), its negotiator (the signature check), settings and scratch (CPU and GPU)."""
+    """What one process set's ways share: `comm` holds its members, `local` those on this
+    rank's node, `cross` those with this rank's local rank (`homogeneous`: every node holds as
+    many); its node window and exchanges between nodes (None where the topology has none), its
+    negotiator (the signature check), settings and scratch (CPU and GPU)."""
 
-    def __init__(self, comm: Any, cross: Any, node: Optional[NodeWindow],
-                 between: Optional[BetweenNodes], negotiator: Negotiator, settings: Settings,
-                 scratch: ScratchPool, device_scratch: cuda.DeviceScratch) -> None:
-        self.comm, self.cross, self.node, self.between = comm, cross, node, between
+    def __init__(self, comm: Any, local: Any, cross: Any, homogeneous: bool,
+                 node: Optional[NodeWindow], between: Optional[BetweenNodes],
+                 negotiator: Negotiator, settings: Settings, scratch: ScratchPool,
+                 device_scratch: cuda.DeviceScratch) -> None:
+        self.comm, self.local, self.cross, self.homogeneous = comm, local, cross, homogeneous
+        self.node, self.between = node, between
         self.negotiator, self.settings = negotiator, settings
         self.scratch, self.device_scratch = scratch, device_scratch
         self.size = comm.size
@@ -117,6 +120,9 @@ class Way:
 
     def applies(self, src: torch.Tensor, spec: ReduceSpec) -> bool:
         return True
+
+    def free(self) -> None:
+        """Free what the way made (the set's transport is closing)."""
 
     def run(self, src: torch.Tensor, dst: torch.Tensor, spec: ReduceSpec) -> None:
         raise NotImplementedError

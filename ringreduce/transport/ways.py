@@ -8,8 +8,12 @@ A set's table holds only the ways its topology allows (built once), so `applies`
 request alone. In order:
 
     Adasum          op=Adasum: Horovod's Adasum over the set's ranks (adasum.py)
+    GPU node        a CUDA tensor, where the set's nodes hold several members each: the
+                    node's device memory shared through CUDA IPC, reduced by our kernels;
+                    between nodes, each rank's slice by the next two ways' means
+                    (peer_node.py); where IPC fails, the next one
     CUDA-aware      a CUDA tensor, MPI reading device memory (or a set of one): our ring on
-                    device memory (cuda.py)
+                    device memory (gpu/device_kernels.py)
     staged GPU      a CUDA tensor otherwise: pieces through pinned host memory, each piece
                     reduced by the host ways below
     alone           a set of one rank: copy and scale
@@ -31,6 +35,7 @@ fast path (small_way.py).
 from __future__ import annotations
 
 from .gpu_ways import CudaAware, StagedGpu
+from .peer_node import PeerMemory
 from .host_ways import (Adasum, Alone, BetweenNodesSmall, MpiGather, MpiRing, NodeBlocks,
                         NodeSlots, NodeSlotsOnOneNode)
 from .way import Pieces, SetParts, Way
@@ -40,10 +45,12 @@ def allreduce_ways(parts: SetParts, pieces: Pieces) -> list[Way]:
     """A set's table, in order, with the ways its topology allows. `pieces(spec)`: how the
     staged GPU way reduces each piece (by this table's host ways)."""
     ways: list[Way] = [Adasum(parts)]
-    if parts.settings.cuda_aware or parts.size == 1:
-        ways.append(CudaAware(parts))
-    else:
-        ways.append(StagedGpu(parts, pieces))
+    gpu = (CudaAware(parts) if parts.settings.cuda_aware or parts.size == 1
+           else StagedGpu(parts, pieces))
+    if (parts.local.size > 1 and parts.homogeneous
+            and parts.settings.gpu_node_way != "staging"):
+        gpu = PeerMemory(parts, gpu)
+    ways.append(gpu)
     if parts.size == 1:
         return ways + [Alone(parts)]
     if parts.between is not None:

@@ -1,19 +1,13 @@
 """Both GPU ways of the transport (`gpu_ways.reduce_in_device_memory`, `gpu_ways.reduce_staged`)
-under a real mpiexec, without a GPU.
-
-No CUDA array, stream or event can exist on a machine without a device, so NumPy stands in:
-a "device array" is a NumPy array that has `__cuda_array_interface__`, `device` and `data.ptr`;
-a fake `cupy` runs ufuncs with NumPy, our half kernels with torch, and stream copies with
-memmove; torch's streams, events and device guard become no-ops. Everything else is real:
-the ring over MPI, the staging pipeline with its slots and pieces, the host path it calls,
-the finishing arithmetic. A rank passing a CPU tensor where the others pass CUDA ones is a
-MismatchError on every rank. From 3 ranks on, two process sets (the world and {0, 1}) also
+under a real mpiexec, without a GPU: host memory stands in for the device (fake_device.py).
+Everything else is real: the ring over MPI, the staging pipeline with its slots and pieces,
+the host path it calls, the finishing arithmetic. A rank passing a CPU tensor where the others
+pass CUDA ones is a MismatchError on every rank. From 3 ranks on, two process sets (the world and {0, 1}) also
 reduce on the one "device" from two threads at once, each with its own DeviceScratch, and
 the results are exact.
 Usage: gpu_paths_check.py AWARE[,AWARE...] [STAGING_PIECE_BYTES]   (AWARE 1: CUDA-aware MPI,
 0: staged; each in turn, init to shutdown, in one launch)
 """
-import ctypes
 import sys
 import threading
 import types
@@ -21,106 +15,16 @@ import types
 import numpy as np
 import torch
 
-
-class DeviceArray(np.ndarray):
-    """Host memory posing as device memory."""
-
-    __cuda_array_interface__ = {}
-    device = types.SimpleNamespace(id=0)
-
-    @property
-    def data(self):
-        return types.SimpleNamespace(ptr=self.ctypes.data)
-
-
-def on_device(array):
-    return np.ascontiguousarray(array).view(DeviceArray)
-
-
-def half_kernel(name):
-    """native/half.cu's kernels, computed by torch on the CPU: float math, one rounding."""
-    kind, function = name.split("_")
-    dtype = torch.bfloat16 if kind == "bf16" else torch.float16
-    ops = {0: torch.add, 1: torch.add, 3: torch.minimum, 4: torch.maximum, 5: torch.mul}
-
-    def view(array):
-        return torch.from_numpy(np.asarray(array).view(np.int16)).view(dtype)
-
-    def launch(grid, block, args):
-        if function == "reduce":
-            target, source, _, op = args
-            view(target).copy_(ops[int(op)](view(target).float(), view(source).float()))
-        else:
-            x, _, factor = args
-            view(x).copy_(view(x).float() * float(factor))
-
-    return launch
-
-
-class Context:
-    def __init__(self, *args):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-class Stream(Context):
-    @classmethod
-    def from_external(cls, stream):
-        return cls()
-
-
-class TorchStream:
-    cuda_stream = 0
-
-    def __init__(self, device=None):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-    def record_event(self):
-        return TorchEvent()
-
-    def synchronize(self):
-        pass
-
-
-class TorchEvent:
-    def record(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-
-cupy = types.ModuleType("cupy")
-for ufunc in ("add", "minimum", "maximum", "multiply"):
-    setattr(cupy, ufunc, getattr(np, ufunc))
-cupy.empty = lambda count, dtype: on_device(np.empty(count, dtype))
-cupy.RawModule = lambda code, options=(): types.SimpleNamespace(get_function=half_kernel)
-cupy.cuda = types.SimpleNamespace(Device=Context, Stream=Stream, runtime=types.SimpleNamespace(
-    memcpyDeviceToHost=2, memcpyHostToDevice=1,
-    memcpyAsync=lambda target, source, size, kind, stream: ctypes.memmove(target, source, size)))
-cupyx = types.ModuleType("cupyx")
-cupyx.empty_pinned = lambda shape, dtype: np.empty(shape, dtype)
-sys.modules.update(cupy=cupy, cupyx=cupyx)
-torch.cuda.Stream, torch.cuda.Event, torch.cuda.device = TorchStream, TorchEvent, Context
-torch.cuda.current_stream = lambda device=None: TorchStream()
-
-import ringreduce as hvd  # noqa: E402
-from ringreduce.gpu import staging  # noqa: E402
-from ringreduce.transport import gpu_ways  # noqa: E402
-from ringreduce.kernels.buffers import as_array, as_tensor  # noqa: E402
-from ringreduce.api.reductions import _allreduce_spec  # noqa: E402
-from ringreduce.sets.process_sets import active, global_set  # noqa: E402
-from ringreduce.transport.reduce_spec import ReduceSpec  # noqa: E402
-from checks import horovod_scaled  # noqa: E402
-from mpi4py import MPI  # noqa: E402
+from fake_device import on_device   # (first: it puts its cupy and torch.cuda in place)
+import ringreduce as hvd
+from checks import horovod_scaled
+from mpi4py import MPI
+from ringreduce.api.reductions import _allreduce_spec
+from ringreduce.gpu import staging
+from ringreduce.kernels.buffers import as_array, as_tensor
+from ringreduce.sets.process_sets import active, global_set
+from ringreduce.transport import gpu_ways
+from ringreduce.transport.reduce_spec import ReduceSpec
 
 if len(sys.argv) > 2:
     staging.STAGING_PIECE_BYTES = int(sys.argv[2])
