@@ -331,7 +331,8 @@ def test_init_logs_the_choice_once():
 
 def test_reductions_take_the_tensor_on_its_device_and_the_rest_a_host_copy(monkeypatch):
     """Whichever device is current (as Horovod's and NCCL's): a reduction works on the
-    tensor's own device memory, the other collectives on a host copy."""
+    tensor's own device memory, the other collectives on a host copy; allgather and broadcast
+    in device memory too where the set's members share one node's (the GPU node way)."""
     monkeypatch.setitem(sys.modules, "cupy", ModuleType("cupy"))  # CuPy present or not
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     host = torch.arange(3)
@@ -347,6 +348,10 @@ def test_reductions_take_the_tensor_on_its_device_and_the_rest_a_host_copy(monke
     assert cuda.device_tensor(elsewhere, "allreduce") is elsewhere
     for what in ("allgather", "broadcast", "alltoall", "reducescatter"):
         assert cuda.device_tensor(elsewhere, what) is host
+    for what in ("allgather", "grouped_allgather", "broadcast", "broadcast_"):
+        assert cuda.device_tensor(elsewhere, what, in_node=True) is elsewhere
+    for what in ("alltoall", "reducescatter"):
+        assert cuda.device_tensor(elsewhere, what, in_node=True) is host
 
 
 @pytest.mark.parametrize("initialised, device, want", [

@@ -59,7 +59,7 @@ def checked_tensor(tensor: Any, what: str, name: str, ps: ActiveSet,
             "contiguous.'); pass tensor.contiguous() (for an in-place call, copy the result "
             "back)")
     if tensor.device.type == "cuda":
-        return cuda.device_tensor(tensor, what)
+        return cuda.device_tensor(tensor, what, ps.transport.moves_on_device)
     if tensor.device.type != "cpu":
         raise ValueError(f"{where}: tensor is on {tensor.device}; ringreduce reduces CPU and "
                          "CUDA tensors")

@@ -35,7 +35,18 @@ def allgather_work(tensors: Sequence[torch.Tensor], name: Optional[str],
                                 "tensors": len(tensors), "dtype": dtype_name(tensor.dtype),
                                 "trailing shape": tuple(t.shape[1:])}, root)
         gathers.append((functools.partial(ps.transport.allgather, t, signature), tensor))
-    return ps, names[0], lambda: [as_callers(gather(), tensor) for gather, tensor in gathers]
+
+    def work() -> list[torch.Tensor]:
+        return [as_callers(gather(), tensor) for gather, tensor in gathers]
+
+    return ps, names[0], _after_caller(work, [gather.args[0] for gather, _ in gathers])
+
+
+def _after_caller(work: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    """`work`, after the caller's stream, where it moves CUDA tensors in device memory (the
+    GPU node way: cuda.device_tensor)."""
+    on_gpu = next((t for t in tensors if t.is_cuda), None)
+    return work if on_gpu is None else cuda.after_caller(work, on_gpu.device)
 
 
 def broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
@@ -68,7 +79,7 @@ def broadcast_work(tensor: torch.Tensor, root_rank: int, name: Optional[str],
             return tensor
         return as_callers(out.clone() if same_memory(out, tensor) else out, tensor)
 
-    return ps, name, work
+    return ps, name, _after_caller(work, [t])
 
 
 def alltoall_work(tensor: torch.Tensor, splits: Any, name: Optional[str],

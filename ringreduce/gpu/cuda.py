@@ -23,6 +23,7 @@ import torch
 from ..core.errors import RingReduceError
 
 REDUCTIONS = ("allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_")
+MOVED_IN_NODE = ("allgather", "grouped_allgather", "broadcast", "broadcast_")
 
 
 # ---------------------------------------------------------------- CuPy and views
@@ -59,17 +60,18 @@ def on_device(index: int) -> torch.cuda.device:
     return torch.cuda.device(index)
 
 
-def device_tensor(tensor: torch.Tensor, what: str) -> torch.Tensor:
+def device_tensor(tensor: torch.Tensor, what: str, in_node: bool = False) -> torch.Tensor:
     """The tensor collective `what` works on for a CUDA `tensor`.
 
     Reductions run in the tensor's own device memory, whichever device is current (as
     Horovod's and NCCL's: `model.to(local_rank)` without `set_device` works): every view,
-    stream, event and scratch block is taken on `tensor.device`. The other collectives
-    (allgather, broadcast, alltoall, reducescatter) work on a host copy made here, on the
-    caller's thread after what its stream has queued; api/arguments moves their results
-    back to the tensor's device, as Horovod returns them.
+    stream, event and scratch block is taken on `tensor.device`. So do allgather and broadcast
+    where the set's members share one node's device memory (`in_node`: the GPU node way). The
+    other collectives (and those two elsewhere) work on a host copy made here, on the caller's
+    thread after what its stream has queued; api/arguments moves their results back to the
+    tensor's device, as Horovod returns them.
     """
-    if what not in REDUCTIONS:
+    if what not in REDUCTIONS and not (in_node and what in MOVED_IN_NODE):
         return tensor.detach().cpu()
     cupy_module()
     return tensor.detach()      # (contiguous: api/arguments checked it)

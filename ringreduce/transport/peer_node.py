@@ -179,6 +179,43 @@ class PeerMemory(Way):
                 return
             self._reduce(src, out, spec, stream)
 
+    def broadcast(self, tensor: torch.Tensor, root: int) -> bool:
+        """(On one node.) Member `root`'s `tensor` into every member's, through the root's
+        block; False where IPC does not work for the set (the caller moves it)."""
+        return self._moved(tensor, tensor, [tensor.nbytes] * self.parts.size, root)
+
+    def allgather(self, tensor: torch.Tensor, out: torch.Tensor, counts: list[int]) -> bool:
+        """(On one node.) Every member's `tensor` (`counts[r]` elements on member r) one after
+        another into `out`, through their blocks; False as `broadcast`."""
+        itemsize = tensor.element_size()
+        return self._moved(tensor, out, [c * itemsize for c in counts], None)
+
+    def _moved(self, tensor: torch.Tensor, out: torch.Tensor, sizes: list[int],
+               root: Optional[int]) -> bool:
+        """This rank's `tensor` into its block (the root's alone, for a broadcast), then from
+        the blocks into `out`: the root's block, or each member's part in rank order."""
+        if self.works is False:
+            return False
+        if not any(sizes):
+            return True
+        me, blocks = self.parts.local.rank, self.blocks
+        with cuda.on_our_stream(cuda.as_device_array(out)) as stream:
+            if not self._ready(tensor.device.index, max(sizes)):
+                return False
+            if root is None or me == root:
+                ipc.copy(blocks.own.address, tensor.data_ptr(), sizes[me], stream)
+            self._handshake(stream)
+            if root is not None:
+                if me != root:
+                    ipc.copy(out.data_ptr(), blocks.addresses[root], sizes[root], stream)
+            else:
+                offsets = np.cumsum([0] + sizes)
+                for r, size in enumerate(sizes):
+                    ipc.copy(out.data_ptr() + int(offsets[r]), blocks.addresses[r], size,
+                             stream)
+            stream.synchronize()
+        return True
+
     def _ready(self, device: int, nbytes: int) -> bool:
         """(Collective on the node: the handshake that starts every allreduce.) The blocks
         registered again where some rank needs it; False where the members agreed, at the

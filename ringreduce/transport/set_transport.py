@@ -35,6 +35,7 @@ from . import crossnode, ring
 from .auto_names import AutoNames
 from .joining import JoinRounds
 from .negotiation import Negotiator, PeersJoined, tell_members
+from .peer_node import PeerMemory
 from .reduce_spec import ReduceSpec
 from .shm import NodeWindow
 from .signature import Signature, label
@@ -88,6 +89,9 @@ class Transport:
                               self.negotiator, settings, self.scratch, self.device_scratch)
         self.ways: list[Way] = allreduce_ways(self.parts, self.host_pieces)
         self.joins = JoinRounds(comm, ranks, watch, self.negotiator, self._way)
+        # the GPU node way, where the table holds it; on one node it moves data too
+        self.peer = next((way for way in self.ways if isinstance(way, PeerMemory)), None)
+        self.moves_on_device = self.peer is not None and cross.size == 1
         signed = next((way for way in self.ways if way.carries_signature), None)
         self.small: Optional[SmallWay] = (None if signed is None else SmallWay(
             signed, watch, comm.size, self.joins.allreduce))
@@ -163,15 +167,26 @@ class Transport:
         firsts = self.check(signature, per_rank=tensor.shape[0])
         out = fresh((int(firsts.sum()), *tensor.shape[1:]), tensor.dtype, tensor.device)
         row = math.prod(tensor.shape[1:])
+        if tensor.is_cuda and self.peer and self.peer.allgather(tensor, out,
+                                                                (firsts * row).tolist()):
+            return out
+        host, gathered = _on_host(tensor), _on_host(out)
         self.watch.wait_request(self.comm.Iallgatherv(
-            as_array(tensor), [as_array(out), (firsts * row).tolist()]))
+            as_array(host), [as_array(gathered), (firsts * row).tolist()]))
+        if gathered is not out:
+            cuda.from_host(out, gathered)
         return out
 
     @_telling
     def broadcast(self, tensor: torch.Tensor, root: int, signature: Signature) -> None:
         """Set member `root`'s `tensor` into every member's, in place."""
         self.check(signature)
-        self.watch.wait_request(self.comm.Ibcast(as_array(tensor), root=root))
+        if tensor.is_cuda and self.peer and self.peer.broadcast(tensor, root):
+            return
+        host = _on_host(tensor)
+        self.watch.wait_request(self.comm.Ibcast(as_array(host), root=root))
+        if host is not tensor:
+            cuda.from_host(tensor, host)
 
     @_telling
     def alltoall(self, tensor: torch.Tensor, send_splits: np.ndarray,
@@ -262,6 +277,12 @@ class Transport:
         if refused is not None:         # a set of one: no one to refuse to
             raise refused
         return lengths
+
+
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor that the GPU node way could not move (IPC failed after the call kept it
+    on its device) goes through the host; a CPU one is itself."""
+    return cuda.to_host(tensor) if tensor.is_cuda else tensor
 
 
 _NOTHING = memoryview(bytearray())

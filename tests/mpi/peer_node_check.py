@@ -10,7 +10,8 @@ behind it); every dtype and op, one-shot and two-shot lengths, scaled, in place 
 exact against a reference and so bitwise identical across ranks; between (simulated) nodes,
 each rank moves only its slice; a larger buffer registers larger blocks, freeing the old ones;
 a process set of its own has blocks of its own, reduces from another thread at the same time
-as the world, and frees them when removed. Faults (variables of the fake): FAKE_FAIL_OPEN=<local
+as the world, and frees them when removed; on one node, broadcast and allgather through the
+blocks. Faults (variables of the fake): FAKE_FAIL_OPEN=<local
 rank> (its opening of the peers' blocks fails), FAKE_PRIVATE_GPUS=1 (each rank sees only its
 own GPU): with RINGREDUCE_GPU_NODE_WAY=auto every rank says why once (INFO) and stages its
 buffers from then on, exact; with =ipc every rank raises the same RingReduceError naming the
@@ -186,6 +187,35 @@ def case_a_set_of_its_own_reduces_beside_the_world():
         (before, dict(LIVE))
 
 
+def case_broadcast_and_allgather_within_the_node():
+    """On one node the way moves data too: a broadcast from each root through its block, and
+    an allgather of parts of different sizes (one empty) through every member's; where IPC
+    fails (a fault), it says so (False) and moves nothing."""
+    glob = global_set("test")
+    way = peer_way(glob)
+    assert glob.transport.moves_on_device == (way is not None and hvd.cross_size() == 1)
+    if not glob.transport.moves_on_device:
+        return
+    assert glob.transport.parts.local.rank == r     # (a set's member rank is its local rank)
+    works = way.works is not False
+    for root in range(n):
+        x = inputs(r, 10_000, torch.int32, hvd.Sum) if r == root else torch.zeros(
+            10_000, dtype=torch.int32)
+        moved = glob.engine.run(f"broadcast.{root}", lambda: way.broadcast(x, root))
+        assert moved == works, (moved, way.works)
+        if moved:
+            check_equal(x, inputs(root, 10_000, torch.int32, hvd.Sum), f"broadcast from {root}")
+    rows = [0 if k == 0 else 3 * k + 1 for k in range(n)]
+    mine = inputs(r, rows[r] * 5, torch.bfloat16, hvd.Sum).reshape(rows[r], 5)
+    out = torch.full((sum(rows), 5), -1.0, dtype=torch.bfloat16)
+    moved = glob.engine.run("allgather", lambda: way.allgather(mine, out, [k * 5 for k in rows]))
+    assert moved == works, (moved, way.works)
+    if moved:
+        want = torch.cat([inputs(k, rows[k] * 5, torch.bfloat16, hvd.Sum).reshape(rows[k], 5)
+                          for k in range(n)])
+        check_equal(out, want, "allgather")
+
+
 def case_a_fault_falls_back_or_fails_alike():
     """Where IPC fails (a fault of the fake): auto says why once and stages, exact; ipc raises
     the same error on every rank, and the set goes on."""
@@ -225,7 +255,8 @@ def start():
 def checks():
     cases = [case_the_table_holds_the_way, case_a_fault_falls_back_or_fails_alike]
     if os.environ.get("RINGREDUCE_GPU_NODE_WAY") != "ipc":    # (forced and failing: no more)
-        cases += [case_every_dtype_and_op, case_between_nodes_each_rank_moves_its_slice,
+        cases += [case_every_dtype_and_op, case_broadcast_and_allgather_within_the_node,
+                  case_between_nodes_each_rank_moves_its_slice,
                   case_a_larger_buffer_registers_larger_blocks,
                   case_a_set_of_its_own_reduces_beside_the_world]
     run_cases(cases, r)
