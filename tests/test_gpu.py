@@ -26,7 +26,8 @@ import ringreduce as hvd
 from ringreduce.api import collectives
 from ringreduce.core import config
 from ringreduce.gpu import cuda, cuda_aware, device_kernels, staging
-from ringreduce.kernels.buffers import CODES
+from ringreduce.kernels import ops
+from ringreduce.kernels.buffers import CODES, as_array as as_array_of
 from ringreduce.optim import fusion
 from ringreduce.core.mpi import mpi
 from ringreduce.transport import peer_node
@@ -528,3 +529,40 @@ def test_device_kernels_reduce_and_scale_as_torch_does(dtype):
     else:
         want = (a.double() * 0.37).to(torch.int64).to(dtype)
     assert torch.equal(x, want), f"{dtype} scale"
+
+
+@pytest.mark.skipif(bool(GPU_MISSING), reason=GPU_MISSING)
+@pytest.mark.parametrize("dtype", sorted(CODES, key=str))
+def test_device_kernels_reduce_from_peers_as_the_cpu_node_way(dtype):
+    """The GPU node way's kernel (peer_reduce_*), three blocks in rank order, from an offset,
+    into one of them: bit for bit what the CPU's kernels compute step by step (the CPU node
+    way's order and rounding), for every op; NaN where the CPU has NaN, and signed zeros
+    as the CPU has them."""
+    cp = pytest.importorskip("cupy")
+    g = torch.Generator().manual_seed(1)
+    length, offset = 70_001, 3
+    if dtype.is_floating_point:
+        blocks = [torch.randn(length, generator=g).to(dtype) for _ in range(3)]
+        blocks[1][:4] = torch.tensor([float("nan"), -0.0, 0.0, float("inf")]).to(dtype)
+        blocks[2][:4] = torch.tensor([1.0, 0.0, -0.0, float("nan")]).to(dtype)
+    else:
+        lo = 0 if dtype == torch.uint8 else -100
+        blocks = [torch.randint(lo, 100, (length,), generator=g).to(dtype) for _ in range(3)]
+    for op in (hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product):
+        want = blocks[0][offset:].clone()
+        reduce = ops.reducer(dtype, op)
+        for block in blocks[1:]:
+            reduce(as_array_of(want), as_array_of(block[offset:].contiguous()))
+        on_gpu = [b.cuda() for b in blocks]
+        table = cp.asarray(np.array([b.data_ptr() for b in on_gpu], dtype=np.uint64))
+        out = on_gpu[2][offset:]         # (into one of the inputs, as the two-shot does)
+        torch.cuda.synchronize()
+        device_kernels.reduce_from_peers(table, 3, offset, out.data_ptr(), out.numel(), dtype,
+                                         op)
+        torch.cuda.synchronize()
+        got = out.cpu()
+        nan = want.isnan() if dtype.is_floating_point else torch.zeros_like(want, dtype=bool)
+        assert torch.equal(got.isnan() if dtype.is_floating_point else nan, nan), dtype
+        assert torch.equal(got[~nan].view(torch.uint8), want[~nan].view(torch.uint8)), \
+            f"{dtype} {op.name}"    # (elsewhere bit for bit, signed zeros too)
+

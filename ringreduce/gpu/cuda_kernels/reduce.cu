@@ -17,7 +17,7 @@ __device__ float bf16_to_float(unsigned short h) {
 
 __device__ unsigned short float_to_bf16(float f) {
     unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40);  // quiet NaN
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)0x7fc0;    // NaN, as torch
     u += 0x7fffu + ((u >> 16) & 1u);
     return (unsigned short)(u >> 16);
 }
