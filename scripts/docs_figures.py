@@ -32,6 +32,11 @@ Recognised files, by their shape:
         "staging_yardsticks_GBps", "device_copy_GBps"}: allreduce busbw per GPU path (staging,
         CUDA-aware), the staging path against its yardsticks (host allreduce, pinned copy
         down and up; older files lack them) and a CUDA-aware one against the GPU's own copy
+    scripts/cost_model.py --gpu --json  {"gpu_machine", "rows", "limits"}: our GPU node way
+        against NCCL's ring, 1-1,024 nodes of 8 GPUs, and where our time goes
+    scripts/gpu_node_bench.py --json    {"meta", "sizes_mib", "busbw_GBps", "device_copy_GBps",
+        "latency_4KiB_us", "training_samples_per_s", ...}: the GPU node way, staging and gloo
+        against the device's copy of each size; 4 KiB latency; training samples/s
 The README's block between `<!-- figures:start -->` and `<!-- figures:end -->` is made from
 allreduce-2ranks.json and train-2ranks.json. To refresh a figure, rerun its benchmark with
 `--json docs/figures/NAME.json` and then this script; performance.md names the command of each.
@@ -544,6 +549,68 @@ def gpu(data: dict, source: str) -> str:
                       ""])
 
 
+def gpu_cost_model(data: dict, source: str) -> str:
+    """cost_model.py --gpu: our GPU node way against NCCL's ring, time and busbw per cell."""
+    g = data["gpu_machine"]
+    ways = [k for k in data["rows"][0] if k not in ("nodes", "size_bytes")]
+    per_node = g["gpus_per_node"]
+
+    def cell(r: dict, way: str) -> str:
+        p = r["nodes"] * per_node
+        busbw = 2 * (p - 1) / p * r["size_bytes"] / r[way] / 1e9
+        text = duration(r[way]) + (f", {num(busbw)} GB/s" if r["size_bytes"] >= MIB else "")
+        return f"**{text}**" if r[way] == min(r[w] for w in ways) else text
+
+    rows = [[size_label(r["size_bytes"]), str(r["nodes"])] + [cell(r, w) for w in ways]
+            + [f"{r['NCCL ring'] / r['ours, CUDA-aware']:.2f}"]
+            for r in sorted(data["rows"], key=lambda r: (r["size_bytes"], r["nodes"]))
+            if r["nodes"] in (1,) + COST_NODES]
+    limits = [f"{size_label(r['size_bytes'])} on {r['nodes']} node(s): " + ", ".join(
+        f"{k} {v / sum(x for k2, x in r.items() if k2 not in ('nodes', 'size_bytes')):.0%}"
+        for k, v in r.items() if k not in ("nodes", "size_bytes"))
+        for r in data.get("limits", []) if (r["nodes"], r["size_bytes"]) in
+        ((1, 64 * MIB), (16, 64 * MIB), (1024, GIB), (1024, 4 * KIB))]
+    model = (f"Model (not a measurement): {per_node} GPUs per node, NVLink "
+             f"{g['nvlink_gbs']:g} GB/s per direction of which our kernels reach "
+             f"{g['peer_share']:g} (assumed), device copy {g['copy_gbs']:g} GB/s, "
+             f"{g['phase_us']:g} µs per phase (assumed), {g['launch_us']:g} µs per kernel "
+             f"launch, {g['overhead_us']:g} µs per call (assumed), one {g['nic_gbps']:g} Gb/s "
+             f"NIC per GPU with {g['latency_us']:g} µs per message, PCIe {g['pcie_gbs']:g} GB/s; "
+             f"NCCL's ring: {g['nccl_node_busbw_gbs']:g} GB/s busbw in one node (published), "
+             f"between nodes {g['nccl_share']:g} of its bound. Data: `{source}`.")
+    return "\n".join([model, "", "**predicted GPU allreduce time and busbw** (fastest in "
+                      "bold; last column: NCCL's time over ours, below 1 NCCL is faster)", "",
+                      table(["size per GPU", "nodes"] + ways + ["NCCL / ours"], rows), "",
+                      "Where our time goes:", ""] + [f"- {line}" for line in limits] + [""])
+
+
+def gpu_node(data: dict, source: str) -> str:
+    """scripts/gpu_node_bench.py: busbw of the GPU node way, staging and gloo per size, each
+    against the device's own copy of that size (one rank alone) in the same run; the 4 KiB
+    latency and training samples/s beside no communication."""
+    meta, busbw, copy = data.get("meta") or {}, data["busbw_GBps"], data["device_copy_GBps"]
+    rows = [[f"{mib} MiB"] + [f"{num(busbw[w][i])} GB/s ({busbw[w][i] / copy[i]:.2g} × copy)"
+                              for w in busbw]
+            + [f"{num(copy[i])} GB/s", f"{num(data['device_copy_every_rank_GBps'][i])} GB/s"]
+            for i, mib in enumerate(data["sizes_mib"])]
+    rates = data["training_samples_per_s"]
+    alone = rates.get("no communication")
+    training = [[k, f"{v:,.0f}", f"{v / alone:.2f}" if alone else ""] for k, v in rates.items()]
+    title = f"GPU node way, {meta.get('ranks', '?')} ranks on {meta.get('gpu', 'one GPU')}"
+    return "\n".join([
+        provenance(meta, source), "",
+        "Yardstick: the device-to-device copy of the same size (`cudaMemcpyAsync` through "
+        "torch's `copy_`), bytes copied per second by one rank alone; beside it the same with "
+        "every rank copying at once. Busbw is 2(n-1)/n x size / time.", "",
+        f"**{title}: allreduce busbw**", "",
+        table(["size"] + [f"{w} busbw" for w in busbw] + ["device copy", "copy, every rank"],
+              rows), "",
+        "4 KiB allreduce latency: " + ", ".join(
+            f"{w} {microseconds(v * 1e-6)}" for w, v in data["latency_4KiB_us"].items()), "",
+        "**training, samples/s** (× no communication)", "",
+        table(["method", "samples/s", "× no communication"], training), ""])
+
+
 # ---------------------------------------------------------------------------- send and recv
 
 P2P_METHODS = {"dist_rr": "`dist.send` / `dist.recv` on `\"ringreduce\"`",
@@ -597,6 +664,10 @@ def render(path: Path) -> str:
         body = train(data, source)
     elif "machine" in data and "rows" in data:
         body = cost_model(data, source)
+    elif "gpu_machine" in data:
+        body = gpu_cost_model(data, source)
+    elif "latency_4KiB_us" in data:
+        body = gpu_node(data, source)
     elif "busbw_GBps" in data:
         body = gpu(data, source)
     elif "p2p" in data:

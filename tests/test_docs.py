@@ -274,6 +274,42 @@ def test_a_gpu_check_run_puts_staging_against_the_slower_of_its_yardsticks(tmp_p
     assert "slower of two" in text
 
 
+def test_a_gpu_node_run_puts_each_way_against_the_copy_of_its_size(tmp_path):
+    """scripts/gpu_node_bench.py --json (made up: no GPU here): each way's busbw with its
+    ratio to the device copy of the same size, the 4 KiB latencies, samples/s against no
+    communication."""
+    figures = _load(ROOT / "scripts" / "docs_figures.py", "_docs_figures_for_test")
+    run = {"meta": {"ranks": 2, "gpu": "NVIDIA H100"}, "sizes_mib": [1, 64],
+           "busbw_GBps": {"ipc float32": [50.0, 600.0], "staging float32": [1.5, 4.9]},
+           "device_copy_GBps": [500.0, 1500.0], "device_copy_every_rank_GBps": [300.0, 750.0],
+           "latency_4KiB_us": {"ipc": 80.0, "staging": 400.0},
+           "training_samples_per_s": {"no communication": 20000.0,
+                                      "DistributedOptimizer, ipc": 15000.0}}
+    (tmp_path / "gpu-node-2ranks.json").write_text(json.dumps(run))
+    assert figures.main(["--dir", str(tmp_path)]) == 0
+    text = (tmp_path / "gpu-node-2ranks.md").read_text()
+    assert ("| 64 MiB | 600 GB/s (0.4 × copy) | 4.90 GB/s (0.0033 × copy) | 1,500 GB/s "
+            "| 750 GB/s |") in text, text
+    assert "ipc 80.0 µs, staging 400 µs" in text, text
+    assert "| DistributedOptimizer, ipc | 15,000 | 0.75 |" in text, text
+
+
+def test_the_gpu_cost_model_renders_time_busbw_and_where_it_goes(tmp_path):
+    """cost_model.py --gpu --json: time (and busbw from 1 MiB) per way, NCCL's time over ours,
+    and the share of each term of our time."""
+    figures = _load(ROOT / "scripts" / "docs_figures.py", "_docs_figures_for_test")
+    model = _load(ROOT / "scripts" / "cost_model.py", "cost_model")
+    out = tmp_path / "cost-model-gpu.json"
+    model.main(["--gpu", "--json", str(out)])
+    assert figures.main(["--dir", str(tmp_path)]) == 0
+    text = (tmp_path / "cost-model-gpu.md").read_text()
+    data = json.loads(out.read_text())
+    row = next(r for r in data["rows"] if r["nodes"] == 16 and r["size_bytes"] == 64 << 20)
+    assert f"{row['NCCL ring'] / row['ours, CUDA-aware']:.2f} |" in text
+    assert "| 64 MiB | 16 |" in text and "GB/s" in text
+    assert "- 64 MiB on 16 node(s): per call" in text, text
+
+
 def test_a_p2p_run_puts_send_and_recv_beside_mpi_and_gloo(tmp_path):
     """bench_p2p.py's file: one row per method, sizes as columns, our row with its ratios to
     MPI's Send/Recv and gloo's; a run without gloo has no gloo row or ratio."""
