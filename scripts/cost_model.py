@@ -206,7 +206,7 @@ def flags(parser: argparse.ArgumentParser, machine: type) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true", help="the GPU model (GpuMachine)")
-    gpu, rest = parser.parse_known_args(argv)
+    gpu, _ = parser.parse_known_args(argv)
     flags(parser, GpuMachine if gpu.gpu else Machine)
     parser.add_argument("--plot", default=None)
     parser.add_argument("--json", default=None)
