@@ -65,30 +65,32 @@ def allreduce_now(ps: Any, tensor: Any, name: Optional[str], op: Any, postscale:
     try:
         if name is None:
             name = ps.auto_name("allreduce")
-        work = small.work(tensor, name, case, postscale, in_place)
-        return work()
-    except OutOfOrder:
-        handle = ps.engine.reorder(name, work)
+        return small.now(tensor, name, case, postscale, in_place)
+    except OutOfOrder:      # (nothing was written)
+        handle = ps.engine.reorder(name, small.work(tensor, name, case, postscale, in_place))
     finally:
         ps.engine.release_idle()
     return handle.wait()
 
 
-def started(ps: Any, tensor: Any, name: Optional[str], op: Any,
-            postscale: float) -> Optional[Handle]:
+def started(ps: Any, tensor: Any, name: Optional[str], op: Any, postscale: float,
+            automatic: bool = False) -> Optional[Handle]:
     """A small asynchronous in-place allreduce, started: begun on this thread when the set's
     engine is idle and its way `begins` (our part is posted at once, and if every member's is
     there already it completes here: a synchronous call's cost, not a hand-off's; otherwise
     the rest runs first in the queue), else queued whole. None when the call is not small
-    (the general path takes it)."""
+    (the general path takes it). `automatic`: `name` is one of the set's automatic names
+    (the backend's, in call order), unique already, which no caller can take twice."""
     small = ps.transport.small
     case = None if small is None else small.case(tensor, op)
     if case is None:
         return None
-    if small.begins and ps.engine.claim_idle(name):
+    named = not automatic and name is not None
+    if small.begins and ps.engine.claim_idle(name if named else None):
         try:
             name = ps.auto_name("allreduce") if name is None else name
-            handle = ps.engine.begin_now(name, small.begin, tensor, name, case, postscale)
+            handle = ps.engine.begin_now(name, named, small.begin, tensor, name, case,
+                                         postscale)
         finally:
             ps.engine.release_idle()
     else:

@@ -203,8 +203,9 @@ class Engine:
             if driving and me == self._driver:      # (not if a new engine thread took over)
                 self._driver_in_callbacks = outer
 
-    def begin_now(self, name: str, begin: Callable[..., tuple[bool, Any, Callable[[], Any]]],
-                  *args: Any) -> Handle:
+    def begin_now(self, name: str, named: bool,
+                  begin: Callable[..., tuple[bool, Any, Callable[[], Any]]], *args: Any
+                  ) -> Handle:
         """By the holder of an idle claim: start asynchronous collective `name` on this thread
         rather than hand it to the engine thread. `begin(*args)` posts this rank's part without
         waiting and returns (done, value, whole). Done: every member's part was there already,
@@ -214,14 +215,19 @@ class Engine:
         (nothing else may run before it: our part is posted), for the engine thread or a
         waiter; `whole()` runs it from the start (after a reorder). The order is never settled
         on this caller: what the others wait for may be its next submission. Errors, `begin`'s
-        too, reach the caller from `wait()`, as for queued work."""
+        too, reach the caller from `wait()`, as for queued work. `named`: the caller chose the
+        name, which stays taken until waited for (names.py); an automatic one cannot be taken
+        twice, and only frees the name held before it."""
         try:
             done, value, whole = begin(*args)
         except Exception as exc:    # (an interrupt of the caller's thread goes to the caller)
             return Finished(name, None, exc, self)
         if done:
             finished = Finished(name, value, None, self)
-            self.names.hold(finished)       # (before the claim lets go of `inline`)
+            if named:
+                self.names.hold(finished)       # (before the claim lets go of `inline`)
+            else:
+                self.names.last_done = None     # (names.hold's first half)
             return finished
         remaining = [settle_first if value is None else value]
 

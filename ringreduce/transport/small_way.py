@@ -25,9 +25,9 @@ from .stall import StallWatch
 from .way import Way
 
 # Tables: an op -> (name, ReduceOp), as enum .name and ReduceOp(number) are slow; a dtype ->
-# (code, name); and two attribute lookups saved.
+# (code, name, itemsize); and two attribute lookups saved.
 _OPS = {op: (op.name, op) for op in ReduceOp if op != ReduceOp.Adasum}
-_DTYPES = {dtype: (code, NAMES[dtype]) for dtype, code in CODES.items()}
+_DTYPES = {dtype: (code, NAMES[dtype], dtype.itemsize) for dtype, code in CODES.items()}
 _AVERAGE = ReduceOp.Average
 _DIGEST = AllreduceSignature.c_digest    # (the fast path's, without making the object)
 _Tensor, _STRIDED = torch.Tensor, torch.strided
@@ -48,23 +48,69 @@ class SmallWay:
         self._average_divisor = float(size)
 
     def case(self, tensor: Any, op: Any) -> Optional[tuple]:
-        """The op's (name, ReduceOp) and the dtype's (code, name) when the call can take this
-        way: a plain contiguous CPU tensor of at most `limit` bytes and an op other than
-        Adasum; else None."""
+        """The op's (name, ReduceOp), the dtype's (code, name, itemsize) and the tensor's
+        bytes when the call can take this way: a plain contiguous CPU tensor of at most
+        `limit` bytes and an op other than Adasum; else None."""
         op_named = _OPS.get(_AVERAGE if op is None else op)
         if (op_named is None or tensor.__class__ is not _Tensor or not tensor.is_cpu
-                or tensor.layout is not _STRIDED or not tensor.is_contiguous()
-                or tensor.nbytes > self.limit):
+                or tensor.layout is not _STRIDED or not tensor.is_contiguous()):
             return None
+        nbytes = tensor.nbytes
         dtype_named = _DTYPES.get(tensor.dtype)
-        return None if dtype_named is None else (op_named, dtype_named)
+        if dtype_named is None or nbytes > self.limit:
+            return None
+        return op_named, dtype_named, nbytes
 
     def work(self, tensor: torch.Tensor, name: str, case: tuple, postscale: float,
              in_place: bool) -> Callable[[], torch.Tensor]:
-        """The whole collective, to run on the engine or inline."""
-        digest, make_spec = _signed(tensor, name, case, postscale)
-        code, op, allreduce = case[1][0], case[0][1], self.allreduce
-        return lambda: allreduce(tensor, in_place, code, op, postscale, digest, make_spec, name)
+        """The whole collective, to run on the engine (or inline, after the engine settled
+        the members' order)."""
+        return partial(self.now, tensor, name, case, postscale, in_place)
+
+    def now(self, tensor: torch.Tensor, name: str, case: tuple, postscale: float,
+            in_place: bool) -> torch.Tensor:
+        """The whole collective on this thread: `tensor`, or out of place a new tensor
+        (allocated once our data is on its way: the allocation costs as much as a message, and
+        every member would wait for it). Where the way `begins`, an in-place call takes
+        `begin` and `complete`, one call to C where the peers are in step. Flat, as `begin`:
+        the spec only where one is needed."""
+        (op_name, op), (code, dtype, itemsize), nbytes = case
+        shape = tensor.shape
+        digest = _DIGEST(name, op_name, dtype, shape, 1.0, postscale)
+        self._watch.begin(f"allreduce '{name}'")     # (signature.label, without a dict)
+        address, count = tensor.data_ptr(), nbytes // itemsize
+        divisor = self._average_divisor if op is _AVERAGE else 1.0
+        made: Optional[torch.Tensor] = None
+        try:
+            if in_place and self.begins:
+                agreed = self._begin(address, nbytes, count, code, op, divisor, postscale,
+                                     digest)
+                if agreed is None:
+                    agreed = self._complete(address, count, code, op, divisor, postscale)
+                if agreed:
+                    return tensor
+            else:
+                def output() -> int:
+                    nonlocal made
+                    made = torch.empty_like(tensor)
+                    return made.data_ptr()
+
+                if self._exchange(address, address, nbytes, count, code, op, divisor,
+                                  postscale, digest, None if in_place else output):
+                    return tensor if in_place else made
+            self._explain(lambda: _spec(tensor.dtype, op, postscale, digest, name, op_name,
+                                        dtype, shape).describe())
+        except PeersJoined:
+            if not in_place and made is None:
+                made = torch.empty_like(tensor)
+            out = tensor if in_place else made
+            self._after_joins(tensor, out, _spec(tensor.dtype, op, postscale, digest, name,
+                                                 op_name, dtype, shape))
+            return out
+        except BaseException as error:
+            tell_members(self._watch, error)
+            raise
+        raise AssertionError("explain() returned")     # (it raises)
 
     def begin(self, tensor: torch.Tensor, name: str, case: tuple, postscale: float
               ) -> tuple[bool, Any, Callable[[], torch.Tensor]]:
@@ -72,26 +118,22 @@ class SmallWay:
         without waiting, and completed at once if every member's part is there already.
         Returns (done, result or rest, whole) for `Engine.begin_now`; the common case, done,
         makes nothing but the digest (at a few microseconds a call, each object shows)."""
-        (op_name, op), (code, dtype) = case
+        (op_name, op), (code, dtype, itemsize), nbytes = case
         shape = tensor.shape
-        digest = _DIGEST(name, op_name, dtype, shape, 1.0, float(postscale))
+        digest = _DIGEST(name, op_name, dtype, shape, 1.0, postscale)
         self._watch.begin(f"allreduce '{name}'")     # (signature.label, without a dict)
-        address, count = tensor.data_ptr(), tensor.numel()
+        address, count = tensor.data_ptr(), nbytes // itemsize
         divisor = self._average_divisor if op is _AVERAGE else 1.0
         try:
-            agreed = self._begin(address, tensor.nbytes, count, code, op, divisor, postscale,
-                                 digest)
+            agreed = self._begin(address, nbytes, count, code, op, divisor, postscale, digest)
         except BaseException as error:
             tell_members(self._watch, error)
             raise
         if agreed:
             return True, tensor, None
-        make_spec = _spec_maker(tensor, name, case, postscale, digest)
-        allreduce = self.allreduce
-
-        def whole() -> torch.Tensor:
-            return allreduce(tensor, True, code, op, postscale, digest, make_spec, name)
-
+        make_spec = partial(_spec, tensor.dtype, op, postscale, digest, name, op_name, dtype,
+                            shape)
+        whole = partial(self.now, tensor, name, case, postscale, True)
         if agreed is None:          # the peers are still to come: the rest waits for them
             complete = partial(self._complete, address, count, code, op, divisor, postscale)
             return False, partial(self._settled, complete, tensor, make_spec), whole
@@ -114,53 +156,6 @@ class SmallWay:
             tell_members(self._watch, error)
             raise
         return tensor
-
-    def allreduce(self, src: torch.Tensor, in_place: bool, code: int, op: ReduceOp,
-                  postscale: float, digest: int, make_spec: Callable[[], ReduceSpec],
-                  name: str) -> torch.Tensor:
-        """Allreduce `src` (dtype code `code`, its signature digested) through the exchange.
-        Returns `src`, or out of place a new tensor, allocated once our data is on its way (the
-        allocation costs as much as a message, and every member would wait for it)."""
-        self._watch.begin(f"allreduce '{name}'")
-        address = src.data_ptr()
-        made: Optional[torch.Tensor] = None
-        if in_place:
-            output = None
-        else:
-            def output() -> int:
-                nonlocal made
-                made = torch.empty_like(src)
-                return made.data_ptr()
-        try:
-            if not self._exchange(address, address, src.nbytes, src.numel(), code, op,
-                                  self._average_divisor if op is _AVERAGE else 1.0, postscale,
-                                  digest, output):
-                self._explain(lambda: make_spec().describe())
-        except PeersJoined:
-            if not in_place and made is None:
-                made = torch.empty_like(src)
-            self._after_joins(src, src if in_place else made, make_spec())
-        except BaseException as error:
-            tell_members(self._watch, error)
-            raise
-        return src if in_place else made
-
-
-def _signed(tensor: torch.Tensor, name: str, case: tuple,
-            postscale: float) -> tuple[int, Callable[[], ReduceSpec]]:
-    """The call's signature digest, and what makes its ReduceSpec: only where one is needed (a
-    mismatch, a join, a stall report), keeping no reference to the tensor. (A partial, not a
-    closure: it is made on every call, and costs half as much.)"""
-    (op_name, _), (_, dtype) = case
-    digest = _DIGEST(name, op_name, dtype, tensor.shape, 1.0, float(postscale))
-    return digest, _spec_maker(tensor, name, case, postscale, digest)
-
-
-def _spec_maker(tensor: torch.Tensor, name: str, case: tuple, postscale: float,
-                digest: int) -> Callable[[], ReduceSpec]:
-    (op_name, op), (_, dtype) = case
-    return partial(_spec, tensor.dtype, op, postscale, digest, name, op_name, dtype,
-                   tensor.shape)
 
 
 def _spec(torch_dtype: torch.dtype, op: ReduceOp, postscale: float, digest: int, name: str,
