@@ -7,7 +7,8 @@ Run it under MPI, one process per rank, e.g.
         --json out.json --plot out.png      # --plot needs `pip install -e .[bench]`
 
 Options: --models (mlp,cnn,mlp10m; default mlp,cnn), --methods (default below), --steps per
-repetition (20), --warmup steps (3), --reps (3), --batch per rank (32), --lr (0.01),
+repetition (20), --warmup steps (10: DistributedOptimizer's bucket schedule, RINGREDUCE_BUCKET_
+SCHEDULE=auto, is chosen within them), --reps (3), --batch per rank (32), --lr (0.01),
 --json FILE, --plot FILE.png.
 
 Synthetic data: each rank trains on its own fixed pool of random batches (seeded by rank), with
@@ -102,6 +103,7 @@ from mpi4py import MPI  # noqa: E402
 
 from bench_common import (init_torch_distributed, metadata as common_metadata,  # noqa: E402
                           write_results)
+from ringreduce.optim import schedule  # noqa: E402
 from ringreduce.sets.process_sets import global_set  # noqa: E402
 
 COMM = MPI.COMM_WORLD
@@ -115,6 +117,9 @@ MODELS = ["mlp", "cnn", "mlp10m"]
 IMAGE = (3, 64, 64)
 CLASSES = 1000
 MiB = float(1 << 20)
+# Warm-up steps, enough for DistributedOptimizer's bucket schedule to be chosen (auto) before
+# the steps that count, as it is after the first few steps of a real run
+WARM_UP = schedule.WARM_UP_STEPS + 2 * schedule.TRIALS + 2
 
 
 # ---------------------------------------------------------------------------- models
@@ -285,6 +290,17 @@ def per_step_ms(totals: dict[str, float], steps: int) -> dict[str, float]:
     return {k: 1000 * COMM.allreduce(v, op=MPI.MAX) / steps for k, v in totals.items()}
 
 
+def schedule_of(trainer: Trainer) -> dict:
+    """A DistributedOptimizer's bucket schedule (optim/schedule.py): the one it took, and the
+    median step time of each schedule's trials where it measured them (RINGREDUCE_BUCKET_
+    SCHEDULE=auto, within the warm-up)."""
+    schedule = getattr(trainer.opt, "_schedule", None)
+    if schedule is None:
+        return {}
+    return {"schedule": schedule.chosen or ("overlap" if schedule.overlap else "after"),
+            "schedule_trials_ms": {k: 1000 * v for k, v in schedule.measured().items()}}
+
+
 def measure_speed(name: str, methods: list[str], batches, args) -> list[dict]:
     """The timing pass: every method built and warmed up, then their repetitions take turns,
     so that a slow spell of the machine lands on all of them, not on one method's reps. Also
@@ -325,6 +341,7 @@ def measure_speed(name: str, methods: list[str], batches, args) -> list[dict]:
             "train_thread_cpu_ms_per_step": per_step["cpu"],
             "transport_ms_per_step": per_step["xfer"] if transported else None,
             "transport_wait_ms_per_step": per_step["wait"] if transported else None,
+            **schedule_of(trainer),
         })
     del trainers
     release_memory()
@@ -389,7 +406,7 @@ def main() -> None:
     parser.add_argument("--models", default="mlp,cnn")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=WARM_UP)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.01)
@@ -443,6 +460,13 @@ def main() -> None:
                                   if "ringreduce" in base else None)
             if RANK == 0:
                 print(row(r), flush=True)
+        if RANK == 0:
+            for r in rows:
+                if "schedule" in r:
+                    trials = ", ".join(f"{k} {v:.1f} ms" for k, v in
+                                       r["schedule_trials_ms"].items())
+                    print(f"  {r['method']}: bucket schedule {r['schedule']}"
+                          + (f" (trial steps' medians: {trials})" if trials else ""))
         results += rows
 
     if RANK == 0:

@@ -36,6 +36,13 @@ def _parse_gpu_node_way(text: str) -> str:
     return choice
 
 
+def _parse_bucket_schedule(text: str) -> str:
+    choice = text.strip().lower()
+    if choice not in ("auto", "overlap", "inline"):
+        raise ValueError(f"expected auto, overlap or inline, got {text!r}")
+    return choice
+
+
 def parse_bytes(text: str) -> int:
     """Integer byte counts, with optional K/M/G suffix (powers of 1024)."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
@@ -129,6 +136,12 @@ class Settings:
         1 << 20, parse_bytes,
         "DistributedOptimizer: the cap of the first bucket, small so communication starts early "
         "in backward")
+    bucket_schedule: str = _setting(
+        "auto", _parse_bucket_schedule,
+        "DistributedOptimizer: where each bucket is reduced as soon as it fills: overlap: on "
+        "the engine thread, while backward goes on; inline: on the training thread, backward "
+        "pausing for it (quicker where each rank has one busy core); auto: measure both over "
+        "the first steps and keep the quicker, the same on every rank (overlap on GPUs)")
     simulated_nodes: int = _setting(
         0, int,
         "group the ranks into this many simulated nodes (contiguous blocks of ranks) instead of "

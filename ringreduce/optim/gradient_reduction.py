@@ -36,6 +36,7 @@ from ..sets.handles import Handle
 from ..sets.process_sets import active
 from . import sparse_gradients
 from .planning import Planning
+from .schedule import BucketSchedule
 from .submission import Submission
 from .wrapped_optimizer import STEP_AFTER_SYNCHRONIZE, Options, WrappedOptimizer, remove_hooks
 
@@ -79,6 +80,8 @@ class GradientReduction(Planning, Submission, WrappedOptimizer):
         self._first_bucket = settings.first_bucket_bytes if options.first_bucket_bytes is None \
             else options.first_bucket_bytes
         self._views = options.gradient_as_bucket_view
+        self._schedule = BucketSchedule(settings.bucket_schedule, ps.size, ps.rank == 0,
+                                        any(p.is_cuda for _, p in self._named))
         self._broken: Optional[str] = None     # why this step cannot be completed
         self._in_backward = False    # a backward pass reached our hooks and has not finished
         self._stepped_on: Optional[tuple] = None    # see _steps_again
@@ -116,6 +119,7 @@ class GradientReduction(Planning, Submission, WrappedOptimizer):
             self._fresh = False
             self._replan_if_changed()
             self._fresh = False
+            self._schedule.step_began()
 
     def _on_gradient(self, p: torch.Tensor) -> None:
         self._begin_step()
@@ -224,7 +228,8 @@ class GradientReduction(Planning, Submission, WrappedOptimizer):
         sparse = [(n, p) for n, p in self._named if id(p) in seen_sparse] if seen_sparse else []
         self._sparse |= self._found_sparse    # the next step's plan reduces them on their own
         agreement = (self._agreement.submit(self._broken is not None, again,
-                                            [n for n, _ in sparse]) if self._agrees else None)
+                                            [n for n, _ in sparse], self._schedule.vote())
+                     if self._agrees else None)
         failures: list[BaseException] = []
 
         def wait(outcome: Callable[[], Any]) -> Any:
@@ -241,6 +246,8 @@ class GradientReduction(Planning, Submission, WrappedOptimizer):
                 failed_before = len(failures)
                 wait(agreement.wait)
                 agreed = len(failures) == failed_before
+                if agreed:
+                    self._schedule.agreed(self._agreement.schedule())
             if sparse and agreed:
                 for p, handle in sparse_gradients.gather(sparse, self._prefix, self._op,
                                                          self._process_set):
@@ -297,6 +304,7 @@ class GradientReduction(Planning, Submission, WrappedOptimizer):
             self._complete_collectives(again)
         finally:
             self._synchronized = True
+        self._schedule.synchronized(time.perf_counter())
 
     def step(self, closure=None):
         """`closure` (re-evaluates the loss, with backward) runs first, so that its gradients

@@ -1,10 +1,11 @@
 """The step's agreement: a `DistributedOptimizer` step's collective after its buckets (and
 before its sparse gradients' allgathers, which start only once it has passed).
 
-One small allreduce (Max) of three bytes: 1 where this rank's step is broken (an extra backward
-pass), 1 where it steps again on its last step's gradients, 1 where it does not. From it every
-rank learns whether the step is broken, so that every rank skips it, not only the one that
-broke it. A step is broken where some rank's is, and where some ranks step again while others
+One small allreduce (Max) of four bytes: the bucket schedule's choice where this rank makes it
+(schedule.py), 1 where this rank's step is broken (an extra backward pass), 1 where it steps
+again on its last step's gradients, 1 where it does not. From it every rank learns whether the
+step is broken, so that every rank skips it, not only the one that broke it, and the bucket
+schedule that every rank takes from the next step. A step is broken where some rank's is, and where some ranks step again while others
 do not: a second `step()` on one rank pairs its collectives with the others' next step, and
 every later step with another step's (all ranks stepping twice is a step like any other).
 """
@@ -32,11 +33,11 @@ class StepAgreement:
                  parameter_names: Sequence[str]) -> None:
         self._set, self._process_set, self._prefix = members, process_set, prefix
         self.name = f"{prefix}agreement"
-        self._marks = torch.zeros(3, dtype=torch.uint8)
+        self._marks = torch.zeros(4, dtype=torch.uint8)
         self._mark_array = self._marks.numpy()      # element writes: NumPy's are cheap
         self._signature = {"collective": "allreduce", "name": self.name,
                            "parameters": tuple(parameter_names),
-                           "and": ("broken", "again", "not again")}
+                           "and": ("schedule", "broken", "again", "not again")}
         self._spec = self._spec_of(self._signature)
         self._sparse_spec: tuple[tuple, ReduceSpec] = ((), self._spec)   # the last step's
 
@@ -49,20 +50,25 @@ class StepAgreement:
         """A new step: nothing broken."""
         self._marks.zero_()
 
-    def submit(self, broken: bool, again: bool, sparse: Sequence[str] = ()) -> Handle:
+    def submit(self, broken: bool, again: bool, sparse: Sequence[str] = (),
+               schedule: int = 0) -> Handle:
         """Queue the allreduce: this rank's step broken or not, and stepping again on its last
-        step's gradients or not. `sparse` names the parameters whose gradients this rank is
+        step's gradients or not; `schedule`, this rank's vote (schedule.BucketSchedule.vote). `sparse` names the parameters whose gradients this rank is
         about to allgather sparse: a rank that would gather others (sparse_as_dense on some
         ranks only) fails the signature check on every rank, before any gather waits for
         ranks that never submit it."""
         marks = self._mark_array
-        marks[-3], marks[-2], marks[-1] = broken, again, not again
+        marks[-4], marks[-3], marks[-2], marks[-1] = schedule, broken, again, not again
         sparse = tuple(sparse)
         if sparse != self._sparse_spec[0]:      # (the same names step after step: one digest)
             self._sparse_spec = (sparse, self._spec_of({**self._signature, "sparse": sparse})
                                  if sparse else self._spec)
         transport, marks, spec = self._set.transport, self._marks, self._sparse_spec[1]
         return submit((self._set, self.name, lambda: transport.allreduce(marks, marks, spec)))
+
+    def schedule(self) -> int:
+        """Once the allreduce is done: the schedule chosen (0: none this step)."""
+        return int(self._mark_array[-4])
 
     def broken(self) -> bool:
         """Once the allreduce is done: whether some rank's step is broken, or the ranks'

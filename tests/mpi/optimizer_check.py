@@ -367,6 +367,44 @@ def check_overlap():
     assert len(opt._buckets) > 2 and (opt._buckets[1].name, "submitted") in events[:last_grad]
 
 
+def check_bucket_schedules():
+    """Buckets reduced on the engine thread (overlap), on the training thread (inline), or as
+    `auto` chooses after measuring both, also where the ranks differ in it: the same bits on
+    every rank and under every schedule; `auto` ends with one choice on every rank; a mistake
+    on one rank in an inline bucket fails the step on every rank (not backward), and the job
+    trains on."""
+    steps = 12      # past auto's warm-up and trials (optim/schedule.py)
+    mine = {"overlap": "overlap", "inline": "inline", "auto": "auto",
+            "inline on rank 0 alone": "inline" if r == 0 else "overlap"}
+    results = {}
+    for what, setting in mine.items():
+        hvd.shutdown()
+        hvd.init(bucket_schedule=setting)
+        model, opt = train(sgd, steps=steps, **SMALL_BUCKETS)
+        params_equal_across_ranks(model, what)
+        results[what] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        if what == "auto" and n > 1:
+            chosen = MPI.COMM_WORLD.allgather(opt._schedule.chosen)
+            assert chosen[0] in ("overlap", "inline") and len(set(chosen)) == 1, chosen
+    for what, flat in results.items():
+        assert torch.equal(flat, results["overlap"]), f"{what}: other bits than overlap's"
+    hvd.shutdown()
+    hvd.init(bucket_schedule="inline")
+    if n > 1:
+        model = fresh_model()           # the last rank alone unfreezes conv.weight: its
+        model.conv.weight.requires_grad_(False)     # plan (the first bucket's) differs
+        opt = hvd.DistributedOptimizer(sgd(model.parameters()), model.named_parameters(),
+                                       **SMALL_BUCKETS)
+        model.conv.weight.requires_grad_(r == n - 1)
+        x, y = data(0)
+        F.cross_entropy(model(shard(x)), shard(y)).backward()     # (its buckets fail here)
+        expect(hvd.MismatchError, "conv.weight", opt.step)
+        model, _ = train(sgd, steps=2, **SMALL_BUCKETS)
+        params_equal_across_ranks(model, "inline, after a mistake")
+    hvd.shutdown()
+    hvd.init()
+
+
 def check_state_helpers():
     torch.manual_seed(r)            # every rank starts from different weights
     model = Net()
@@ -450,5 +488,5 @@ def check_state_helpers_refuse_a_mistake_on_one_rank():
 run_cases([then_barrier(check) for check in (
     check_equivalence, check_inheritance, check_features, check_unused_and_frozen, check_errors,
     check_groups_leave_the_predivide_factor_out, check_channels_last, check_overlap,
-    check_state_helpers, check_sync_batch_norm)], r)
+    check_bucket_schedules, check_state_helpers, check_sync_batch_norm)], r)
 print(f"OK rank {r}", flush=True)

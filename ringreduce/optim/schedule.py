@@ -1,0 +1,92 @@
+"""Where a DistributedOptimizer's buckets are reduced, each as soon as it fills during
+backward: on the set's engine thread while backward goes on (`overlap`), or on the training
+thread itself, backward pausing for it (`inline`).
+
+Overlap pays where the reduction runs beside backward on a core that would otherwise idle (a
+GPU computes while the host moves bytes; a node with more cores than ranks). Where each rank
+has one busy core, the engine thread takes its time from backward's, and a rank waits in the
+step for buckets its peers reduced late; reducing each bucket inline, its gradients still in
+cache and every rank in step, is then quicker. Which holds depends on the model and the
+machine, so `auto` (the default, RINGREDUCE_BUCKET_SCHEDULE) measures it: after
+`WARM_UP_STEPS`, the steps alternate between the two for `TRIALS` steps each; the time of a
+step is from the end of one synchronize() to the end of the next (forward, backward, the
+reduction, the wrapped step: what a training loop sees). The set's first rank takes `inline`
+only where each of its steps was quicker than each `overlap` step (a difference within the
+steps' own spread keeps the overlap DDP and Horovod users expect), and every rank learns the
+choice from the next step's agreement (step_agreement.py), so all ranks take it from the same
+step. On GPUs `auto` is `overlap`: the device computes while the host reduces. The schedule
+never changes what is reduced, only on which thread: ranks that differ in it still pair their
+buckets by name.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+WARM_UP_STEPS = 2       # a plan's first steps pay allocations and first touches
+TRIALS = 3              # steps measured under each schedule
+
+AUTO, OVERLAP, INLINE = "auto", "overlap", "inline"
+_VOTES = {OVERLAP: 1, INLINE: 2}    # the agreement's byte (0: no vote this step)
+
+
+class BucketSchedule:
+    """One optimizer's schedule. `setting`: auto, overlap or inline (RINGREDUCE_BUCKET_
+    SCHEDULE); `members`: the set's size (of one: nothing to reduce, overlap); `first`:
+    whether this rank decides (the set's first); `on_gpu`: whether it trains on a GPU."""
+
+    def __init__(self, setting: str, members: int, first: bool, on_gpu: bool) -> None:
+        if members == 1 or (on_gpu and setting == AUTO):
+            setting = OVERLAP
+        self.inline = setting == INLINE
+        self._deciding = setting == AUTO
+        self._measures = first and self._deciding
+        self._steps = 0
+        self._last_end: Optional[float] = None
+        self._times: dict[str, list[float]] = {OVERLAP: [], INLINE: []}
+        self._vote = 0
+        self.chosen: Optional[str] = None if self._deciding else setting
+
+    def _trial(self) -> Optional[str]:
+        """The schedule this step tries, while deciding; else None."""
+        trial = self._steps - WARM_UP_STEPS
+        if not self._deciding or not 0 <= trial < 2 * TRIALS:
+            return None
+        return OVERLAP if trial % 2 == 0 else INLINE
+
+    def step_began(self) -> None:
+        """At the step's first gradient (or its synchronize(), if none came)."""
+        trial = self._trial()
+        if trial is not None:
+            self.inline = trial == INLINE
+
+    def synchronized(self, now: float) -> None:
+        """At the end of a synchronize() that completed (`now`, time.perf_counter()): one more
+        step measured."""
+        trial = self._trial()
+        if trial is not None and self._last_end is not None:
+            self._times[trial].append(now - self._last_end)
+            if self._steps - WARM_UP_STEPS == 2 * TRIALS - 1 and self._measures:
+                self._vote = _VOTES[INLINE if self._inline_quicker() else OVERLAP]
+        self._last_end = now
+        self._steps += 1
+
+    def _inline_quicker(self) -> bool:
+        inline, overlap = self._times[INLINE], self._times[OVERLAP]
+        return bool(inline and overlap) and max(inline) < min(overlap)
+
+    def vote(self) -> int:
+        """This rank's byte in the step's agreement: its choice, once (the first rank's)."""
+        vote, self._vote = self._vote, 0
+        return vote
+
+    def agreed(self, vote: int) -> None:
+        """The agreement's byte, the same on every rank: a choice made, taken from now on."""
+        if vote and self._deciding:
+            self.chosen = OVERLAP if vote == _VOTES[OVERLAP] else INLINE
+            self.inline = self.chosen == INLINE
+            self._deciding = self._measures = False
+
+    def measured(self) -> dict[str, float]:
+        """The median step time (seconds) of each schedule's trials so far, for reports."""
+        return {k: statistics.median(v) for k, v in self._times.items() if v}

@@ -1,0 +1,66 @@
+"""DistributedOptimizer's bucket schedule (optim/schedule.py) by itself: the trials, the
+choice and how it is agreed, on step times given here."""
+import pytest
+
+from ringreduce.optim.schedule import TRIALS, WARM_UP_STEPS, BucketSchedule
+
+
+def run_steps(schedule, overlap_ms, inline_ms, steps):
+    """`steps` steps, each as long as its schedule's time; returns the schedule of each."""
+    now, seen = 0.0, []
+    schedule.synchronized(now)          # (the step before: where timing starts)
+    for _ in range(steps):
+        schedule.step_began()
+        seen.append("inline" if schedule.inline else "overlap")
+        now += (inline_ms if schedule.inline else overlap_ms) / 1000
+        schedule.synchronized(now)
+    return seen
+
+
+def test_auto_tries_both_after_the_warm_up_then_the_first_rank_votes():
+    first, other = BucketSchedule("auto", 2, True, False), BucketSchedule("auto", 2, False, False)
+    steps = WARM_UP_STEPS + 2 * TRIALS
+    seen = run_steps(first, 100.0, 90.0, steps - 1)   # (the warm-up's first is not timed)
+    run_steps(other, 100.0, 90.0, steps - 1)
+    assert seen[:WARM_UP_STEPS - 1] == ["overlap"] * (WARM_UP_STEPS - 1)
+    assert seen[WARM_UP_STEPS - 1:] == ["overlap", "inline"] * TRIALS
+    vote = first.vote()
+    assert vote and other.vote() == 0 and first.vote() == 0    # once, by the first rank
+    for schedule in (first, other):
+        schedule.agreed(vote)
+        assert schedule.chosen == "inline" and schedule.inline
+    assert first.measured() == pytest.approx({"overlap": 0.1, "inline": 0.09})
+
+
+def test_inline_only_where_every_inline_step_was_quicker():
+    # overlapping spreads keep overlap; disjoint ones choose inline
+    for times, chosen in (([100, 80, 120], [95, 90, 105]), "overlap"), \
+                         (([100, 101, 102], [95, 96, 99]), "inline"):
+        schedule = BucketSchedule("auto", 2, True, False)
+        now = 0.0
+        schedule.synchronized(now)
+        for _ in range(WARM_UP_STEPS - 1):
+            schedule.step_began()
+            now += 0.1
+            schedule.synchronized(now)
+        overlap, inline = times
+        for a, b in zip(overlap, inline):
+            for ms in (a, b):
+                schedule.step_began()
+                now += ms / 1000
+                schedule.synchronized(now)
+        schedule.agreed(schedule.vote())
+        assert schedule.chosen == chosen, times
+
+
+def test_fixed_settings_one_rank_and_gpus_do_not_measure():
+    for args, chosen, inline in ((("inline", 2, True, False), "inline", True),
+                                 (("overlap", 2, True, False), "overlap", False),
+                                 (("auto", 1, True, False), "overlap", False),
+                                 (("auto", 4, True, True), "overlap", False),
+                                 (("inline", 4, True, True), "inline", True)):
+        schedule = BucketSchedule(*args)
+        assert run_steps(schedule, 100.0, 1.0, 12) == ["inline" if inline else "overlap"] * 12
+        assert schedule.vote() == 0 and schedule.chosen == chosen, args
+        schedule.agreed(1)      # (a vote it did not ask for changes nothing)
+        assert schedule.chosen == chosen
