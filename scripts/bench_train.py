@@ -297,7 +297,8 @@ def schedule_of(trainer: Trainer) -> dict:
     schedule = getattr(trainer.opt, "_schedule", None)
     if schedule is None:
         return {}
-    return {"schedule": schedule.chosen or ("overlap" if schedule.overlap else "after"),
+    taking = "inline" if schedule.inline else "overlap"
+    return {"schedule": schedule.chosen or f"{taking} (still choosing)",
             "schedule_trials_ms": {k: 1000 * v for k, v in schedule.measured().items()}}
 
 

@@ -9,12 +9,15 @@ skips the general path's checks for this case), then the asynchronous call (`all
 `synchronize`, a DistributedOptimizer bucket's way) and torch.distributed's on the "ringreduce"
 backend: the group's own `allreduce([t]).wait()`, then with torch's `AllreduceOptions` made and
 read as `dist.all_reduce` makes them, then `dist.all_reduce(t, async_op=True).wait()` itself
-(what DDP does with a bucket), so the differences show what each layer costs.
+(what DDP does with a bucket), so the differences show what each layer costs. Each line is
+timed twice: back to back (the ranks' calls pipeline) and one call after each barrier (the
+median, as bench_allreduce.py times its rows: a call started with every rank in step).
 Python's garbage collector is paused, so its occasional full collections (tens of milliseconds
 with torch loaded) do not blur the per-call costs. Needs ranks on one node.
 """
 import argparse
 import gc
+import statistics
 import time
 
 import numpy as np
@@ -75,6 +78,9 @@ def main() -> None:
             x, SUM, async_op=True).wait()),
     ]
     gc.disable()
+    if comm.rank == 0:
+        print(f"{'layer':42s} {'back to back':>13} {'after a barrier':>16}  (us per call, the "
+              "slowest rank's)", flush=True)
     for label, call in layers:
         for _ in range(200):
             call()
@@ -83,9 +89,16 @@ def main() -> None:
         for _ in range(args.calls):
             call()
         per_call = (time.perf_counter() - start) / args.calls * 1e6
-        slowest = comm.allreduce(per_call, op=MPI.MAX)
+        single = []
+        for _ in range(args.calls):
+            comm.Barrier()
+            start = time.perf_counter()
+            call()
+            single.append(time.perf_counter() - start)
+        back_to_back = comm.allreduce(per_call, op=MPI.MAX)
+        after_barrier = comm.allreduce(statistics.median(single) * 1e6, op=MPI.MAX)
         if comm.rank == 0:
-            print(f"{label:42s} {slowest:7.1f} us per call", flush=True)
+            print(f"{label:42s} {back_to_back:13.1f} {after_barrier:16.1f}", flush=True)
     gc.enable()
     np.testing.assert_array_equal(src, 0)   # zeros stay zeros: nothing overflowed
     dist.destroy_process_group()

@@ -67,6 +67,7 @@ def test_training_benchmark_reports_every_method_in_sync_with_its_memory_pass(tm
     assert result.returncode == 0, result.output[-4000:]
     rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
     assert list(rows) == ["none", "ringreduce", "ddp_rr_view", "ddp_rr", "ddp"]
+    assert rows["ringreduce"]["schedule"].endswith("(still choosing)")   # (4 steps: too few)
     for method, r in rows.items():
         assert len(r["rep_times_s"]) == 3 and r["time_s"] in r["rep_times_s"], r
         assert r["params_in_sync"] is (None if method == "none" else True), r
