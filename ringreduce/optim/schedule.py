@@ -10,11 +10,10 @@ cache and every rank in step, is then quicker. Which holds depends on the model 
 machine, so `auto` (the default, RINGREDUCE_BUCKET_SCHEDULE) measures it: after
 `WARM_UP_STEPS`, the steps alternate between the two for `TRIALS` steps each; the time of a
 step is from the end of one synchronize() to the end of the next (forward, backward, the
-reduction, the wrapped step: what a training loop sees). The set's first rank takes `inline`
-only where each of its steps was quicker than each `overlap` step (a difference within the
-steps' own spread keeps the overlap DDP and Horovod users expect), and every rank learns the
-choice from the next step's agreement (step_agreement.py), so all ranks take it from the same
-step. On GPUs `auto` is `overlap`: the device computes while the host reduces. The schedule
+reduction, the wrapped step: what a training loop sees). The set's first rank takes the one
+whose steps' median was quicker (`overlap` on a tie: what DDP and Horovod users expect; where
+the two are close, either costs little), and every rank learns the choice from the next step's
+agreement (step_agreement.py), so all ranks take it from the same step. On GPUs `auto` is `overlap`: the device computes while the host reduces. The schedule
 never changes what is reduced, only on which thread: ranks that differ in it still pair their
 buckets by name.
 """
@@ -24,7 +23,7 @@ import statistics
 from typing import Optional
 
 WARM_UP_STEPS = 2       # a plan's first steps pay allocations and first touches
-TRIALS = 3              # steps measured under each schedule
+TRIALS = 4              # steps measured under each schedule
 
 AUTO, OVERLAP, INLINE = "auto", "overlap", "inline"
 _VOTES = {OVERLAP: 1, INLINE: 2}    # the agreement's byte (0: no vote this step)
@@ -73,7 +72,8 @@ class BucketSchedule:
 
     def _inline_quicker(self) -> bool:
         inline, overlap = self._times[INLINE], self._times[OVERLAP]
-        return bool(inline and overlap) and max(inline) < min(overlap)
+        return bool(inline and overlap) and statistics.median(inline) < statistics.median(
+            overlap)
 
     def vote(self) -> int:
         """This rank's byte in the step's agreement: its choice, once (the first rank's)."""
