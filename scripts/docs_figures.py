@@ -390,7 +390,22 @@ def train_tables(data: dict, source: str) -> str:
                  "`× none`) and DDP on gloo (`× DDP gloo`), in the same run; above 1 against "
                  "DDP: faster.")
     return "\n".join([provenance(meta, source), "", yardstick, "", f"**{title}**", "",
-                      table(header, rows + memory), ""])
+                      table(header, rows + memory), ""] + schedules(results, models))
+
+
+def schedules(results: list, models: dict) -> list[str]:
+    """Where each DistributedOptimizer reduced its buckets (optim/schedule.py), as it chose
+    within its warm-up, with its trial steps' medians; nothing for a file without them."""
+    lines = []
+    for r in results:
+        if "schedule" not in r:
+            continue
+        trials = ", ".join(f"{k} {v:.0f} ms" for k, v in r.get("schedule_trials_ms", {}).items())
+        lines.append(f"- {TRAIN_MODELS.get(r['model'], r['model'])}, {TRAIN_METHODS[r['method']]}:"
+                     f" buckets reduced `{r['schedule']}`"
+                     + (f" (its trial steps' medians: {trials})" if trials else ""))
+    return (["Bucket schedules (`RINGREDUCE_BUCKET_SCHEDULE=auto`):", ""] + lines + [""]
+            if lines else [])
 
 
 def view_ratio(speed: dict) -> str:

@@ -34,8 +34,8 @@ class Reductions(GroupBase):
         if len(tensors) == 1 and (opts is None or opts.reduceOp == SUM):
             tensor, op, pre = tensors[0], Sum, 1.0
             if opts is None or getattr(opts, "asyncOp", True):     # (torch >= 2.8 has it)
-                handle = started(ps, tensor, name, Sum, 1.0, True)    # small: it checks
-                # the tensor; the name is automatic
+                # small: `started` checks the tensor; the name is an automatic one
+                handle = started(ps, tensor, name, Sum, 1.0, automatic=True)
                 if handle is not None:
                     return CollectiveWork(handle, tensors)
         else:

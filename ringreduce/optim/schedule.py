@@ -13,9 +13,9 @@ step is from the end of one synchronize() to the end of the next (forward, backw
 reduction, the wrapped step: what a training loop sees). The set's first rank takes the one
 whose steps' median was quicker (`overlap` on a tie: what DDP and Horovod users expect; where
 the two are close, either costs little), and every rank learns the choice from the next step's
-agreement (step_agreement.py), so all ranks take it from the same step. On GPUs `auto` is `overlap`: the device computes while the host reduces. The schedule
-never changes what is reduced, only on which thread: ranks that differ in it still pair their
-buckets by name.
+agreement (step_agreement.py), so all ranks take it from the same step. On GPUs `auto` is
+`overlap`: the device computes while the host reduces. The schedule never changes what is
+reduced, only on which thread: ranks that differ in it still pair their buckets by name.
 """
 from __future__ import annotations
 

@@ -5,9 +5,10 @@ One small allreduce (Max) of four bytes: the bucket schedule's choice where this
 (schedule.py), 1 where this rank's step is broken (an extra backward pass), 1 where it steps
 again on its last step's gradients, 1 where it does not. From it every rank learns whether the
 step is broken, so that every rank skips it, not only the one that broke it, and the bucket
-schedule that every rank takes from the next step. A step is broken where some rank's is, and where some ranks step again while others
-do not: a second `step()` on one rank pairs its collectives with the others' next step, and
-every later step with another step's (all ranks stepping twice is a step like any other).
+schedule that every rank takes from the next step. A step is broken where some rank's is, and
+where some ranks step again while others do not: a second `step()` on one rank pairs its
+collectives with the others' next step, and every later step with another step's (all ranks
+stepping twice is a step like any other).
 """
 from __future__ import annotations
 
@@ -53,10 +54,10 @@ class StepAgreement:
     def submit(self, broken: bool, again: bool, sparse: Sequence[str] = (),
                schedule: int = 0) -> Handle:
         """Queue the allreduce: this rank's step broken or not, and stepping again on its last
-        step's gradients or not; `schedule`, this rank's vote (schedule.BucketSchedule.vote). `sparse` names the parameters whose gradients this rank is
-        about to allgather sparse: a rank that would gather others (sparse_as_dense on some
-        ranks only) fails the signature check on every rank, before any gather waits for
-        ranks that never submit it."""
+        step's gradients or not; `schedule`, this rank's vote (BucketSchedule.vote). `sparse`
+        names the parameters whose gradients this rank is about to allgather sparse: a rank
+        that would gather others (sparse_as_dense on some ranks only) fails the signature
+        check on every rank, before any gather waits for ranks that never submit it."""
         marks = self._mark_array
         marks[-4], marks[-3], marks[-2], marks[-1] = schedule, broken, again, not again
         sparse = tuple(sparse)

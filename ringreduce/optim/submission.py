@@ -47,11 +47,11 @@ class Submission:
             self._next_bucket += 1
 
     def _submit_bucket(self, bucket: fusion.Bucket, work: Callable[[], Any]) -> Handle:
-        """Queue a bucket's reduction. Where the step's first bucket failed its signature check
-        (a MismatchError, which every rank gets for it), the later ones fail without meeting
-        the others: the first bucket carries the whole plan, and plans that differ (a
-        parameter unfrozen on one rank only) may differ in how many buckets they have, where a
-        rank's extra ones would wait for ever."""
+        """Queue a bucket's reduction (under the `inline` schedule, run it here). Where the
+        step's first bucket failed its signature check (a MismatchError, which every rank gets
+        for it), the later ones fail without meeting the others: the first bucket carries the
+        whole plan, and plans that differ (a parameter unfrozen on one rank only) may differ in
+        how many buckets they have, where a rank's extra ones would wait for ever."""
         def guarded() -> Any:
             if self._first_bucket_failed is not None:
                 raise self._first_bucket_failed
@@ -62,11 +62,12 @@ class Submission:
                     self._first_bucket_failed = exc
                 raise
 
-        if self._schedule.inline:
+        if self._schedule.inline:       # (schedule.py): on this thread, now
+            timeline.record(bucket.name, "submitted")
             try:
                 handle: Handle = Finished(bucket.name, run((self._set, bucket.name, guarded)),
                                           None)
-            except Exception as exc:    # (waited for with the others: see _complete_...)
+            except Exception as exc:    # (raised with the others' at synchronize())
                 handle = Finished(bucket.name, None, exc)
         else:
             handle = submit((self._set, bucket.name, guarded))

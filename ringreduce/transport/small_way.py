@@ -73,7 +73,8 @@ class SmallWay:
         (allocated once our data is on its way: the allocation costs as much as a message, and
         every member would wait for it). Where the way `begins`, an in-place call takes
         `begin` and `complete`, one call to C where the peers are in step. Flat, as `begin`:
-        the spec only where one is needed."""
+        the spec only where one is needed. (Its first lines are `begin`'s, written out: a
+        call to share them would cost a tenth of this call's Python.)"""
         (op_name, op), (code, dtype, itemsize), nbytes = case
         shape = tensor.shape
         digest = _DIGEST(name, op_name, dtype, shape, 1.0, postscale)
