@@ -64,24 +64,31 @@ def exact(t, what):
         raise AssertionError(f"{what}: wrong result on rank {world.rank}")
 
 
+def busbw_rows(device, name, allreduce):
+    """`allreduce(t)` (a Sum of t in place) timed at every size, for every dtype: one row of
+    busbw per dtype, named `name dtype`, each result checked."""
+    rows = {}
+    for dtype_name, dtype in DTYPES.items():
+        row = []
+        for mib in SIZES_MIB:
+            t = torch.ones((mib << 20) // dtype.itemsize, dtype=dtype, device=device)
+
+            def once():
+                t.fill_(1)
+                allreduce(t)
+
+            row.append(busbw(mib << 20, best_seconds(once, repeats(mib))))
+            exact(t, f"{name} {dtype_name} {mib} MiB")
+        rows[f"{name} {dtype_name}"] = row
+    return rows
+
+
 def ours(device):
     """Busbw and 4 KiB latency on each of our ways."""
     table, latency = {}, {}
     for way, settings in WAYS.items():
         hvd.init(**settings)
-        for dtype_name, dtype in DTYPES.items():
-            row = []
-            for mib in SIZES_MIB:
-                t = torch.ones(mib << 20 >> (2 if dtype == torch.float32 else 1), dtype=dtype,
-                               device=device)
-
-                def once():
-                    t.fill_(1)
-                    hvd.allreduce_(t, op=hvd.Sum)
-
-                row.append(busbw(mib << 20, best_seconds(once, repeats(mib))))
-                exact(t, f"{way} {dtype_name} {mib} MiB")
-            table[f"{way} {dtype_name}"] = row
+        table.update(busbw_rows(device, way, lambda t: hvd.allreduce_(t, op=hvd.Sum)))
         small = torch.ones(1024, device=device)
         times = []
         for _ in range(220):
@@ -96,22 +103,9 @@ def ours(device):
 
 def gloo(device):
     """torch.distributed's gloo with the same CUDA tensors."""
-    table = {}
     hvd.init()
     group = init_torch_distributed(gloo=True)
-    for dtype_name, dtype in DTYPES.items():
-        row = []
-        for mib in SIZES_MIB:
-            t = torch.ones(mib << 20 >> (2 if dtype == torch.float32 else 1), dtype=dtype,
-                           device=device)
-
-            def once():
-                t.fill_(1)
-                dist.all_reduce(t, group=group)
-
-            row.append(busbw(mib << 20, best_seconds(once, repeats(mib))))
-            exact(t, f"gloo {dtype_name} {mib} MiB")
-        table[f"gloo {dtype_name}"] = row
+    table = busbw_rows(device, "gloo", lambda t: dist.all_reduce(t, group=group))
     dist.destroy_process_group()
     hvd.shutdown()
     return table
