@@ -7,7 +7,7 @@ Run it under MPI, one process per rank, e.g.
         --json out.json --plot out.png      # --plot needs `pip install -e .[bench]`
 
 Options: --models (mlp,cnn,mlp10m; default mlp,cnn), --methods (default below), --steps per
-repetition (20), --warmup steps (10: DistributedOptimizer's bucket schedule, RINGREDUCE_BUCKET_
+repetition (20), --warmup steps (12: DistributedOptimizer's bucket schedule, RINGREDUCE_BUCKET_
 SCHEDULE=auto, is chosen within them), --reps (3), --batch per rank (32), --lr (0.01),
 --json FILE, --plot FILE.png.
 
