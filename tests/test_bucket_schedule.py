@@ -66,3 +66,12 @@ def test_fixed_settings_one_rank_and_gpus_do_not_measure():
         assert schedule.vote() == 0 and schedule.chosen == chosen, args
         schedule.agreed(1)      # (a vote it did not ask for changes nothing)
         assert schedule.chosen == chosen
+
+
+def test_without_a_vote_the_trials_end_in_overlap():
+    """A rank deciding (auto) whose first rank does not (its setting fixed): past the trials it
+    overlaps, rather than keep the last trial's schedule."""
+    schedule = BucketSchedule("auto", 2, False, False)
+    seen = run_steps(schedule, 100.0, 1.0, WARM_UP_STEPS + 2 * TRIALS + 3)
+    assert seen[-3:] == ["overlap"] * 3 and "inline" in seen
+    assert schedule.chosen is None and schedule.vote() == 0

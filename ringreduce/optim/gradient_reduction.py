@@ -245,8 +245,7 @@ class GradientReduction(Planning, Submission, WrappedOptimizer):
             if agreement is not None:
                 failed_before = len(failures)
                 wait(agreement.wait)
-                agreed = len(failures) == failed_before
-                if agreed:
+                if (agreed := len(failures) == failed_before):
                     self._schedule.agreed(self._agreement.schedule())
             if sparse and agreed:
                 for p, handle in sparse_gradients.gather(sparse, self._prefix, self._op,

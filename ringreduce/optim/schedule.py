@@ -54,10 +54,11 @@ class BucketSchedule:
         return OVERLAP if trial % 2 == 0 else INLINE
 
     def step_began(self) -> None:
-        """At the step's first gradient (or its synchronize(), if none came)."""
-        trial = self._trial()
-        if trial is not None:
-            self.inline = trial == INLINE
+        """At the step's first gradient (or its synchronize(), if none came). Past the trials,
+        until a choice comes (none may, where the first rank does not decide: its setting is
+        not auto), `overlap`."""
+        if self._deciding:
+            self.inline = self._trial() == INLINE
 
     def synchronized(self, now: float) -> None:
         """At the end of a synchronize() that completed (`now`, time.perf_counter()): one more
