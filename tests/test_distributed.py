@@ -19,14 +19,15 @@ def needs_test_extra() -> None:
                             "(pip install -e '.[test]')")
 
 
-CASES = ("case_all_reduce", "case_all_reduce_coalesced", "case_coalesced", "case_broadcast",
-         "case_all_gather", "case_calls_keep_nothing_alive", "case_reduce_scatter",
+CASES = ("case_all_reduce", "case_synchronous_all_reduce_work", "case_all_reduce_coalesced",
+         "case_coalesced", "case_broadcast", "case_all_gather", "case_calls_keep_nothing_alive", "case_reduce_scatter",
          "case_all_to_all", "case_strided_inputs", "case_reduce_gather_scatter",
          "case_send_recv", "case_subgroup",
          "case_threads_each_on_a_group_of_its_own", "case_errors", "case_one_rank_errs",
          "case_one_rank_refuses_its_inputs", "case_one_rank_calls_another_kind",
          "case_one_rank_names_another_root", "case_sparse_all_reduce",
-         "case_dtypes_moved_and_bool_reduced", "case_ddp",
+         "case_dtypes_moved_and_bool_reduced", "case_bool_and_complex_in_every_reduction",
+         "case_works_polled_and_their_values", "case_ddp",
          "case_ddp_hooks_that_start_collectives", "case_ddp_hook_raises_on_one_rank",
          "case_ddp_bucket_fails_on_one_rank",
          "case_ddp_join_and_zero", "case_fsdp",

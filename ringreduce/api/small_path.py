@@ -51,16 +51,16 @@ def reduce_later(ps: ActiveSet, tensor: torch.Tensor, name: Optional[str], op: A
 
 
 def allreduce_now(ps: Any, tensor: Any, name: Optional[str], op: Any, postscale: float,
-                  in_place: bool) -> Optional[torch.Tensor]:
+                  in_place: bool, automatic: bool = False) -> Optional[torch.Tensor]:
     """A small synchronous allreduce on the active set `ps`, run at once on this thread when
     the set's engine is idle; None when the call does not take the small way (or the engine is
     busy), and the general path takes it. If the members' next collectives differ, the engine
-    settles their order and this call waits its turn."""
+    settles their order and this call waits its turn. `automatic`: as `started`'s."""
     small = ps.transport.small
     if small is None:
         return None
     case = small.case(tensor, op)
-    if case is None or not ps.engine.claim_idle(name):
+    if case is None or not ps.engine.claim_idle(None if automatic else name):
         return None
     try:
         if name is None:

@@ -5,27 +5,31 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..api.collectives import Average, Sum
 from ..api.compression import Compression
 from ..api.reductions import (allreduce_work, bitwise_allreduce_work, grouped_allreduce_work,
                               reducescatter_work, sparse_allreduce_work)
-from ..api.small_path import reduce_later, reduce_now, started
+from ..api.small_path import allreduce_now, reduce_later, reduce_now, started
 from ..api.work import first, submit
 from ..core.errors import UnsupportedError
 from ..sets.active_set import ActiveSet, refusing
 from .arguments import SUM, all_reducible, bitwise, copy_flat, one, reducible, restored, worked_on
 from .group_base import SEQUENCE, GroupBase
-from .work import FINISHED, CollectiveWork
+from .work import CollectiveWork, done_work
 
 _BOOL = torch.bool
 _SPARSE = torch.sparse_coo
+
+# whether torch's options say if it waits for the Work at once (torch >= 2.8: asyncOp)
+_SAYS_SYNC = hasattr(dist.AllreduceOptions(), "asyncOp")
 
 
 class Reductions(GroupBase):
     """A group's reductions (torch's names, as ProcessGroup declares them)."""
 
-    def allreduce(self, tensors: list, opts: Any = None) -> CollectiveWork:
+    def allreduce(self, tensors: list, opts: Any = None) -> dist.Work:
         """(DDP's every bucket, and small ones cost what this adds to our collective: the
         common case takes the fewest steps.)"""
         ps = self._active("allreduce")
@@ -33,8 +37,13 @@ class Reductions(GroupBase):
         # (ReduceOp == RedOpType: the cheapest test torch's bindings offer)
         if len(tensors) == 1 and (opts is None or opts.reduceOp == SUM):
             tensor, op, pre = tensors[0], Sum, 1.0
-            if opts is None or getattr(opts, "asyncOp", True):     # (torch >= 2.8 has it)
-                # small: `started` checks the tensor; the name is an automatic one
+            # small (the small way's `case` checks the tensor); the name is an automatic one
+            if opts is not None and _SAYS_SYNC and not opts.asyncOp:
+                # dist.all_reduce(t) waits at once: run on this thread when the set's engine
+                # is idle (a handle's queue costs as much as a small allreduce)
+                if allreduce_now(ps, tensor, name, Sum, 1.0, True, True) is not None:
+                    return done_work(name, tensors)
+            else:
                 handle = started(ps, tensor, name, Sum, 1.0, automatic=True)
                 if handle is not None:
                     return CollectiveWork(handle, tensors)
@@ -55,15 +64,13 @@ class Reductions(GroupBase):
             # itself; dist.all_reduce makes a complex tensor real first)
             with refusing(ps, name, "allreduce"):
                 tensor, op = reducible(tensor, op, pre, f"allreduce on rank {self.rank()}")
-        if opts is not None and not getattr(opts, "asyncOp", True):    # (torch >= 2.8 has it)
-            # dist.all_reduce(t) waits at once: the synchronous call runs on this thread when
-            # the set's engine is idle (the handle's queue costs as much as a small allreduce)
+        if opts is not None and _SAYS_SYNC and not opts.asyncOp:
             reduce_now(ps, tensor, name, op, None, pre, 1.0, Compression.none, True,
                        self._process_set)
             if write_back is not None:
                 with torch.no_grad():       # (as the asynchronous Work writes it)
                     write_back(None)
-            return CollectiveWork(FINISHED, tensors)
+            return done_work(name, tensors)
         handle = reduce_later(ps, tensor, name, op, None, pre, 1.0, Compression.none, True,
                               self._process_set)
         return CollectiveWork(handle, tensors, write_back)

@@ -35,6 +35,25 @@ def case_all_reduce():
     against_gloo(lambda g: reduced(strided, SUM, g), "all_reduce transposed")
 
 
+def case_synchronous_all_reduce_work():
+    """The Work of a synchronous all_reduce (the group called with asyncOp False, as
+    dist.all_reduce calls it), small and large: done, its value the tensor, its future's too,
+    and a collective its future's callback starts runs under a name every rank agrees on."""
+    pg = dist.distributed_c10d._get_default_group()
+    for length in (5, 300_000):             # the small way, and the general one
+        what = f"synchronous all_reduce Work of {length} floats"
+        opts = dist.AllreduceOptions()
+        opts.reduceOp, opts.asyncOp = SUM, False
+        mine = torch.full((length,), float(r + 1))
+        work = pg.allreduce([mine], opts)
+        check_equal(mine, torch.full((length,), float(n * (n + 1) // 2)), what)
+        assert work.wait() and work.is_completed() and work.is_success(), f"{what}: not done"
+        assert work.exception() is None and work.result()[0] is mine, f"{what}: its value"
+        chained = work.get_future().then(lambda f: f.value()[0][:1] + reduced(torch.ones(1)))
+        assert work.get_future().wait()[0] is mine, f"{what}: its future's value"
+        check_equal(chained.wait(), mine[:1] + n, f"{what}: a collective chained on it")
+
+
 def case_all_reduce_coalesced():
     def run(group):
         tensors = [rand(5, seed=4), rand(2, 3, seed=5)]
