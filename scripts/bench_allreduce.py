@@ -26,7 +26,10 @@ Methods, each reducing (Sum) a buffer of SIZE bytes on every rank:
               at once), when the job spans nodes (RINGREDUCE_SIMULATED_NODES counts): MPI's
               own allreduce between nodes, of the whole SIZE
     dist_rr   torch.distributed.all_reduce(t, async_op=True).wait() on the "ringreduce" backend
-              (ringreduce.distributed: the default group, our global set), in place
+              (ringreduce.distributed: the default group, our global set), in place: what
+              DDP does with a bucket
+    dist_sync torch.distributed.all_reduce(t) on that backend: the synchronous call a script
+              makes (metrics, a loss)
     gloo      torch.distributed.all_reduce with the gloo backend, over loopback TCP (a gloo
               group of every rank next to that default group), timed while a thread of the
               benchmark wakes every 0.2 ms (bench_common.cores_awake): gloo blocks in the
@@ -52,8 +55,8 @@ Columns (nccl-tests definitions, GB/s = 1e9 bytes/s):
                 comparable across rank counts and to hardware bandwidth
     bus/copy    busbw / the yardstick copy bandwidth of the same size (every rank at once)
     bus/alone   busbw / the fastest copy on rank 0 alone (the memory bandwidth one core gets)
-    xMPI, xMPIx, xgloo  speedup of ours (and dist_rr) over mpi, mpi_x, gloo = their time / our
-                time (>1: ours is faster)
+    xMPI, xMPIx, xgloo  speedup of ours (and dist_rr, dist_sync) over mpi, mpi_x, gloo = their
+                time / our time (>1: ours is faster)
 
 The environment is left alone (e.g. OMP_NUM_THREADS); torch.get_num_threads() is reported.
 """
@@ -80,7 +83,8 @@ from bench_common import (cross_comm, init_torch_distributed,  # noqa: E402
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.rank, COMM.size
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-METHODS = ["ours", "ours_", "bucket", "dist_rr", "set_", "mpi", "mpi_x", "gloo"]
+METHODS = ["ours", "ours_", "bucket", "dist_rr", "dist_sync", "set_", "mpi", "mpi_x",
+           "gloo"]
 # Ranks with the same local rank, one per node (as ringreduce sees nodes, simulated or not):
 # MPI's Allreduce between nodes, the part of a hierarchical allreduce that crosses them.
 CROSS = cross_comm(hvd.local_rank()) if hvd.cross_size() > 1 else None
@@ -143,16 +147,24 @@ def mpi_allreduce(comm):
 GLOO = None    # torch.distributed's gloo group of every rank (bench_common.init_torch_distributed)
 
 
-def prepare_dist_rr(nbytes: int, dtype: torch.dtype):
-    """What DDP does with a bucket: an asynchronous all_reduce on our backend, then wait."""
+def prepare_dist(asynchronous: bool):
+    """An all_reduce on our backend: asynchronous then waited for (what DDP does with a
+    bucket), or synchronous (what a script calls)."""
     import torch.distributed as dist
 
-    t = torch.ones(nbytes // dtype.itemsize, dtype=dtype)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True).wait()
-    assert torch.all(t == NRANKS), "all_reduce on the ringreduce backend returned a wrong sum"
-    t.zero_()
-    return (lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True).wait(),
-            WORLD_BARRIER)
+    def prepare(nbytes: int, dtype: torch.dtype):
+        t = torch.ones(nbytes // dtype.itemsize, dtype=dtype)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True).wait()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        assert torch.all(t == NRANKS * NRANKS), \
+            "all_reduce on the ringreduce backend returned a wrong sum"
+        t.zero_()
+        if asynchronous:
+            return (lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True).wait(),
+                    WORLD_BARRIER)
+        return lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM), WORLD_BARRIER
+
+    return prepare
 
 
 def prepare_gloo(nbytes: int, dtype: torch.dtype):
@@ -255,13 +267,13 @@ def fmt(value, spec: str, width: int) -> str:
     return f"{'n/a' if value is None else format(value, spec):>{width}}"
 
 
-HEADER = (f"{'size':>6} {'dtype':>9} {'method':>7} {'iters':>5} {'time(us)':>11} "
+HEADER = (f"{'size':>6} {'dtype':>9} {'method':>9} {'iters':>5} {'time(us)':>11} "
           f"{'algbw':>8} {'busbw':>8} {'bus/copy':>9} {'bus/alone':>9} {'xMPI':>6} {'xMPIx':>6} "
           f"{'xgloo':>6}")
 
 
 def row(r: dict) -> str:
-    return (f"{r['size']:>6} {r['dtype']:>9} {r['method']:>7} {r['iters']:>5} "
+    return (f"{r['size']:>6} {r['dtype']:>9} {r['method']:>9} {r['iters']:>5} "
             f"{fmt(r['latency_us'], '.1f', 11)} {fmt(r['algbw_GBps'], '.3f', 8)} "
             f"{fmt(r['busbw_GBps'], '.3f', 8)} {fmt(r['busbw_over_copy'], '.3f', 9)} "
             f"{fmt(r['busbw_over_alone'], '.3f', 9)} "
@@ -337,7 +349,8 @@ def main() -> None:
         print(HEADER, flush=True)
 
     bench = {"ours": prepare_ours, "ours_": prepare_ours_inplace, "bucket": prepare_bucket,
-             "dist_rr": None if args.no_dist else prepare_dist_rr,
+             "dist_rr": None if args.no_dist else prepare_dist(asynchronous=True),
+             "dist_sync": None if args.no_dist else prepare_dist(asynchronous=False),
              "set_": prepare_set if PAIR is not None else None, "mpi": mpi_allreduce(COMM),
              "mpi_x": mpi_allreduce(CROSS) if CROSS is not None else None,
              "gloo": None if args.no_gloo else prepare_gloo}
@@ -350,7 +363,7 @@ def main() -> None:
         if RANK == 0:
             for c in copies:
                 mark = "  <- yardstick" if c is best else "  <- alone" if c is alone else ""
-                print(f"{size_label(nbytes):>6} {'-':>9} {c['copy']:>7} {iters:>5} "
+                print(f"{size_label(nbytes):>6} {'-':>9} {c['copy']:>9} {iters:>5} "
                       f"{c['time_s'] * 1e6:>11.1f} {c['bw_GBps']:>8.3f}  ({c['where']}){mark}",
                       flush=True)
         for dtype in dtypes:
@@ -368,7 +381,7 @@ def main() -> None:
                      "algbw_GBps": algbw, "busbw_GBps": busbw,
                      "busbw_over_copy": busbw / best["bw_GBps"] if busbw else None,
                      "busbw_over_alone": busbw / alone["bw_GBps"] if busbw else None}
-                if method.startswith("ours") or method == "dist_rr":
+                if method.startswith("ours") or method.startswith("dist_"):
                     for other in ("mpi", "mpi_x", "gloo"):
                         theirs = times[other]
                         r[f"speedup_vs_{other}"] = theirs / seconds if theirs else None

@@ -60,6 +60,7 @@ ALLREDUCE_METHODS = {
     "ours": "ringreduce `allreduce` (new output tensor)",
     "bucket": "ringreduce, asynchronous (`allreduce_async_` + `synchronize`)",
     "dist_rr": "torch.distributed `all_reduce` on the `\"ringreduce\"` backend (`dist_rr`)",
+    "dist_sync": "the same, synchronous: `dist.all_reduce(t)` (`dist_sync`)",
     "set_": "ringreduce `allreduce_` on a 2-rank process set inside the job",
     "mpi": "MPI `Allreduce`",
     "mpi_x": "MPI `Allreduce` between nodes only (`mpi_x`)",
@@ -67,7 +68,7 @@ ALLREDUCE_METHODS = {
 }
 # The rows of the torch.distributed section: the backend, what it runs on (our asynchronous
 # path, as DDP's buckets take it, and the synchronous one), and the yardsticks.
-DIST_ALLREDUCE_METHODS = ("dist_rr", "bucket", "ours_", "mpi", "gloo")
+DIST_ALLREDUCE_METHODS = ("dist_rr", "dist_sync", "bucket", "ours_", "mpi", "gloo")
 TRAIN_METHODS = {
     "none": "no communication (ceiling)",
     "ringreduce": "ringreduce `DistributedOptimizer`",

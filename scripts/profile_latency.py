@@ -9,7 +9,9 @@ skips the general path's checks for this case), then the asynchronous call (`all
 `synchronize`, a DistributedOptimizer bucket's way) and torch.distributed's on the "ringreduce"
 backend: the group's own `allreduce([t]).wait()`, then with torch's `AllreduceOptions` made and
 read as `dist.all_reduce` makes them, then `dist.all_reduce(t, async_op=True).wait()` itself
-(what DDP does with a bucket), so the differences show what each layer costs. Each line is
+(what DDP does with a bucket); last the synchronous call (`dist.all_reduce(t)`, what a script
+calls), the group's with torch's options and then torch's own, so the differences show what
+each layer costs. Each line is
 timed twice: back to back (the ranks' calls pipeline) and one call after each barrier (the
 median, as bench_allreduce.py times its rows: a call started with every rank in step).
 Python's garbage collector is paused, so its occasional full collections (tens of milliseconds
@@ -55,10 +57,13 @@ def main() -> None:
     ringreduce.distributed.init_process_group()
     group, SUM = dist.group.WORLD, dist.ReduceOp.SUM
 
-    def with_torch_options():
-        options = dist.AllreduceOptions()
-        options.reduceOp, options.asyncOp = SUM, True
-        return group.allreduce([x], options).wait()
+    def with_torch_options(asynchronous: bool):
+        def call():
+            options = dist.AllreduceOptions()
+            options.reduceOp, options.asyncOp = SUM, asynchronous
+            return group.allreduce([x], options).wait()
+
+        return call
 
     layers = [
         ("MPI Allreduce (mpi4py)", lambda: comm.Allreduce(src, dst)),
@@ -73,13 +78,15 @@ def main() -> None:
         ("allreduce_async_ + synchronize", lambda: hvd.synchronize(
             hvd.allreduce_async_(x, op=hvd.Sum))),
         ("backend: group.allreduce([t]).wait()", lambda: group.allreduce([x]).wait()),
-        ("+ torch's AllreduceOptions", with_torch_options),
+        ("+ torch's AllreduceOptions", with_torch_options(True)),
         ("dist.all_reduce(t, async_op=True).wait()", lambda: dist.all_reduce(
             x, SUM, async_op=True).wait()),
+        ("backend, synchronous: options, allreduce", with_torch_options(False)),
+        ("dist.all_reduce(t) (synchronous)", lambda: dist.all_reduce(x, SUM)),
     ]
     gc.disable()
     if comm.rank == 0:
-        print(f"{'layer':42s} {'back to back':>13} {'after a barrier':>16}  (us per call, the "
+        print(f"{'layer':44s} {'back to back':>13} {'after a barrier':>16}  (us per call, the "
               "slowest rank's)", flush=True)
     for label, call in layers:
         for _ in range(200):
@@ -98,7 +105,7 @@ def main() -> None:
         back_to_back = comm.allreduce(per_call, op=MPI.MAX)
         after_barrier = comm.allreduce(statistics.median(single) * 1e6, op=MPI.MAX)
         if comm.rank == 0:
-            print(f"{label:42s} {back_to_back:13.1f} {after_barrier:16.1f}", flush=True)
+            print(f"{label:44s} {back_to_back:13.1f} {after_barrier:16.1f}", flush=True)
     gc.enable()
     np.testing.assert_array_equal(src, 0)   # zeros stay zeros: nothing overflowed
     dist.destroy_process_group()

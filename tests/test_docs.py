@@ -156,7 +156,7 @@ def test_figures_show_the_run_and_the_torch_distributed_rows(tmp_path):
     bucket views) beside gloo."""
     figures = _load(ROOT / "scripts" / "docs_figures.py", "_docs_figures_for_test")
     (tmp_path / "allreduce-2ranks.json").write_text(json.dumps(
-        _allreduce_run(["ours_", "ours", "bucket", "dist_rr", "mpi", "gloo"])))
+        _allreduce_run(["ours_", "ours", "bucket", "dist_rr", "dist_sync", "mpi", "gloo"])))
     (tmp_path / "train-2ranks.json").write_text(json.dumps(
         _train_run(["none", "ringreduce", "ddp_rr_view", "ddp_rr", "ddp"])))
     readme = tmp_path / "README.md"
@@ -172,6 +172,7 @@ def test_figures_show_the_run_and_the_torch_distributed_rows(tmp_path):
         assert "[start:tables]" in text and "[start:dist]" in text
     dist = allreduce.split("[start:dist]")[1]
     assert "`\"ringreduce\"` backend (`dist_rr`)" in dist and "× faster than gloo" in dist
+    assert "synchronous: `dist.all_reduce(t)` (`dist_sync`)" in dist
     dist = train.split("[start:dist]")[1]
     assert "DDP on `\"ringreduce\"`" in dist and "DDP on gloo" in dist
     assert "| MLP 23.5M (`mlp`) | 110 | 130 | 140 | 0.93 × | 1.18 × | 120 | 1.09 × |" in dist
