@@ -9,7 +9,7 @@ import torch
 import ringreduce as hvd
 from ringreduce.core import config
 from ringreduce.distributed import failed_future, point_to_point
-from ringreduce.optim import wrapped_optimizer
+from ringreduce.optim import fusion, wrapped_optimizer
 
 
 @pytest.mark.parametrize("count, groups, lengths", [(6, 4, [2, 2, 1, 1]), (7, 3, [3, 2, 2]),
@@ -149,3 +149,20 @@ def test_a_send_header_names_every_torch_dtype_apart():
     assert point_to_point._fits(header, torch.empty(3, 2, dtype=torch.float8_e4m3fnuz))
     assert not point_to_point._fits(header, torch.empty(6, dtype=torch.uint8))
     assert not point_to_point._fits(header, torch.empty(5, dtype=torch.float8_e4m3fnuz))
+
+
+def test_a_large_gradient_is_reduced_alone_where_it_lies():
+    """fusion.plan: a gradient of ALONE_BYTES or more has a bucket of its own, without a
+    buffer, between fused buckets of small ones; not where it would not be reduced where it
+    lies (compressed to another dtype, not contiguous, or no direct buckets wanted)."""
+    large = fusion.ALONE_BYTES // 4
+    params = [("a", torch.zeros(3)), ("big", torch.zeros(large)), ("b", torch.zeros(5)),
+              ("c", torch.zeros(7)), ("wide", torch.zeros(2, large).t()), ("d", torch.zeros(2))]
+    buckets = fusion.plan(params, threshold=16 << 20, first_bucket=1 << 10)
+    assert [(b.names, b.direct) for b in buckets] == [
+        (["d"], True), (["wide", "c", "b"], False), (["big"], True), (["a"], True)]
+    assert buckets[2].buffer.numel() == 0 and buckets[2].views == []
+    half = fusion.plan(params, 16 << 20, 1 << 10, wire_dtype=lambda dtype: torch.float16)
+    assert ["big"] not in [b.names for b in half]
+    buffered = fusion.plan(params, 16 << 20, 1 << 10, direct=False)
+    assert ["big"] not in [b.names for b in buffered] and not any(b.direct for b in buffered)

@@ -2,8 +2,12 @@
 
 Parameters are taken in reverse registration order (roughly the order backward produces their
 gradients), one dtype per bucket, each bucket capped by a byte threshold, the first one
-smaller so that communication starts early. Every buffer and every per-parameter view into it
-is made once here; steps reuse them, so the hot path allocates nothing.
+smaller so that communication starts early. A gradient of `ALONE_BYTES` or more that can be
+reduced where it lies (on the CPU, uncompressed) has a bucket of its own, without a buffer:
+fused, it would cost two copies of itself a step (packed, unpacked) and as much memory again,
+to save one call whose fixed cost (tens of microseconds) is a small part of moving a MiB.
+Every buffer and every per-parameter view into it is made once here; steps reuse them, so the
+hot path allocates nothing.
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ import torch
 
 from ..kernels.buffers import dtype_name
 from ..transport.signature import with_device
+
+ALONE_BYTES = 1 << 20   # a gradient this large is reduced alone, in place (see above)
 
 
 @dataclass
@@ -74,7 +80,8 @@ def plan(named: Sequence[tuple[str, torch.Tensor]], threshold: int, first_bucket
 
     `wire_dtype(dtype)` gives the buffer dtype for a parameter dtype (for compression);
     `explicit_groups` (lists of parameters) each become one bucket, before the rest; bucket
-    names start with `prefix`; `direct=False` gives every bucket a buffer.
+    names start with `prefix`; `direct=False` gives every bucket a buffer (and no gradient
+    a bucket of its own for its size, ALONE_BYTES).
     """
     wire = wire_dtype or (lambda dtype: dtype)
     trainable = list(named)
@@ -93,10 +100,15 @@ def plan(named: Sequence[tuple[str, torch.Tensor]], threshold: int, first_bucket
     for n, p in reversed(trainable):
         nbytes = p.numel() * wire(p.dtype).itemsize
         cap = first_bucket if not groups else threshold
-        if current and (wire(p.dtype) != wire(current[0][1].dtype) or current_bytes + nbytes > cap
+        alone = direct and nbytes >= ALONE_BYTES and _reduced_in_place(p, wire)
+        if current and (alone or wire(p.dtype) != wire(current[0][1].dtype)
+                        or current_bytes + nbytes > cap
                         or p.device != current[0][1].device):   # one device per bucket
             groups.append(current)
             current, current_bytes = [], 0
+        if alone:
+            groups.append([(n, p)])
+            continue
         current.append((n, p))
         current_bytes += nbytes
     if current:
@@ -104,6 +116,12 @@ def plan(named: Sequence[tuple[str, torch.Tensor]], threshold: int, first_bucket
     if not groups:
         return [_empty_bucket(prefix)]
     return [_make_bucket(i, group, wire, prefix, direct) for i, group in enumerate(groups)]
+
+
+def _reduced_in_place(p: torch.Tensor, wire) -> bool:
+    """Whether a parameter alone in its bucket is reduced in its gradient (Bucket.gradient):
+    on the CPU, contiguous, its dtype on the wire."""
+    return p.device.type == "cpu" and p.is_contiguous() and wire(p.dtype) == p.dtype
 
 
 def _empty_bucket(prefix: str) -> Bucket:

@@ -12,6 +12,7 @@ from checks import expect, run_cases, then_barrier
 from models import Net
 from sync_bn_check import check_sync_batch_norm
 from ringreduce.core import timeline
+from ringreduce.optim import fusion
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -113,6 +114,39 @@ def check_equivalence():
                 assert all(torch.equal(p, q) for p, q in
                            zip(model.parameters(), reference.parameters())), what
             assert_close(model, reference, what)
+
+
+def check_large_gradients_alone():
+    """A gradient of fusion.ALONE_BYTES or more has a bucket of its own, reduced in place in
+    the gradient (no buffer), between fused buckets of small ones: training goes as in one
+    process, with views of buckets and with accumulated passes too, the same bits on every
+    rank, and the gradient is the tensor autograd made. (The limit lowered, so that this small
+    model's two weights are large.)"""
+    saved, fusion.ALONE_BYTES = fusion.ALONE_BYTES, 1024
+    try:
+        for name, make in (("sgd", sgd), ("adam", adam)):
+            for extra in ({}, dict(gradient_as_bucket_view=True), dict(passes=2)):
+                model, opt = train(make, **extra)
+                what = f"large gradients alone, {name} {extra}"
+                if n > 1:       # (alone, nothing is reduced: no buckets)
+                    alone = [b.names for b in opt._buckets if b.direct]
+                    fused = [b.names for b in opt._buckets if not b.direct]
+                    assert ["fc1.weight"] in alone and ["fc2.weight"] in alone, (what, alone)
+                    assert fused == [["conv.bias", "conv.weight"]], (what, fused)
+                params_equal_across_ranks(model, what)
+                reference, _ = train(make, distributed=False, passes=extra.get("passes", 1))
+                assert_close(model, reference, what)
+        model = fresh_model()
+        opt = hvd.DistributedOptimizer(sgd(model.parameters()), model.named_parameters())
+        x, y = data(0)
+        F.cross_entropy(model(shard(x)), shard(y)).backward()
+        made = model.fc1.weight.grad
+        opt.synchronize()
+        assert model.fc1.weight.grad is made, "the gradient reduced alone was replaced"
+        with opt.skip_synchronize():
+            opt.step()
+    finally:
+        fusion.ALONE_BYTES = saved
 
 
 class CountingSGD(torch.optim.SGD):
@@ -486,7 +520,7 @@ def check_state_helpers_refuse_a_mistake_on_one_rank():
 
 
 run_cases([then_barrier(check) for check in (
-    check_equivalence, check_inheritance, check_features, check_unused_and_frozen, check_errors,
+    check_equivalence, check_large_gradients_alone, check_inheritance, check_features, check_unused_and_frozen, check_errors,
     check_groups_leave_the_predivide_factor_out, check_channels_last, check_overlap,
     check_bucket_schedules, check_state_helpers, check_sync_batch_norm)], r)
 print(f"OK rank {r}", flush=True)
