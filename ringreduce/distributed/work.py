@@ -26,7 +26,6 @@ _FUTURES = threading.Lock()     # a work's future is made once
 _WORK_INIT = dist.Work.__init__
 
 
-
 class CollectiveFuture(Future):
     """The future of a collective's Work (`get_future()`). Callbacks given to `then()` or
     `add_done_callback()`, and to the futures `then()` returns, run as the collective's

@@ -520,7 +520,8 @@ def check_state_helpers_refuse_a_mistake_on_one_rank():
 
 
 run_cases([then_barrier(check) for check in (
-    check_equivalence, check_large_gradients_alone, check_inheritance, check_features, check_unused_and_frozen, check_errors,
+    check_equivalence, check_large_gradients_alone, check_inheritance, check_features,
+    check_unused_and_frozen, check_errors,
     check_groups_leave_the_predivide_factor_out, check_channels_last, check_overlap,
     check_bucket_schedules, check_state_helpers, check_sync_batch_norm)], r)
 print(f"OK rank {r}", flush=True)
