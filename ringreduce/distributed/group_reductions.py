@@ -34,13 +34,14 @@ class Reductions(GroupBase):
         common case takes the fewest steps.)"""
         ps = self._active("allreduce")
         name = ps.call_order_name(SEQUENCE)
+        # dist.all_reduce(t) waits at once: it runs on this thread when the set's engine is
+        # idle (a handle's queue costs as much as a small allreduce)
+        synchronous = opts is not None and _SAYS_SYNC and not opts.asyncOp
         # (ReduceOp == RedOpType: the cheapest test torch's bindings offer)
         if len(tensors) == 1 and (opts is None or opts.reduceOp == SUM):
             tensor, op, pre = tensors[0], Sum, 1.0
             # small (the small way's `case` checks the tensor); the name is an automatic one
-            if opts is not None and _SAYS_SYNC and not opts.asyncOp:
-                # dist.all_reduce(t) waits at once: run on this thread when the set's engine
-                # is idle (a handle's queue costs as much as a small allreduce)
+            if synchronous:
                 if allreduce_now(ps, tensor, name, Sum, 1.0, True, True) is not None:
                     return done_work(name, tensors)
             else:
@@ -64,7 +65,7 @@ class Reductions(GroupBase):
             # itself; dist.all_reduce makes a complex tensor real first)
             with refusing(ps, name, "allreduce"):
                 tensor, op = reducible(tensor, op, pre, f"allreduce on rank {self.rank()}")
-        if opts is not None and _SAYS_SYNC and not opts.asyncOp:
+        if synchronous:
             reduce_now(ps, tensor, name, op, None, pre, 1.0, Compression.none, True,
                        self._process_set)
             if write_back is not None:

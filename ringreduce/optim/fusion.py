@@ -100,7 +100,8 @@ def plan(named: Sequence[tuple[str, torch.Tensor]], threshold: int, first_bucket
     for n, p in reversed(trainable):
         nbytes = p.numel() * wire(p.dtype).itemsize
         cap = first_bucket if not groups else threshold
-        alone = direct and nbytes >= ALONE_BYTES and _reduced_in_place(p, wire)
+        alone = (direct and nbytes >= ALONE_BYTES and p.is_contiguous()
+                 and _reduced_in_place(p, wire))
         if current and (alone or wire(p.dtype) != wire(current[0][1].dtype)
                         or current_bytes + nbytes > cap
                         or p.device != current[0][1].device):   # one device per bucket
@@ -120,8 +121,9 @@ def plan(named: Sequence[tuple[str, torch.Tensor]], threshold: int, first_bucket
 
 def _reduced_in_place(p: torch.Tensor, wire) -> bool:
     """Whether a parameter alone in its bucket is reduced in its gradient (Bucket.gradient):
-    on the CPU, contiguous, its dtype on the wire."""
-    return p.device.type == "cpu" and p.is_contiguous() and wire(p.dtype) == p.dtype
+    on the CPU, its dtype on the wire. (A large one is given a bucket of its own only where it
+    is contiguous too: its gradient made contiguous every step would cost the copy saved.)"""
+    return p.device.type == "cpu" and wire(p.dtype) == p.dtype
 
 
 def _empty_bucket(prefix: str) -> Bucket:
@@ -147,7 +149,7 @@ def _make_bucket(index: int, members: list[tuple[str, torch.Tensor]], wire, pref
                              "dtype": dtype_name(dtype),    # the parameters
                              "shape": (total,)}, device.type == "cuda")
     params = [p for _, p in members]
-    if direct and len(members) == 1 and device.type == "cpu" and dtype == params[0].dtype:
+    if direct and len(members) == 1 and _reduced_in_place(params[0], wire):
         return Bucket(index, names, params, torch.empty(0, dtype=dtype), [], signature,
                       direct=True)
     buffer = torch.zeros(total, dtype=dtype, device=device)

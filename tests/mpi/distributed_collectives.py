@@ -38,7 +38,9 @@ def case_all_reduce():
 def case_synchronous_all_reduce_work():
     """The Work of a synchronous all_reduce (the group called with asyncOp False, as
     dist.all_reduce calls it), small and large: done, its value the tensor, its future's too,
-    and a collective its future's callback starts runs under a name every rank agrees on."""
+    and a collective its future's callback starts runs under a name every rank agrees on; one
+    rank calling synchronously where the others do not, or with its engine busy, pairs with
+    their calls."""
     pg = dist.distributed_c10d._get_default_group()
     for length in (5, 300_000):             # the small way, and the general one
         what = f"synchronous all_reduce Work of {length} floats"
@@ -52,6 +54,22 @@ def case_synchronous_all_reduce_work():
         chained = work.get_future().then(lambda f: f.value()[0][:1] + reduced(torch.ones(1)))
         assert work.get_future().wait()[0] is mine, f"{what}: its future's value"
         check_equal(chained.wait(), mine[:1] + n, f"{what}: a collective chained on it")
+    # The ranks' calls on different paths: rank 0 alone synchronous, the others asynchronous;
+    # then rank 0 alone with a large allreduce still queued, so that its small synchronous
+    # call waits for the engine where the others' run at once.
+    small = torch.full((5,), float(r + 1))
+    work = dist.all_reduce(small, async_op=r != 0)
+    if r != 0:
+        work.wait()
+    total = float(n * (n + 1) // 2)
+    check_equal(small, torch.full((5,), total), "all_reduce, synchronous on rank 0 alone")
+    large = torch.full((300_000,), float(r + 1))
+    pending = dist.all_reduce(large, async_op=r == 0)
+    dist.all_reduce(small)
+    if r == 0:
+        pending.wait()
+    check_equal(large, torch.full((300_000,), total), "all_reduce, queued on rank 0 alone")
+    check_equal(small, torch.full((5,), total * n), "all_reduce after it, synchronous")
 
 
 def case_all_reduce_coalesced():

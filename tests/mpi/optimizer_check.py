@@ -120,8 +120,9 @@ def check_large_gradients_alone():
     """A gradient of fusion.ALONE_BYTES or more has a bucket of its own, reduced in place in
     the gradient (no buffer), between fused buckets of small ones: training goes as in one
     process, with views of buckets and with accumulated passes too, the same bits on every
-    rank, and the gradient is the tensor autograd made. (The limit lowered, so that this small
-    model's two weights are large.)"""
+    rank, and the gradient is the tensor autograd made; a rank whose large weight is laid out
+    otherwise (fused there) gets a MismatchError on every rank as it wraps, and the job trains
+    on. (The limit lowered, so that this small model's two weights are large.)"""
     saved, fusion.ALONE_BYTES = fusion.ALONE_BYTES, 1024
     try:
         for name, make in (("sgd", sgd), ("adam", adam)):
@@ -145,6 +146,14 @@ def check_large_gradients_alone():
         assert model.fc1.weight.grad is made, "the gradient reduced alone was replaced"
         with opt.skip_synchronize():
             opt.step()
+        if n > 1:       # the last rank's fc1.weight laid out otherwise: fused there alone
+            model = fresh_model()
+            if r == n - 1:
+                model.fc1.weight = nn.Parameter(model.fc1.weight.detach().t().contiguous().t())
+            expect(hvd.MismatchError, ["'large, reduced alone' differs", "'fc1.weight' only on"],
+                   hvd.DistributedOptimizer, sgd(model.parameters()), model.named_parameters())
+            model, _ = train(sgd, steps=2)
+            params_equal_across_ranks(model, "large gradients alone, after a mistake")
     finally:
         fusion.ALONE_BYTES = saved
 
