@@ -5,6 +5,8 @@ import functools
 import threading
 import time
 
+import pytest
+
 from ringreduce.core import thread_places
 from ringreduce.transport.auto_names import AutoNames, threads_named, unnamed
 from ringreduce.core.thread_places import internal, place, fix_place
@@ -77,6 +79,39 @@ def test_an_elder_sibling_that_never_calls_is_passed_over_and_marked(monkeypatch
     release.set()
     idle.join()
     assert places[caller].endswith("worker#0?")
+
+
+def test_a_sibling_starting_while_an_elder_fixes_its_place_keeps_its_own(monkeypatch):
+    """The younger thread is held where it has an ident but has not yet said it started
+    (is_alive() False) while the elder fixes its place: it is still starting, not ended, so it
+    keeps its place in the list and then fixes its own (it once raised ValueError there)."""
+    hook = "_set_native_id"     # (CPython: between _set_ident and _started.set())
+    if not hasattr(threading.Thread, hook):
+        pytest.skip(f"threading.Thread has no {hook} here")
+    places, in_window, elder_done = {}, threading.Event(), threading.Event()
+    real = getattr(threading.Thread, hook)
+
+    def held(self):
+        if self is younger:
+            in_window.set()
+            assert elder_done.wait(10)
+        real(self)
+
+    def worker(first):
+        if first:
+            assert in_window.wait(10)
+            fix_place(0)
+            places["elder"] = place(threading.current_thread())
+            elder_done.set()
+        else:
+            fix_place(0)
+            places["younger"] = place(threading.current_thread())
+
+    monkeypatch.setattr(threading.Thread, hook, held)
+    elder, younger = (threading.Thread(target=worker, args=(f,)) for f in (True, False))
+    run_all([elder, younger])
+    prefix = "test_a_sibling_starting_while_an_elder_fixes_its_place_keeps_its_own.worker"
+    assert places == {"elder": f"{prefix}#0", "younger": f"{prefix}#1"}
 
 
 def test_below_another_thread_internal_threads_and_what_a_thread_runs():

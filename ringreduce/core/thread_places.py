@@ -37,6 +37,7 @@ _STARTED = "_ringreduce_started"    # set by the start: (its _Family, what it ru
 _CHILDREN = "_ringreduce_children"  # of its start order); a parent's _Family per function
 _PLACE = "_ringreduce_place"        # set when fixed: its place ...
 _HOME = "_ringreduce_home"          # ... and its home set
+_LAUNCHED = "_ringreduce_launched"  # set once its start() returned (see _pending)
 _FIXING = threading.Condition()
 _fixed = threading.local()          # .done on a thread whose place is fixed
 log = logging.getLogger("ringreduce")
@@ -95,8 +96,12 @@ class _Family:
 
 
 def _pending(thread: threading.Thread) -> bool:
-    """Place not fixed yet, and not ended (one not yet running is pending)."""
-    return _HOME not in thread.__dict__ and (thread.ident is None or thread.is_alive())
+    """Place not fixed yet, and not ended. Until its start() returns a thread is pending:
+    is_alive() is False there too, from before the thread runs until it says it started (its
+    ident already set), and such a thread taken for ended left the list early."""
+    if _HOME in thread.__dict__:
+        return False
+    return not thread.__dict__.get(_LAUNCHED) or thread.is_alive()
 
 
 def _placed(start: Any) -> Any:
@@ -114,12 +119,13 @@ def _placed(start: Any) -> Any:
         path = None if above is None else (f"{above}/" if above else "") + f"{what}#{k}"
         self.__dict__[_STARTED] = (family, what, path)
         try:
-            return start(self)
+            start(self)
         except BaseException:
             with _FIXING:
                 family.rest.remove(self)
                 _FIXING.notify_all()
             raise
+        self.__dict__[_LAUNCHED] = True
 
     placing_start.ringreduce_places = True      # (wrapped once, whatever imports it again)
     return placing_start
