@@ -19,7 +19,7 @@ def needs_test_extra() -> None:
                             "(pip install -e '.[test]')")
 
 
-CASES = ("case_all_reduce", "case_synchronous_all_reduce_work", "case_all_reduce_coalesced",
+CASES = ("case_all_reduce", "case_synchronous_all_reduce", "case_all_reduce_coalesced",
          "case_coalesced", "case_broadcast", "case_all_gather", "case_calls_keep_nothing_alive",
          "case_reduce_scatter",
          "case_all_to_all", "case_strided_inputs", "case_reduce_gather_scatter",

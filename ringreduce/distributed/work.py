@@ -5,8 +5,8 @@ queue on the caller's thread when the engine is idle, as `synchronize()` does), 
 the result into torch's output tensors where the collective does not write them in place;
 `get_future()` is completed from the handle's done-callback (`Future.set_result`, or
 with our error: failed_future.fail), so DDP's reducer and FSDP chain on it; Python callbacks
-chained on it run as the collective's (`CollectiveFuture`). `DoneWork` is the Work of a
-collective that already ran on the caller's thread (a synchronous all_reduce).
+chained on it run as the collective's (`CollectiveFuture`). (A synchronous all_reduce
+returns no Work: it ran to its end on the caller's thread, group_reductions.py.)
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from ..gpu import cuda
-from ..sets.handles import Finished, Handle
+from ..sets.handles import Handle
 from ..sets.lineage import children_end, children_of
 from .failed_future import fail
 
@@ -169,40 +169,3 @@ class CollectiveWork(dist.Work):
     def result(self) -> list:
         self._settle()
         return self._value
-
-
-class DoneWork(dist.Work):
-    """The Work of a collective that already ran on the caller's thread (a synchronous
-    all_reduce, which torch waits for at once): made with torch's own constructor alone, as
-    one is made every call (`done_work`); a future, where one is asked for, is that of a
-    finished collective of the call's name."""
-
-    __slots__ = ("_name", "_value", "_work")
-
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self) -> Optional[BaseException]:
-        return None
-
-    def result(self) -> list:
-        return self._value
-
-    def get_future(self) -> Future:
-        with _FUTURES:
-            if self._work is None:
-                self._work = CollectiveWork(Finished(self._name, None, None), self._value)
-        return self._work.get_future()
-
-
-def done_work(name: str, value: list) -> DoneWork:
-    """The Work of collective `name`, done on this thread; `value`: torch's output tensors."""
-    work = DoneWork()
-    work._name, work._value, work._work = name, value, None
-    return work

@@ -38,7 +38,7 @@ from distributed_collectives import (
     case_bool_and_complex_in_every_reduction, case_broadcast, case_calls_keep_nothing_alive,
     case_coalesced, case_dtypes_moved_and_bool_reduced, case_reduce_gather_scatter,
     case_reduce_scatter, case_sparse_all_reduce, case_strided_inputs,
-    case_synchronous_all_reduce_work, case_works_polled_and_their_values)
+    case_synchronous_all_reduce, case_works_polled_and_their_values)
 from distributed_common import LIGHTNING, n, r
 from distributed_lightning import (
     case_a_group_does_not_outlive_a_restart, case_init_that_torch_refuses_then_again,
@@ -72,7 +72,7 @@ if not dist.is_initialized():
     rrd.init_process_group()
 assert dist.get_backend() == "ringreduce" and dist.get_world_size() == n
 common.GLOO = dist.new_group(backend="gloo")
-cases = [case_all_reduce, case_synchronous_all_reduce_work, case_all_reduce_coalesced,
+cases = [case_all_reduce, case_synchronous_all_reduce, case_all_reduce_coalesced,
          case_coalesced, case_broadcast, case_all_gather, case_calls_keep_nothing_alive,
          case_reduce_scatter, case_all_to_all,
          case_strided_inputs, case_reduce_gather_scatter, case_send_recv, case_subgroup,
