@@ -61,7 +61,9 @@ def main() -> None:
         def call():
             options = dist.AllreduceOptions()
             options.reduceOp, options.asyncOp = SUM, asynchronous
-            return group.allreduce([x], options).wait()
+            work = group.allreduce([x], options)
+            if work is not None:        # (a synchronous call returns none: it waited)
+                work.wait()
 
         return call
 

@@ -56,6 +56,17 @@ def test_allreduce_benchmark_reports_its_yardsticks_and_profile(tmp_path):
     assert set(written) == {"plain", "streamed"} and sum(written.values()) == 3, written
 
 
+def test_latency_profile_times_every_layer():
+    """A tiny profile_latency.py run: a line per layer, each with both timings (a layer whose
+    call no longer fits the backend's contract fails it, as the synchronous call once did)."""
+    script = Path(__file__).parents[1] / "scripts" / "profile_latency.py"
+    result = run_mpi(2, str(script), "--calls", "5", timeout=120)
+    assert result.returncode == 0, result.output[-4000:]
+    timed = re.findall(r"^(.+?)\s+([\d.]+)\s+([\d.]+)$", result.output, re.M)
+    assert len(timed) == 13 and timed[-1][0] == "dist.all_reduce(t) (synchronous)", \
+        result.output[-4000:]
+
+
 def test_training_benchmark_reports_every_method_in_sync_with_its_memory_pass(tmp_path):
     """A tiny bench_train.py run: each method's repetitions, its memory pass, its ratios, and
     parameters in sync across the ranks for every method that communicates."""
