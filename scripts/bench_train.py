@@ -119,7 +119,7 @@ CLASSES = 1000
 MiB = float(1 << 20)
 # Warm-up steps, enough for DistributedOptimizer's bucket schedule to be chosen (auto) before
 # the steps that count, as it is after the first few steps of a real run
-WARM_UP = schedule.WARM_UP_STEPS + 2 * schedule.TRIALS + 2
+WARM_UP = schedule.WARM_UP_STEPS + schedule.TRIAL_STEPS + 2
 
 
 # ---------------------------------------------------------------------------- models

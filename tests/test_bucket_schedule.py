@@ -2,7 +2,7 @@
 choice and how it is agreed, on step times given here."""
 import pytest
 
-from ringreduce.optim.schedule import TRIALS, WARM_UP_STEPS, BucketSchedule
+from ringreduce.optim.schedule import TRIAL_STEPS, TRIALS, WARM_UP_STEPS, BucketSchedule
 
 
 def run_steps(schedule, overlap_ms, inline_ms, steps):
@@ -19,12 +19,12 @@ def run_steps(schedule, overlap_ms, inline_ms, steps):
 
 def test_auto_tries_both_after_the_warm_up_then_the_first_rank_votes():
     first, other = BucketSchedule("auto", 2, True, False), BucketSchedule("auto", 2, False, False)
-    steps = WARM_UP_STEPS + 2 * TRIALS
+    steps = WARM_UP_STEPS + TRIAL_STEPS
     seen = run_steps(first, 100.0, 90.0, steps - 1)   # (the warm-up's first is not timed)
     run_steps(other, 100.0, 90.0, steps - 1)
-    assert len(seen) == WARM_UP_STEPS - 1 + 2 * TRIALS
+    assert len(seen) == WARM_UP_STEPS - 1 + TRIAL_STEPS
     assert seen[:WARM_UP_STEPS - 1] == ["overlap"] * (WARM_UP_STEPS - 1)
-    assert seen[WARM_UP_STEPS - 1:] == ["overlap", "inline"] * TRIALS
+    assert seen[WARM_UP_STEPS - 1:] == ["overlap", "overlap", "inline", "inline"] * TRIALS
     vote = first.vote()
     assert vote and other.vote() == 0 and first.vote() == 0    # once, by the first rank
     for schedule in (first, other):
@@ -34,6 +34,8 @@ def test_auto_tries_both_after_the_warm_up_then_the_first_rank_votes():
 
 
 def test_the_quicker_median_wins_and_a_tie_keeps_overlap():
+    """Of the second step of each pair: the first after a switch is not timed (here it would
+    make overlap win every time)."""
     # (times in 1/1024 s: the sums and differences stay exact, so a tie is a tie)
     for times, chosen in [(([100, 80, 120, 90], [90, 85, 96, 92]), "inline"),    # 91 < 95
                           (([100, 80, 120, 90], [95, 90, 100, 95]), "overlap"),  # 95 = 95
@@ -47,7 +49,7 @@ def test_the_quicker_median_wins_and_a_tie_keeps_overlap():
             schedule.synchronized(now)
         overlap, inline = times
         for a, b in zip(overlap, inline):
-            for ms in (a, b):
+            for ms in (1, a, 1000, b):      # overlap's pair, then inline's
                 schedule.step_began()
                 now += ms / 1024
                 schedule.synchronized(now)
@@ -72,6 +74,6 @@ def test_without_a_vote_the_trials_end_in_overlap():
     """A rank deciding (auto) whose first rank does not (its setting fixed): past the trials it
     overlaps, rather than keep the last trial's schedule."""
     schedule = BucketSchedule("auto", 2, False, False)
-    seen = run_steps(schedule, 100.0, 1.0, WARM_UP_STEPS + 2 * TRIALS + 3)
+    seen = run_steps(schedule, 100.0, 1.0, WARM_UP_STEPS + TRIAL_STEPS + 3)
     assert seen[-3:] == ["overlap"] * 3 and "inline" in seen
     assert schedule.chosen is None and schedule.vote() == 0

@@ -8,9 +8,13 @@ has one busy core, the engine thread takes its time from backward's, and a rank 
 step for buckets its peers reduced late; reducing each bucket inline, its gradients still in
 cache and every rank in step, is then quicker. Which holds depends on the model and the
 machine, so `auto` (the default, RINGREDUCE_BUCKET_SCHEDULE) measures it: after
-`WARM_UP_STEPS`, the steps alternate between the two for `TRIALS` steps each; the time of a
-step is from the end of one synchronize() to the end of the next (forward, backward, the
-reduction, the wrapped step: what a training loop sees). The set's first rank takes the one
+`WARM_UP_STEPS`, the steps take the two in turn, two steps at a time, `TRIALS` times each
+(`TRIAL_STEPS` in all), and only the second step of each pair is timed: the first step after
+a switch is not what the schedule costs when kept (an overlap step right after an inline one
+measured 6-8 ms, 5%, quicker than one after overlap on a 23.5M-parameter MLP, which made one
+run in four choose overlap there and then train 10% slower). The time of a step is from the
+end of one synchronize() to the end of the next (forward, backward, the reduction, the
+wrapped step: what a training loop sees). The set's first rank takes the one
 whose steps' median was quicker (`overlap` on a tie: what DDP and Horovod users expect; where
 the two are close, either costs little), and every rank learns the choice from the next step's
 agreement (step_agreement.py), so all ranks take it from the same step. On GPUs `auto` is
@@ -24,6 +28,7 @@ from typing import Optional
 
 WARM_UP_STEPS = 2       # a plan's first steps pay allocations and first touches
 TRIALS = 4              # steps measured under each schedule
+TRIAL_STEPS = 4 * TRIALS    # each measured step follows one under the same schedule
 
 AUTO, OVERLAP, INLINE = "auto", "overlap", "inline"
 _VOTES = {OVERLAP: 1, INLINE: 2}    # the agreement's byte (0: no vote this step)
@@ -46,12 +51,15 @@ class BucketSchedule:
         self._vote = 0
         self.chosen: Optional[str] = None if self._deciding else setting
 
-    def _trial(self) -> Optional[str]:
-        """The schedule this step tries, while deciding; else None."""
+    def _trial_step(self) -> Optional[int]:
+        """Which of the trial steps this one is, while deciding; else None."""
         trial = self._steps - WARM_UP_STEPS
-        if not self._deciding or not 0 <= trial < 2 * TRIALS:
-            return None
-        return OVERLAP if trial % 2 == 0 else INLINE
+        return trial if self._deciding and 0 <= trial < TRIAL_STEPS else None
+
+    def _trial(self) -> Optional[str]:
+        """The schedule this step tries (two steps each in turn), while deciding; else None."""
+        trial = self._trial_step()
+        return None if trial is None else (OVERLAP if trial // 2 % 2 == 0 else INLINE)
 
     def step_began(self) -> None:
         """At the step's first gradient (or its synchronize(), if none came). Past the trials,
@@ -63,10 +71,10 @@ class BucketSchedule:
     def synchronized(self, now: float) -> None:
         """At the end of a synchronize() that completed (`now`, time.perf_counter()): one more
         step measured."""
-        trial = self._trial()
-        if trial is not None and self._last_end is not None:
-            self._times[trial].append(now - self._last_end)
-            if self._steps - WARM_UP_STEPS == 2 * TRIALS - 1 and self._measures:
+        trial = self._trial_step()
+        if trial is not None and trial % 2 == 1 and self._last_end is not None:
+            self._times[self._trial()].append(now - self._last_end)    # (a pair's second)
+            if trial == TRIAL_STEPS - 1 and self._measures:
                 self._vote = _VOTES[INLINE if self._inline_quicker() else OVERLAP]
         self._last_end = now
         self._steps += 1

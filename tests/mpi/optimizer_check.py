@@ -12,7 +12,7 @@ from checks import expect, run_cases, then_barrier
 from models import Net
 from sync_bn_check import check_sync_batch_norm
 from ringreduce.core import timeline
-from ringreduce.optim import fusion
+from ringreduce.optim import fusion, schedule
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -416,7 +416,7 @@ def check_bucket_schedules():
     every rank and under every schedule; `auto` ends with one choice on every rank; a mistake
     on one rank in an inline bucket fails the step on every rank (not backward), and the job
     trains on."""
-    steps = 12      # past auto's warm-up and trials (optim/schedule.py)
+    steps = schedule.WARM_UP_STEPS + schedule.TRIAL_STEPS + 2    # past auto's trials
     mine = {"overlap": "overlap", "inline": "inline", "auto": "auto",
             "inline on rank 0 alone": "inline" if r == 0 else "overlap"}
     results = {}
