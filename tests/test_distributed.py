@@ -21,8 +21,7 @@ def needs_test_extra() -> None:
 
 CASES = ("case_all_reduce", "case_synchronous_all_reduce", "case_all_reduce_coalesced",
          "case_coalesced", "case_broadcast", "case_all_gather", "case_calls_keep_nothing_alive",
-         "case_reduce_scatter",
-         "case_all_to_all", "case_strided_inputs", "case_reduce_gather_scatter",
+         "case_reduce_scatter", "case_all_to_all", "case_strided_inputs", "case_reduce_gather_scatter",
          "case_send_recv", "case_subgroup",
          "case_threads_each_on_a_group_of_its_own", "case_errors", "case_one_rank_errs",
          "case_one_rank_refuses_its_inputs", "case_one_rank_calls_another_kind",

@@ -45,7 +45,8 @@ class Reductions(GroupBase):
             tensor, op, pre = tensors[0], Sum, 1.0
             # small (the small way's `case` checks the tensor); the name is an automatic one
             if synchronous:
-                if allreduce_now(ps, tensor, name, Sum, 1.0, True, True) is not None:
+                if allreduce_now(ps, tensor, name, Sum, 1.0, in_place=True,
+                                 automatic=True) is not None:
                     return None
             else:
                 handle = started(ps, tensor, name, Sum, 1.0, automatic=True)

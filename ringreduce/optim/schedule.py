@@ -14,9 +14,9 @@ a switch is not what the schedule costs when kept (an overlap step right after a
 measured 6-8 ms, 5%, quicker than one after overlap on a 23.5M-parameter MLP, which made one
 run in four choose overlap there and then train 10% slower). The time of a step is from the
 end of one synchronize() to the end of the next (forward, backward, the reduction, the
-wrapped step: what a training loop sees). The set's first rank takes the one
-whose steps' median was quicker (`overlap` on a tie: what DDP and Horovod users expect; where
-the two are close, either costs little), and every rank learns the choice from the next step's
+wrapped step: what a training loop sees). The set's first rank takes the one whose steps'
+median was quicker (`overlap` on a tie: what DDP and Horovod users expect; where the two are
+close, either costs little), and every rank learns the choice from the next step's
 agreement (step_agreement.py), so all ranks take it from the same step. On GPUs `auto` is
 `overlap`: the device computes while the host reduces. The schedule never changes what is
 reduced, only on which thread: ranks that differ in it still pair their buckets by name.
@@ -32,6 +32,11 @@ TRIAL_STEPS = 4 * TRIALS    # each measured step follows one under the same sche
 
 AUTO, OVERLAP, INLINE = "auto", "overlap", "inline"
 _VOTES = {OVERLAP: 1, INLINE: 2}    # the agreement's byte (0: no vote this step)
+
+
+def _tried(trial: int) -> str:
+    """The schedule of trial step `trial`: two steps each in turn, overlap first."""
+    return OVERLAP if trial // 2 % 2 == 0 else INLINE
 
 
 class BucketSchedule:
@@ -57,9 +62,9 @@ class BucketSchedule:
         return trial if self._deciding and 0 <= trial < TRIAL_STEPS else None
 
     def _trial(self) -> Optional[str]:
-        """The schedule this step tries (two steps each in turn), while deciding; else None."""
+        """The schedule this step tries, while deciding; else None."""
         trial = self._trial_step()
-        return None if trial is None else (OVERLAP if trial // 2 % 2 == 0 else INLINE)
+        return None if trial is None else _tried(trial)
 
     def step_began(self) -> None:
         """At the step's first gradient (or its synchronize(), if none came). Past the trials,
@@ -73,7 +78,7 @@ class BucketSchedule:
         step measured."""
         trial = self._trial_step()
         if trial is not None and trial % 2 == 1 and self._last_end is not None:
-            self._times[self._trial()].append(now - self._last_end)    # (a pair's second)
+            self._times[_tried(trial)].append(now - self._last_end)    # (a pair's second)
             if trial == TRIAL_STEPS - 1 and self._measures:
                 self._vote = _VOTES[INLINE if self._inline_quicker() else OVERLAP]
         self._last_end = now
