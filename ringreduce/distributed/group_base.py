@@ -31,6 +31,7 @@ class GroupBase(dist.ProcessGroup):
         super().__init__(rank, size)
         self._process_set, self._channel, self._label = process_set, channel, label
         self._closed = False
+        self._running_on: Optional[ActiveSet] = None    # see _active
 
     # -------------------------------------------------- identity
 
@@ -100,6 +101,15 @@ class GroupBase(dist.ProcessGroup):
         return self._process_set
 
     def _active(self, kind: str) -> ActiveSet:
+        """The set a call runs on: the one found last, while it is open (at a few
+        microseconds a call, finding it again shows), else found again, or the error of a
+        group destroyed or of a set closed since."""
+        ps = self._running_on
+        if ps is None or ps.closed:
+            ps = self._running_on = self._find_active(kind)
+        return ps
+
+    def _find_active(self, kind: str) -> ActiveSet:
         if self._closed:
             raise RingReduceError(f"ringreduce backend: {kind} on {self._label}, which was "
                                   "destroyed (destroy_process_group)")
@@ -204,7 +214,7 @@ class GroupBase(dist.ProcessGroup):
         ends it."""
         if self._closed:
             return
-        self._closed = True
+        self._closed, self._running_on = True, None
         if world.is_initialized():
             self._channel.free()
             if self._process_set is not global_process_set:

@@ -35,7 +35,9 @@ class Reductions(GroupBase):
         at once: dist.all_reduce(t)) runs to its end here and returns None, which torch takes
         for a backend that waited itself, as its every collective does; a Work costs as much
         as a tenth of a small allreduce."""
-        ps = self._active("allreduce")
+        ps = self._running_on       # (_active's, without its frame)
+        if ps is None or ps.closed:
+            ps = self._active("allreduce")
         name = ps.call_order_name(SEQUENCE)
         # dist.all_reduce(t) waits at once: it runs on this thread when the set's engine is
         # idle (a handle's queue costs as much as a small allreduce)

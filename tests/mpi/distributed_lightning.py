@@ -97,8 +97,11 @@ def case_lightning_ddp():
 def case_a_group_does_not_outlive_a_restart():
     """ringreduce shut down and started again (as an elastic restart does): a group from
     new_group() before it refuses its calls with an error saying to make it again, on every
-    member; the default group goes on, and a group made after works."""
+    member (also one that ran a call before: a group keeps the set it ran on while that
+    stays open); the default group goes on, and a group made after works; a group destroyed
+    refuses a call made on the object itself."""
     before = dist.new_group(list(range(n)))
+    check_equal(reduced(torch.ones(2), SUM, before), torch.full((2,), float(n)), "before")
     hvd.shutdown()
     hvd.init(stall_check_time=STALL_CHECK_TIME)
     expect(hvd.RingReduceError, ["closed when ringreduce shut down", f"on rank {r}",
@@ -109,14 +112,19 @@ def case_a_group_does_not_outlive_a_restart():
     check_equal(reduced(torch.ones(2), SUM, after), torch.full((2,), float(n)),
                 "a group made after")
     dist.destroy_process_group(after)
+    expect(hvd.RingReduceError, ["which was destroyed"], after.allreduce, [torch.ones(2)])
 
 
 def case_init_that_torch_refuses_then_again():
     """torch refusing an argument of our init_process_group (a CPU device_id, on every rank)
     after the store is up: every rank raises torch's ValueError at once (rank 0's store, the
     server, outlives the others' connects, which waited out the timeout before), and the
-    next call starts the default group."""
+    next call starts the default group. (The default group destroyed refuses a call made on
+    the object itself, though ringreduce's global set it ran on stays open.)"""
+    default = dist.group.WORLD
+    check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "the default group")
     dist.destroy_process_group()
+    expect(hvd.RingReduceError, ["which was destroyed"], default.allreduce, [torch.ones(2)])
     expect(ValueError, "device_id", rrd.init_process_group, device_id=torch.device("cpu"))
     assert not dist.is_initialized()
     rrd.init_process_group()
