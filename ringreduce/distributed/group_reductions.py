@@ -47,8 +47,12 @@ class Reductions(GroupBase):
             tensor, op, pre = tensors[0], Sum, 1.0
             # small (the small way's `case` checks the tensor); the name is an automatic one
             if synchronous:
-                if allreduce_now(ps, tensor, name, Sum, 1.0, in_place=True,
-                                 automatic=True) is not None:
+                small = ps.transport.small      # (allreduce_now's dispatch, written out)
+                if small is not None and small.begins:
+                    if small.now_in_place(ps.engine, tensor, name, Sum, 1.0, None) is not None:
+                        return None
+                elif allreduce_now(ps, tensor, name, Sum, 1.0, in_place=True,
+                                   automatic=True) is not None:
                     return None
             else:
                 handle = started(ps, tensor, name, Sum, 1.0, automatic=True)

@@ -21,7 +21,7 @@ from ..kernels.ops import ReduceOp
 from .negotiation import OutOfOrder, PeersJoined, tell_members
 from .reduce_spec import ReduceSpec
 from .signature import AllreduceSignature
-from .stall import StallWatch
+from .stall import REMEMBERED, StallWatch
 from .way import Way
 
 # Tables: an op -> (name, ReduceOp), as enum .name and ReduceOp(number) are slow; a dtype ->
@@ -60,6 +60,58 @@ class SmallWay:
         if dtype_named is None or nbytes > self.limit:
             return None
         return op_named, dtype_named, nbytes
+
+    def now_in_place(self, engine: Any, tensor: Any, name: str, op: Any, postscale: float,
+                     claimed: Optional[str]) -> Optional[torch.Tensor]:
+        """The most frequent call of both front doors, a named synchronous in-place allreduce
+        where the way `begins` (every dist.all_reduce(t) of a small tensor), written flat:
+        `case`'s tests, the engine's claim (`claimed`: the name to claim, None for an
+        automatic one), `now`'s exchange and the release in one frame; at ~5 us a call, the
+        two frames and the case's tuple this saves are 0.2 us. None, with nothing done, where
+        the call does not take this way or the engine is busy. Past the exchange's common end
+        (every digest there and equal), as `begin`'s."""
+        op_named = _OPS.get(_AVERAGE if op is None else op)
+        if (op_named is None or tensor.__class__ is not _Tensor or not tensor.is_cpu
+                or tensor.layout is not _STRIDED or not tensor.is_contiguous()):
+            return None
+        nbytes = tensor.nbytes
+        dtype_named = _DTYPES.get(tensor.dtype)
+        if dtype_named is None or nbytes > self.limit or not engine.claim_idle(claimed):
+            return None
+        try:
+            (op_name, op), (code, dtype, itemsize) = op_named, dtype_named
+            shape = tensor.shape
+            digest = _DIGEST(name, op_name, dtype, shape, 1.0, postscale)
+            watch = self._watch      # watch.begin(signature.label), written out
+            begun = watch.begun = watch.begun + 1
+            slot = begun % REMEMBERED
+            watch.recent_counts[slot], watch.recent_labels[slot] = begun, f"allreduce '{name}'"
+            if watch.published is not None:
+                watch.published[0] = begun
+            if watch.departures.gone or watch.departures.failures:
+                watch.check_departed(begun)
+            address, count = tensor.data_ptr(), nbytes // itemsize
+            divisor = self._average_divisor if op is _AVERAGE else 1.0
+            try:
+                agreed = self._begin(address, nbytes, count, code, op, divisor, postscale,
+                                     digest)
+            except BaseException as error:
+                tell_members(watch, error)
+                raise
+            if agreed:
+                return tensor
+            make_spec = partial(_spec, tensor.dtype, op, postscale, digest, name, op_name,
+                                dtype, shape)
+            finish = (partial(self._complete, address, count, code, op, divisor, postscale)
+                      if agreed is None else lambda: False)
+            try:
+                return self._settled(finish, tensor, make_spec)
+            except OutOfOrder:      # (nothing was written) the engine settles the order
+                handle = engine.reorder(name, self.work(tensor, name, (op_named, dtype_named,
+                                                                       nbytes), postscale, True))
+        finally:
+            engine.release_idle()
+        return handle.wait()
 
     def work(self, tensor: torch.Tensor, name: str, case: tuple, postscale: float,
              in_place: bool) -> Callable[[], torch.Tensor]:

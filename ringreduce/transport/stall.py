@@ -33,7 +33,7 @@ from .departures import Departures
 from .progress_board import ProgressBoard
 
 log = logging.getLogger("ringreduce")
-_REMEMBERED = 4096       # the labels of this many recent collectives, for stall reports
+REMEMBERED = 4096       # the labels of this many recent collectives, for stall reports
 _JOINED_COUNT = 1 << 62  # what a joined rank publishes on the progress board
 _OPENING = -1            # what it publishes as waited in while it opens a group (`opening`)
 _READ_SECONDS = 2.0      # how long a stall report waits for the members' counts (at most
@@ -55,7 +55,9 @@ class StallWatch:
         self.ranks = list(ranks)
         self.where = where
         self.board = ProgressBoard(comm) if comm.size > 1 else None
-        self._published = self.board.mine if self.board is not None else None
+        # this rank's words on the board, (begun, waiting in), written by `begin` (and by
+        # the small way's copy of it) without a call
+        self.published = self.board.mine if self.board is not None else None
         self.departures = Departures(comm)
         self.begun = 0
         self.quiet = False      # a joined rank waits for the others by design: no reports
@@ -63,11 +65,11 @@ class StallWatch:
         # this rank shares with them (everywhere: on this one too), their `waits()` there
         # (process_sets sets it)
         self.elsewhere: Optional[Callable[..., list[tuple[str, Optional[bool]]]]] = None
-        # what collective #k was, at k % _REMEMBERED: strings only, so that remembering
+        # what collective #k was, at k % REMEMBERED: strings only, so that remembering
         # thousands of them keeps no per-call objects alive for the garbage collector to
         # promote (which then pauses the process for a full collection, ~80 ms with torch)
-        self._recent_counts = [0] * _REMEMBERED
-        self._recent_labels = [""] * _REMEMBERED
+        self.recent_counts = [0] * REMEMBERED
+        self.recent_labels = [""] * REMEMBERED
 
     def free(self) -> None:
         if self.board is not None:
@@ -94,15 +96,20 @@ class StallWatch:
     def begin(self, label: str) -> None:
         """Count one more collective begun on this rank, and remember how a report names it
         (signature.label). ShutDownError when a member has left: the collective could never
-        complete."""
+        complete. (SmallWay.now_in_place writes this out.)"""
         begun = self.begun = self.begun + 1
-        slot = begun % _REMEMBERED
-        self._recent_counts[slot], self._recent_labels[slot] = begun, label
-        if self._published is not None:
-            self._published[0] = begun      # the board's publish(), inline: the hot path
+        slot = begun % REMEMBERED
+        self.recent_counts[slot], self.recent_labels[slot] = begun, label
+        if self.published is not None:
+            self.published[0] = begun      # the board's publish(), inline: the hot path
         if self.departures.gone or self.departures.failures:
-            if self.departures.ended(begun):
-                raise self._ended()
+            self.check_departed(begun)
+
+    def check_departed(self, collective: int) -> None:
+        """ShutDownError if collective #`collective` can never complete: a member left
+        before it (or failed)."""
+        if self.departures.ended(collective):
+            raise self._ended()
 
     def failed(self, error: BaseException) -> None:
         """This member's collective #begun failed where the others may wait on it: tell them
@@ -137,7 +144,7 @@ class StallWatch:
         has left."""
         if done():
             return
-        published = self._published
+        published = self.published
         if published is None:
             self._wait(done)
             return
@@ -175,8 +182,8 @@ class StallWatch:
                 log.warning(self.describe(now - start))     # the report itself took
 
     def _name(self, count: int) -> str:
-        slot = count % _REMEMBERED
-        return self._recent_labels[slot] if self._recent_counts[slot] == count else ""
+        slot = count % REMEMBERED
+        return self.recent_labels[slot] if self.recent_counts[slot] == count else ""
 
     def _ended(self, every: bool = False) -> ShutDownError:
         """The error of a collective that cannot complete (see _departed)."""
@@ -250,14 +257,14 @@ class StallWatch:
     def opening(self) -> Iterator[None]:
         """While this rank waits for the members of a group it opens (process_sets), other
         sets' reports say so (`waits`)."""
-        if self._published is None:
+        if self.published is None:
             yield
             return
-        self._published[1] = _OPENING
+        self.published[1] = _OPENING
         try:
             yield
         finally:
-            self._published[1] = 0
+            self.published[1] = 0
 
     def read_timeout(self) -> float:
         """How long a report waits for a board's answer (at most half the check interval, so

@@ -537,6 +537,9 @@ def fail_alone(failing_rank, process_set):
     expect(hvd.ShutDownError, ["allreduce 'allreduce.lone'", "shutdown() and init()"],
            hvd.allgather,
            torch.ones(1), name="after.lone", process_set=process_set)
+    # (a small named in-place allreduce, the small way's flat call, counts it as begun first)
+    expect(hvd.ShutDownError, ["allreduce 'allreduce.lone'", "shutdown() and init()"],
+           hvd.allreduce_, torch.ones(1), name="after.lone.small", process_set=process_set)
     if process_set is not hvd.global_process_set:
         expect(hvd.ShutDownError, "remove_process_set() and add_process_set()", hvd.barrier,
                process_set=process_set)
