@@ -59,9 +59,9 @@ def allreduce_now(ps: Any, tensor: Any, name: Optional[str], op: Any, postscale:
     small = ps.transport.small
     if small is None:
         return None
-    if in_place and name is not None and small.begins:      # (the most frequent call)
+    if in_place and small.begins:      # (the most frequent call)
         return small.now_in_place(ps.engine, tensor, name, op, postscale,
-                                  None if automatic else name)
+                                  None if automatic else name, ps.auto_name)
     case = small.case(tensor, op)
     if case is None or not ps.engine.claim_idle(None if automatic else name):
         return None
