@@ -50,7 +50,7 @@ class Reductions(GroupBase):
                 small = ps.transport.small      # (allreduce_now's dispatch, written out)
                 if small is not None and small.begins:
                     if small.now_in_place(ps.engine, tensor, name, Sum, 1.0, None,
-                                          ps.auto_name) is not None:
+                                          None) is not None:    # (named: no auto_name)
                         return None
                 elif allreduce_now(ps, tensor, name, Sum, 1.0, in_place=True,
                                    automatic=True) is not None:

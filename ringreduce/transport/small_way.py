@@ -63,7 +63,7 @@ class SmallWay:
 
     def now_in_place(self, engine: Any, tensor: Any, name: Optional[str], op: Any,
                      postscale: float, claimed: Optional[str],
-                     auto_name: Callable[[str], str]) -> Optional[torch.Tensor]:
+                     auto_name: Optional[Callable[[str], str]]) -> Optional[torch.Tensor]:
         """The most frequent call of both front doors, a synchronous in-place allreduce where
         the way `begins` (dist.all_reduce(t), hvd.allreduce_(t) of a small tensor), written
         flat: `case`'s tests, the engine's claim (`claimed`: the name to claim, None for an
