@@ -160,7 +160,10 @@ def check_average_scales_as_horovod():
 def check_inline_and_queued_small_allreduce_agree():
     """A small synchronous allreduce runs inline (in C, on one node) on a rank whose engine is
     idle, and through the engine's queue on a rank with work in flight: both ways must agree on
-    the signature and on the bits. Each round another rank is the busy one."""
+    the signature and on the bits. Each round another rank is the busy one. An unnamed
+    in-place one takes its automatic name inline on the idle ranks (SmallWay.now_in_place, after
+    the engine's claim) and on the general path on the busy one: the names agree, and so do
+    those of the unnamed call after it, made with every engine idle."""
     from ringreduce.sets.process_sets import global_set
     from ringreduce.api.small_path import allreduce_now
 
@@ -176,8 +179,9 @@ def check_inline_and_queued_small_allreduce_agree():
                                            (torch.float64, hvd.Sum, 0.5),
                                            (torch.int64, hvd.Sum, 1.0),
                                            (torch.float32, hvd.Sum, 2.0)]):
-        for call in ("allreduce", "allreduce_async_"):  # the asynchronous one: begun on the
-            big = hvd.allreduce_async(torch.ones(1 << 18), op=hvd.Sum,  # idle ranks' threads
+        for call in ("allreduce", "allreduce_async_", "allreduce_"):
+            # (the asynchronous one: begun on the idle ranks' threads)
+            big = hvd.allreduce_async(torch.ones(1 << 18), op=hvd.Sum,
                                       name=f"mixed.big.{i}.{call}")
             if i % n != r:
                 hvd.synchronize(big)
@@ -185,12 +189,18 @@ def check_inline_and_queued_small_allreduce_agree():
             x = inputs(r, 33, dtype, op, salt=i)
             if call == "allreduce":
                 got = hvd.allreduce(x, op=op, name=what, postscale_factor=post)
+            elif call == "allreduce_":
+                got = hvd.allreduce_(x, op=op, postscale_factor=post)    # (unnamed)
             else:
                 got = hvd.synchronize(hvd.allreduce_async_(x, op=op, name=what,
                                                            postscale_factor=post))
             check_equal(got, reference(33, dtype, op, post=post, salt=i), what)
             same_on_every_rank(got, what)
             assert torch.equal(hvd.synchronize(big), torch.full((1 << 18,), float(n)))
+            if call == "allreduce_":
+                after = torch.full((3,), float(r + 1))
+                check_equal(hvd.allreduce_(after, op=hvd.Sum),
+                            torch.full((3,), float(n * (n + 1) // 2)), what + ", the next")
 
 
 def check_small_async_mistake_on_one_rank():
