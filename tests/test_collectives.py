@@ -1,6 +1,6 @@
 """Every collective at 1-4 ranks under a real mpiexec, on every allreduce path and with
 simulated nodes, and the error paths: in the launch shared at each rank count
-(collectives_check.py names the path that failed)."""
+(collectives_check.py names the path that failed), and every kind mixed in one sequence."""
 import json
 
 import pytest
@@ -31,6 +31,10 @@ ERRORS = shared_script("errors", "errors_check.py", env=QUICK_STALL_CHECK)
 ERRORS_ACROSS_NODES = shared_script("errors, 2 nodes of 1", "errors_check.py",
                                     env={**NODES, **QUICK_STALL_CHECK})
 JOIN_ACROSS_NODES = shared_script("join, 2 nodes of 1", "join_check.py", env=NODES)
+# Every kind in one random sequence, with one rank's orders, threads, sets and mistakes.
+MIXED = shared_script("mixed", "mixed_check.py", args=lambda n: ["100"])
+MIXED_ACROSS_NODES = shared_script("mixed, 2 nodes of 2", "mixed_check.py",
+                                   args=lambda n: ["100", "2"], env=NODES)
 
 
 @ON_EVERY_PATH
@@ -54,4 +58,16 @@ def test_error_paths_with_one_rank_per_simulated_node(n, shared_run):
 @JOIN_ACROSS_NODES
 @pytest.mark.parametrize("n", [2])
 def test_join_with_one_rank_per_simulated_node(n, shared_run):
+    shared_run()
+
+
+@MIXED
+@pytest.mark.parametrize("n", RANK_COUNTS)
+def test_collectives_mixed_in_one_sequence(n, shared_run):
+    shared_run()
+
+
+@MIXED_ACROSS_NODES
+@pytest.mark.parametrize("n", [4])
+def test_collectives_mixed_in_one_sequence_across_simulated_nodes(n, shared_run):
     shared_run()
