@@ -79,9 +79,9 @@ def plan(named: Sequence[tuple[str, torch.Tensor]], threshold: int, first_bucket
     empty bucket, see _empty_bucket).
 
     `wire_dtype(dtype)` gives the buffer dtype for a parameter dtype (for compression);
-    `explicit_groups` (lists of parameters) each become one bucket, before the rest; bucket
-    names start with `prefix`; `direct=False` gives every bucket a buffer (and no gradient
-    a bucket of its own for its size, ALONE_BYTES).
+    `explicit_groups` (lists of parameters) each become one bucket per dtype on the wire,
+    before the rest; bucket names start with `prefix`; `direct=False` gives every bucket a
+    buffer (and no gradient a bucket of its own for its size, ALONE_BYTES).
     """
     wire = wire_dtype or (lambda dtype: dtype)
     trainable = list(named)
@@ -92,8 +92,7 @@ def plan(named: Sequence[tuple[str, torch.Tensor]], threshold: int, first_bucket
         for group in explicit_groups:
             members = [(name_of[id(p)], p) for p in group if id(p) in name_of]
             grouped_ids.update(id(p) for _, p in members)
-            if members:
-                groups.append(members)
+            groups.extend(_by_wire_dtype(members, wire))
         trainable = [(n, p) for n, p in trainable if id(p) not in grouped_ids]
     current: list[tuple[str, torch.Tensor]] = []
     current_bytes = 0
@@ -117,6 +116,18 @@ def plan(named: Sequence[tuple[str, torch.Tensor]], threshold: int, first_bucket
     if not groups:
         return [_empty_bucket(prefix)]
     return [_make_bucket(i, group, wire, prefix, direct) for i, group in enumerate(groups)]
+
+
+def _by_wire_dtype(members: list[tuple[str, torch.Tensor]], wire
+                   ) -> list[list[tuple[str, torch.Tensor]]]:
+    """A group's parameters split by their dtype on the wire, in order of first appearance: a
+    bucket has one dtype, and each gradient is reduced in its own, as Horovod's grouped
+    allreduce reduces each tensor (a float64 gradient in a float32 buffer would lose its low
+    bits; a float32 one in a float64 buffer would be summed and scaled with other rounding)."""
+    split: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for name, p in members:
+        split.setdefault(wire(p.dtype), []).append((name, p))
+    return list(split.values())
 
 
 def _reduced_in_place(p: torch.Tensor, wire) -> bool:

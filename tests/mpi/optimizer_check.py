@@ -369,6 +369,34 @@ def check_groups_leave_the_predivide_factor_out():
             "without groups the predivide factor changed nothing"
 
 
+def check_groups_of_several_dtypes():
+    """A group holding float32 and float64 parameters (`groups` an int or lists): each
+    gradient reduced in its own dtype, bitwise as allreduce reduces it alone (Horovod's
+    grouped allreduce). Where a group shared one buffer in its first parameter's dtype, the
+    float64 gradient lost its low bits in a float32 one (seen from 2 ranks on), and the
+    float32 one was summed and averaged in float64 (from 3 ranks on: sum / 3 rounded once)."""
+    thin = nn.Parameter(torch.zeros(5, dtype=torch.float32))
+    wide = nn.Parameter(torch.zeros(7, dtype=torch.float64))
+    also_thin = nn.Parameter(torch.zeros(3, dtype=torch.float32))
+    named = [("thin", thin), ("wide", wide), ("also_thin", also_thin)]
+    grads = {"thin": torch.full((5,), 0.1 * (r + 1) + (r == 0), dtype=torch.float32),
+             "wide": torch.full((7,), 1 + 2.0 ** -40 * (r + 1) + (r == 0), dtype=torch.float64),
+             "also_thin": torch.full((3,), 0.3 * (r + 2), dtype=torch.float32)}
+    want = {name: hvd.allreduce(g, name=f"dtypes.alone.{name}") for name, g in grads.items()}
+    for groups in (1, 2, [[thin, wide, also_thin]], [[wide, thin]]):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=1.0), named,
+                                       groups=groups)
+        for name, p in named:
+            p.grad = grads[name].clone()
+        opt.synchronize()
+        for name, p in named:
+            assert p.grad.dtype == grads[name].dtype and torch.equal(p.grad, want[name]), \
+                f"groups={groups}: {name}'s gradient {p.grad[:2].tolist()}, not " \
+                f"{want[name][:2].tolist()} (as allreduce reduces it alone)"
+        with opt.skip_synchronize():
+            opt.step()
+
+
 def check_channels_last():
     """A channels_last model: its buckets hold each weight in the weight's memory layout, so a
     gradient made a view of one keeps autograd's layout contract (the layout of its parameter),
@@ -531,6 +559,7 @@ def check_state_helpers_refuse_a_mistake_on_one_rank():
 run_cases([then_barrier(check) for check in (
     check_equivalence, check_large_gradients_alone, check_inheritance, check_features,
     check_unused_and_frozen, check_errors,
-    check_groups_leave_the_predivide_factor_out, check_channels_last, check_overlap,
+    check_groups_leave_the_predivide_factor_out, check_groups_of_several_dtypes,
+    check_channels_last, check_overlap,
     check_bucket_schedules, check_state_helpers, check_sync_batch_norm)], r)
 print(f"OK rank {r}", flush=True)
