@@ -50,9 +50,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     option of that name): no pack/unpack copies, and zero_grad() zeroes the buckets in place.
     A parameter alone in its bucket (a layer above the fusion threshold, say) is reduced in
     place in its .grad either way, with no buffer.
-    `groups`: an int (that many buckets, cut as Horovod's `split_list` cuts the parameters) or
-    lists of parameters that each travel as one bucket; `num_groups` is Horovod's older spelling
-    of an int `groups`. With `groups`, as in Horovod, `gradient_predivide_factor` is not used.
+    `groups`: an int (that many groups, cut as Horovod's `split_list` cuts the parameters) or
+    lists of parameters, each group traveling as one bucket per dtype (each gradient reduced
+    in its own, as Horovod's grouped allreduce); `num_groups` is Horovod's older spelling of
+    an int `groups`. With `groups`, as in Horovod, `gradient_predivide_factor` is not used.
     `op=Adasum` combines parameter deltas instead of averaging gradients (Horovod's Adasum
     optimizer; a power-of-two number of ranks).
     """
