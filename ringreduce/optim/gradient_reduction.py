@@ -223,6 +223,10 @@ class GradientReduction(Planning, Submission, WrappedOptimizer):
         self._break_if_backward_failed()
         again = again or self._steps_again()
         self._begin_step()                   # also when no gradient came this step
+        if not self._synchronized:
+            for p in sparse_gradients.short_of_passes(self._named, self._pass_count,
+                                                      self._passes):
+                self._sparse_gradient_leaves(p)
         self._submit_ready_buckets(force=True)
         seen_sparse = self._planned_sparse | self._found_sparse
         sparse = [(n, p) for n, p in self._named if id(p) in seen_sparse] if seen_sparse else []

@@ -1,7 +1,8 @@
 """Sparse gradients in a `DistributedOptimizer`, as Horovod handles them: gathered from every
 rank, not reduced in a bucket (`gather`), or, with sparse_as_dense, reduced densely in their
 bucket and handed back to the optimizer sparse (`hand_back_sparse`), so that SparseAdam and
-the like step with them.
+the like step with them; those of fewer passes than a step's are final at synchronize()
+(`short_of_passes`).
 """
 from __future__ import annotations
 
@@ -23,6 +24,15 @@ def gather(params: Named, prefix: str, op: Any, process_set: ProcessSet
     return [(p, sparse_allreduce_async(_sparse_or_empty(p), f"{prefix}sparse.{name}", op,
                                        process_set))
             for name, p in params]
+
+
+def short_of_passes(params: Named, counts: dict[int, int], passes: int) -> list[torch.Tensor]:
+    """The parameters whose gradient is sparse after fewer than `passes` backward passes
+    (used in some passes only; `counts` by id): final at synchronize(), as Horovod's
+    synchronize reduces what its hooks did not. Left in their buckets, they were zeros there
+    and kept this rank's own values in .grad (the ranks trained apart, silently)."""
+    return [p for _, p in params if counts.get(id(p), passes) < passes
+            and p.grad is not None and p.grad.layout == torch.sparse_coo]
 
 
 def hand_back_sparse(named: Named, densified: set[int]) -> None:

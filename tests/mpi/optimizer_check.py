@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import ringreduce as hvd
-from checks import expect, run_cases, then_barrier
+from checks import expect, horovod_scaled, run_cases, then_barrier
 from models import Net
 from sync_bn_check import check_sync_batch_norm
 from ringreduce.core import timeline
@@ -397,6 +397,42 @@ def check_groups_of_several_dtypes():
             opt.step()
 
 
+def check_sparse_gradient_of_some_passes():
+    """A sparse gradient whose parameter takes part in some of backward_passes_per_step's
+    passes only (each rank uses the embedding in one pass of two; or so, and the last rank in
+    both) is reduced at synchronize(), as Horovod's reduces what its hooks did not:
+    allgathered (its values / size), or with sparse_as_dense averaged densely, exactly, and the
+    same on every rank. It was left in its bucket: zeros there, and each rank stepped with its
+    own gradient (the ranks trained apart, with no error), or where the last rank's count was
+    full, a MismatchError on every rank."""
+    def rows(k, p):
+        return [k % 6, (k + p + 1) % 6]
+
+    for last_in_both in (False, True):
+        def used(k, p):
+            return (k + p) % 2 == 0 or (last_in_both and k == n - 1)
+
+        total = torch.zeros(6, 2, dtype=torch.float64)
+        for k in range(n):
+            for p in range(2):
+                if used(k, p):
+                    total[rows(k, p)] += n * (k + 1)      # (multiples of n: total / n exact)
+        for as_dense in (False, True):
+            emb = nn.Embedding(6, 2, sparse=True, dtype=torch.float64)
+            nn.init.zeros_(emb.weight)
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.25),
+                                           [("emb.weight", emb.weight)],
+                                           backward_passes_per_step=2, sparse_as_dense=as_dense)
+            for p in range(2):
+                if used(r, p):
+                    (emb(torch.tensor(rows(r, p))).sum() * n * (r + 1)).backward()
+            opt.step()
+            average = horovod_scaled(total, 1.0 / n) if as_dense and n > 1 else total / n
+            assert torch.equal(emb.weight.detach(), -0.25 * average), \
+                f"last rank in both passes: {last_in_both}, sparse_as_dense={as_dense}: " \
+                f"{emb.weight.detach().tolist()}, not {(-0.25 * average).tolist()}"
+
+
 def check_channels_last():
     """A channels_last model: its buckets hold each weight in the weight's memory layout, so a
     gradient made a view of one keeps autograd's layout contract (the layout of its parameter),
@@ -560,6 +596,7 @@ run_cases([then_barrier(check) for check in (
     check_equivalence, check_large_gradients_alone, check_inheritance, check_features,
     check_unused_and_frozen, check_errors,
     check_groups_leave_the_predivide_factor_out, check_groups_of_several_dtypes,
+    check_sparse_gradient_of_some_passes,
     check_channels_last, check_overlap,
     check_bucket_schedules, check_state_helpers, check_sync_batch_norm)], r)
 print(f"OK rank {r}", flush=True)
