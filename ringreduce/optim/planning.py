@@ -4,8 +4,8 @@ rank agreed on: as in Horovod, a parameter trainable when wrapped stays in the p
 frozen, its gradient reduced as zeros; one made trainable since joins it, where Horovod would
 leave it unreduced and the ranks' parameters would drift apart), the buckets (fusion.py) and
 their specs, the plan checked alike on every member as the optimizer is wrapped, made again
-when a parameter is frozen or unfrozen, a gradient comes sparse or the set is made anew, and a
-hook on every reduced parameter."""
+when a parameter is frozen or unfrozen or added (a param group added after wrapping), a
+gradient comes sparse or the set is made anew, and a hook on every reduced parameter."""
 from __future__ import annotations
 
 import weakref
@@ -116,11 +116,33 @@ class Planning:
         plan, a gradient found sparse, or the set made anew by init(), re-plans the buckets.
         Every rank that makes the same change re-plans alike; a rank that does not fails the
         buckets' signature check (MismatchError naming the parameters)."""
+        self._take_added_parameters()
         trainable = frozenset(id(p) for _, p in self._trainable())
         if (self._found_new_set() or trainable != self._planned
                 or self._sparse != self._planned_sparse):
             self._plan()
             self._reset_step()
+
+    def _take_added_parameters(self) -> None:
+        """The parameters of a param group added since wrapping (add_param_group, on this
+        optimizer or on the one it wraps, whose param_groups it shares) join those reduced,
+        named as the given named_parameters name them, else as Horovod names a parameter
+        without a name. (Horovod hooks only the parameters it was wrapped with: an added group
+        trained apart on each rank.)"""
+        count = sum(len(group["params"]) for group in self.param_groups)
+        if count == self._parameters_counted:
+            return
+        self._parameters_counted = count
+        given = {id(p): name for p, name in self._parameter_names.items()}
+        for i, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                if id(p) not in self._names:
+                    name = given.get(id(p), f"allreduce.noname.{i}.{j}")
+                    if name in self._names.values():
+                        raise ValueError(f"ringreduce: a parameter added to the optimizer "
+                                         f"takes the name '{name}', which another has")
+                    self._named.append((name, p))
+                    self._names[id(p)] = name
 
     def _found_new_set(self) -> bool:
         """After shutdown() and init() (Horovod's way on after an error, which its optimizers

@@ -69,6 +69,7 @@ class WrappedOptimizer:
         self._named, self._parameter_names = named_parameters(self.param_groups,
                                                               options.named_parameters)
         self._names = {id(p): n for n, p in self._named}
+        self._parameters_counted = len(self._named)     # (see Planning's added parameters)
         if options.gradient_as_bucket_view and options.compression is not Compressor:
             raise ValueError("ringreduce: gradient_as_bucket_view needs compression="
                              "Compression.none (compressed buckets hold another dtype)")

@@ -132,7 +132,8 @@ def describe_mismatch(signatures: Sequence[Signature], ranks: Sequence[int]) -> 
             by_rank = "; ".join(partial[:_SHOWN]) + (
                 f"; ... ({len(partial)} names in all)" if len(partial) > _SHOWN else "")
             if field in ("parameters", "plan"):     # (a bucket's, an optimizer's)
-                by_rank += ": a parameter frozen or unfrozen (requires_grad) on some ranks only"
+                by_rank += (": a parameter frozen or unfrozen (requires_grad), or added "
+                            "(add_param_group), on some ranks only")
         elif len({len(v) for v in values}) == 1:     # the same names, in another order
             at = next(i for i, names in enumerate(zip(*values)) if len(set(names)) > 1)
             by_rank = f"the same names in another order; at position {at}, " + "; ".join(

@@ -433,6 +433,50 @@ def check_sparse_gradient_of_some_passes():
                 f"{emb.weight.detach().tolist()}, not {(-0.25 * average).tolist()}"
 
 
+def check_param_group_added_after_wrapping():
+    """A param group added after wrapping (add_param_group) is reduced from the next step on,
+    named as the given named_parameters name it (or, without them, as Horovod names one), on
+    the wrapper or on the optimizer it wraps; each rank's gradient (r + 1) averages to (n +
+    1) / 2 exactly. Horovod hooks only the parameters it was wrapped with: the group trained
+    apart on each rank, and so did ours. Added on the last rank alone: a MismatchError on
+    every rank naming the parameter, until every rank has added it."""
+    for named, through_plain in ((True, False), (False, False), (True, True)):
+        model = nn.ModuleDict({"a": nn.Linear(3, 1, bias=False),
+                               "b": nn.Linear(3, 1, bias=False)})
+        nn.init.zeros_(model["a"].weight)
+        nn.init.zeros_(model["b"].weight)
+        plain = torch.optim.SGD(model["a"].parameters(), lr=1.0)
+        opt = hvd.DistributedOptimizer(plain, model.named_parameters() if named else None)
+        (plain if through_plain else opt).add_param_group({"params": model["b"].parameters(),
+                                                          "lr": 1.0})
+        for _ in range(2):
+            opt.zero_grad()
+            ((model["a"].weight.sum() + model["b"].weight.sum()) * (r + 1)).backward()
+            opt.step()
+        for key in "ab":
+            assert torch.equal(model[key].weight, torch.full((1, 3), -(n + 1.0))), \
+                f"named={named}, on the wrapped optimizer={through_plain}: {key} " \
+                f"{model[key].weight.tolist()}, not {-(n + 1.0)}"
+    if n > 1:
+        model = nn.ModuleDict({"a": nn.Linear(3, 1, bias=False),
+                               "b": nn.Linear(3, 1, bias=False)})
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model["a"].parameters(), lr=1.0),
+                                       model.named_parameters())
+        for late in (True, False):
+            if r == n - 1 or not late:
+                if not any(p is model["b"].weight for g in opt.param_groups
+                           for p in g["params"]):
+                    opt.add_param_group({"params": model["b"].parameters()})
+            opt.zero_grad()
+            (model["a"].weight.sum() + model["b"].weight.sum()).backward()
+            if late:
+                expect(hvd.MismatchError, ["'b.weight' only on ranks", "add_param_group"],
+                       opt.step)
+            else:
+                opt.step()
+        params_equal_across_ranks(model, "a group added on every rank, late on some")
+
+
 def check_channels_last():
     """A channels_last model: its buckets hold each weight in the weight's memory layout, so a
     gradient made a view of one keeps autograd's layout contract (the layout of its parameter),
@@ -596,7 +640,7 @@ run_cases([then_barrier(check) for check in (
     check_equivalence, check_large_gradients_alone, check_inheritance, check_features,
     check_unused_and_frozen, check_errors,
     check_groups_leave_the_predivide_factor_out, check_groups_of_several_dtypes,
-    check_sparse_gradient_of_some_passes,
+    check_sparse_gradient_of_some_passes, check_param_group_added_after_wrapping,
     check_channels_last, check_overlap,
     check_bucket_schedules, check_state_helpers, check_sync_batch_norm)], r)
 print(f"OK rank {r}", flush=True)
