@@ -19,7 +19,6 @@ import sys
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import ringreduce as hvd
 from checks import horovod_scaled, run_cases
@@ -30,10 +29,13 @@ hvd.init()
 r, n = hvd.rank(), hvd.size()
 plan = random.Random(SEED)
 LR = 2.0 ** -8
+TOLERANCES = {torch.float16: 1e-2, torch.bfloat16: 1e-2}    # (else 1e-5: see train)
 
 
 class Net(nn.Module):
-    """Integer-valued weights and inputs: float64 gradients are exact at the first step."""
+    """Integer-valued weights and inputs: float64 gradients are exact at the first step. (No
+    ReLU: a pre-activation of exactly 0, frequent here, would turn a last-bit difference of a
+    later step into a different gradient.)"""
 
     def __init__(self, c):
         super().__init__()
@@ -51,7 +53,7 @@ class Net(nn.Module):
                 p.copy_(torch.randint(-2, 3, p.shape, generator=g).to(p.dtype))
 
     def forward(self, x, idx, branch, embedding):
-        out = self.c(self.b(F.relu(self.a(x))).float()).double() + self.frozen(x)
+        out = self.c(self.b(self.a(x)).float()).double() + self.frozen(x)
         if branch:
             out = out + self.branch(x)
         if embedding:
@@ -169,9 +171,13 @@ def train(c, members, process_set):
     everyone = hvd.allgather_object(flat.numpy().tobytes(), process_set=process_set)
     assert all(b == everyone[0] for b in everyone), "parameters differ across members"
     for (name, q), want in zip(model.named_parameters(), reference.parameters()):
-        tol = 1e-2 if q.dtype in (torch.float16, torch.bfloat16) else 1e-6
-        assert torch.allclose(q.double(), want.double(), rtol=tol, atol=1e-9), \
-            f"{name} off the simulation by {(q.double() - want.double()).abs().max().item()}"
+        # within rounding, on the tensor's scale: float32 sums taken in another order (the
+        # ring's, the blocks') differ in their last bits, which the float32 layer carries into
+        # the float64 ones' gradients
+        error = (q.double() - want.double()).abs().max().item()
+        scale = max(want.double().abs().max().item(), 1.0)
+        assert error <= TOLERANCES.get(q.dtype, 1e-5) * scale, \
+            f"{name} off the simulation by {error} (on a scale of {scale})"
 
 
 run_cases([configuration(i, draw()) for i in range(CONFIGURATIONS)], r)
