@@ -21,6 +21,11 @@ from .submission import describe
 from .wrapped_optimizer import explicit_groups
 
 
+# The DistributedOptimizer that last hooked a parameter (by id): a gradient that two live
+# ones would reduce is refused (see _hook).
+_REDUCED_BY: dict[int, weakref.ref] = {}
+
+
 class Planning:
     """(A part of GradientReduction: the attributes it reads are set in its `_setup`.)"""
 
@@ -103,13 +108,24 @@ class Planning:
 
         def on_gradient(p: torch.Tensor) -> None:
             optimizer = me()
-            if optimizer is not None:
-                optimizer._on_gradient(p)
+            if optimizer is None:
+                return
+            latest = _REDUCED_BY.get(id(p))
+            other = latest() if latest is not None and latest is not me else None
+            if other is not None and not other._released:     # (both hooks fire)
+                optimizer._break_step(
+                    f"ringreduce: parameter '{optimizer._names[id(p)]}' on rank "
+                    f"{optimizer._rank} is reduced by two DistributedOptimizers, which would "
+                    "average its gradient twice, racing each other: give each parameter to "
+                    "one DistributedOptimizer (param groups of one optimizer), or release() "
+                    "the one no longer used")
+            optimizer._on_gradient(p)
 
         for p in params:
             if id(p) not in self._hooked:
                 self._hooked.add(id(p))
                 self._hooks.append(p.register_post_accumulate_grad_hook(on_gradient))
+                _REDUCED_BY[id(p)] = me
 
     def _replan_if_changed(self) -> None:
         """Before anything of a step is submitted: a parameter frozen or unfrozen since the

@@ -477,6 +477,30 @@ def check_param_group_added_after_wrapping():
         params_equal_across_ranks(model, "a group added on every rank, late on some")
 
 
+def check_a_parameter_in_two_optimizers():
+    """A parameter that two live DistributedOptimizers reduce (its gradient averaged twice,
+    one's reduction in place racing the other's packing: 1.25 for 1.5 at 2 ranks, changing
+    from run to run) fails the backward pass with UsageError naming it, on every rank; once
+    the second is released, the first trains on exactly. (Alone, a rank reduces nothing: both
+    step with its own gradient, as plain torch does.)"""
+    a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3))
+    first = hvd.DistributedOptimizer(torch.optim.SGD([a, b], lr=1.0), [("a", a), ("b", b)])
+    second = hvd.DistributedOptimizer(torch.optim.SGD([b], lr=1.0), [("b", b)])
+
+    def backward():
+        ((a.sum() + b.sum()) * (r + 1)).backward()
+
+    if n > 1:
+        expect(hvd.UsageError, ["'b'", "reduced by two DistributedOptimizers"], backward)
+        second.release()
+        first.zero_grad()
+        backward()
+        first.step()
+        for p in (a, b):
+            assert torch.equal(p.detach(), torch.full((3,), -(n + 1) / 2)), \
+                f"{p.tolist()}, not {-(n + 1) / 2}"
+
+
 def check_channels_last():
     """A channels_last model: its buckets hold each weight in the weight's memory layout, so a
     gradient made a view of one keeps autograd's layout contract (the layout of its parameter),
@@ -641,6 +665,7 @@ run_cases([then_barrier(check) for check in (
     check_unused_and_frozen, check_errors,
     check_groups_leave_the_predivide_factor_out, check_groups_of_several_dtypes,
     check_sparse_gradient_of_some_passes, check_param_group_added_after_wrapping,
+    check_a_parameter_in_two_optimizers,
     check_channels_last, check_overlap,
     check_bucket_schedules, check_state_helpers, check_sync_batch_norm)], r)
 print(f"OK rank {r}", flush=True)
