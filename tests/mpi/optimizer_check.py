@@ -399,12 +399,12 @@ def check_groups_of_several_dtypes():
 
 def check_sparse_gradient_of_some_passes():
     """A sparse gradient whose parameter takes part in some of backward_passes_per_step's
-    passes only (each rank uses the embedding in one pass of two; or so, and the last rank in
-    both) is reduced at synchronize(), as Horovod's reduces what its hooks did not:
-    allgathered (its values / size), or with sparse_as_dense averaged densely, exactly, and the
-    same on every rank. It was left in its bucket: zeros there, and each rank stepped with its
-    own gradient (the ranks trained apart, with no error), or where the last rank's count was
-    full, a MismatchError on every rank."""
+    passes only (each rank uses the embedding in one pass of two; then the same with the last
+    rank using it in both) is reduced at synchronize(), as Horovod's reduces what its hooks
+    did not: allgathered (its values / size), or with sparse_as_dense averaged densely,
+    exactly, and the same on every rank. It was left in its bucket: zeros there, and each rank
+    stepped with its own gradient (the ranks trained apart, with no error), or where the last
+    rank's count was full, a MismatchError on every rank."""
     def rows(k, p):
         return [k % 6, (k + p + 1) % 6]
 
