@@ -368,26 +368,6 @@ class GradientReduction(Planning, Submission, WrappedOptimizer):
             super().zero_grad(set_to_none)      # type: ignore[misc]  (the wrapped class's)
         self._reset_step()
 
-    def _zero_bucket_views(self, set_to_none: bool) -> None:
-        """gradient_as_bucket_view's zero_grad(): the buckets zeroed in place, and the
-        gradients kept as views of them."""
-        for bucket in self._buckets:
-            bucket.buffer.zero_()
-            if not bucket.params:       # (a plan's first bucket, where no dense gradient is)
-                continue
-            p = bucket.params[0]
-            if bucket.direct and p.grad is not None:    # no bucket: as torch does
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
-        for _, p in self._sparse_params:
-            p.grad = None
-        for _, p in self._named:    # handed back sparse (sparse_as_dense): not a view
-            if p.grad is not None and p.grad.layout != torch.strided:
-                p.grad = None
-        self._point_grads_at_buckets()
-
     def set_backward_passes_per_step(self, passes: int) -> None:
         super().set_backward_passes_per_step(passes)
         self._count_again()

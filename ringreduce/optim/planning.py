@@ -5,7 +5,8 @@ frozen, its gradient reduced as zeros; one made trainable since joins it, where 
 leave it unreduced and the ranks' parameters would drift apart), the buckets (fusion.py) and
 their specs, the plan checked alike on every member as the optimizer is wrapped, made again
 when a parameter is frozen or unfrozen or added (a param group added after wrapping), a
-gradient comes sparse or the set is made anew, and a hook on every reduced parameter."""
+gradient comes sparse or the set is made anew, a hook on every reduced parameter, and, with
+gradient_as_bucket_view, the gradients as views of the buckets (zero_grad() zeroes those)."""
 from __future__ import annotations
 
 import weakref
@@ -171,6 +172,26 @@ class Planning:
         self._set = active(self._process_set, "DistributedOptimizer's step")
         self._prefix = self._set.optimizer_prefix()
         return True
+
+    def _zero_bucket_views(self, set_to_none: bool) -> None:
+        """gradient_as_bucket_view's zero_grad(): the buckets zeroed in place, and the
+        gradients kept as views of them."""
+        for bucket in self._buckets:
+            bucket.buffer.zero_()
+            if not bucket.params:       # (a plan's first bucket, where no dense gradient is)
+                continue
+            p = bucket.params[0]
+            if bucket.direct and p.grad is not None:    # no bucket: as torch does
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+        for _, p in self._sparse_params:
+            p.grad = None
+        for _, p in self._named:    # handed back sparse (sparse_as_dense): not a view
+            if p.grad is not None and p.grad.layout != torch.strided:
+                p.grad = None
+        self._point_grads_at_buckets()
 
     def _point_grads_at_buckets(self) -> None:
         for bucket in self._buckets:
