@@ -481,8 +481,9 @@ def check_a_parameter_in_two_optimizers():
     """A parameter that two live DistributedOptimizers reduce (its gradient averaged twice,
     one's reduction in place racing the other's packing: 1.25 for 1.5 at 2 ranks, changing
     from run to run) fails the backward pass with UsageError naming it, on every rank; once
-    the second is released, the first trains on exactly. (Alone, a rank reduces nothing: both
-    step with its own gradient, as plain torch does.)"""
+    the second is released, the first trains on exactly. The last rank alone keeping the
+    other: an error on every rank, then the same. (Alone, a rank reduces nothing: both step
+    with its own gradient, as plain torch does.)"""
     a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3))
     first = hvd.DistributedOptimizer(torch.optim.SGD([a, b], lr=1.0), [("a", a), ("b", b)])
     second = hvd.DistributedOptimizer(torch.optim.SGD([b], lr=1.0), [("b", b)])
@@ -499,6 +500,27 @@ def check_a_parameter_in_two_optimizers():
         for p in (a, b):
             assert torch.equal(p.detach(), torch.full((3,), -(n + 1) / 2)), \
                 f"{p.tolist()}, not {-(n + 1) / 2}"
+        # the last rank alone keeps an optimizer the others released: an error on every rank
+        # (there, its backward's; on the others, their step's: the ranks wait in different
+        # collectives), then, released there too, training goes on alike
+        for p in (a, b):
+            nn.init.zeros_(p)
+        again = hvd.DistributedOptimizer(torch.optim.SGD([a, b], lr=1.0), [("a", a), ("b", b)])
+        if r != n - 1:
+            first.release()
+
+        def step():
+            backward()
+            again.step()
+
+        expect(hvd.RingReduceError, "", step)
+        if r == n - 1:
+            first.release()
+        again.zero_grad()
+        step()
+        for p in (a, b):
+            assert torch.equal(p.detach(), torch.full((3,), -(n + 1) / 2)), \
+                f"after one rank kept an optimizer: {p.tolist()}, not {-(n + 1) / 2}"
 
 
 def check_channels_last():
