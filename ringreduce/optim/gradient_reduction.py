@@ -174,6 +174,8 @@ class GradientReduction(Planning, Submission, WrappedOptimizer):
                 self._complete_collectives()
             except UsageError:
                 pass        # (the skip this rank caused; its own reason is raised below)
+            except MismatchError as mismatch:   # (the others wait in other collectives, never
+                raise UsageError(why) from mismatch     # meeting ours: our reason comes first)
         raise UsageError(why)
 
     def _backward_finished(self) -> None:

@@ -501,8 +501,9 @@ def check_a_parameter_in_two_optimizers():
             assert torch.equal(p.detach(), torch.full((3,), -(n + 1) / 2)), \
                 f"{p.tolist()}, not {-(n + 1) / 2}"
         # the last rank alone keeps an optimizer the others released: an error on every rank
-        # (there, its backward's; on the others, their step's: the ranks wait in different
-        # collectives), then, released there too, training goes on alike
+        # (there, its backward's UsageError naming the parameter; on the others, their step's
+        # MismatchError: the ranks wait in different collectives), then, released there too,
+        # training goes on alike
         for p in (a, b):
             nn.init.zeros_(p)
         again = hvd.DistributedOptimizer(torch.optim.SGD([a, b], lr=1.0), [("a", a), ("b", b)])
@@ -513,7 +514,10 @@ def check_a_parameter_in_two_optimizers():
             backward()
             again.step()
 
-        expect(hvd.RingReduceError, "", step)
+        if r == n - 1:      # (its own reason, the others' mismatch as the cause)
+            expect(hvd.UsageError, ["'b'", f"rank {r}", "two DistributedOptimizers"], step)
+        else:
+            expect(hvd.MismatchError, "", step)
         if r == n - 1:
             first.release()
         again.zero_grad()
