@@ -9,9 +9,10 @@ reduced (averaged, by default) across the set's ranks while backward runs.
       bucket order, the same on every rank), which reduces it while backward goes on.
   synchronize(): buckets that never filled are packed with zeros where this rank has no
       gradient and submitted, so every rank reduces the same buckets (and, as in Horovod, a
-      gradient no rank had is zeros); sparse gradients are allgathered (Horovod's sparse
-      allreduce); the step's agreement (step_agreement.py) tells whether the step is broken
-      (on some rank, or a second step() on some ranks only); then wait. Called again before
+      gradient no rank had is zeros); the step's agreement (step_agreement.py) tells whether
+      the step is broken (on some rank, or a second step() on some ranks only) and how each
+      parameter with sparse gradients is reduced: allgathered (Horovod's sparse allreduce) or,
+      where it came dense, allreduced (sparse_gradients.py); then wait. Called again before
       the step, it reduces every gradient again, as Horovod's does.
   step(): synchronize() unless inside skip_synchronize(), then the wrapped optimizer's step.
 """
@@ -35,13 +36,14 @@ from ..sets.active_set import refusing
 from ..sets.handles import Handle
 from ..sets.process_sets import active
 from . import sparse_gradients
+from .sparse_gradients import SparseGradients
 from .planning import Planning
 from .schedule import BucketSchedule
 from .submission import Submission
 from .wrapped_optimizer import STEP_AFTER_SYNCHRONIZE, Options, WrappedOptimizer, remove_hooks
 
 
-class GradientReduction(Planning, Submission, WrappedOptimizer):
+class GradientReduction(Planning, SparseGradients, Submission, WrappedOptimizer):
     """See the module's docstring; `AdasumOptimizer` changes what a final gradient does."""
 
     # A parameter alone in its bucket is reduced in place in its `.grad`, without a buffer.
@@ -146,7 +148,9 @@ class GradientReduction(Planning, Submission, WrappedOptimizer):
         if (p.grad is not None and p.grad.layout != torch.strided
                 and self._sparse_gradient_leaves(p)):
             return
-        bucket = self._bucket_of[key]
+        bucket = self._bucket_of.get(key)
+        if bucket is None:      # reduced on its own (sparse before), dense this step
+            return
         if timeline.running():      # "waiting for gradients" starts at the first
             self._first_gradient_at.setdefault(bucket.index, time.perf_counter())
         view = self._view_of.get(key)   # None: a direct bucket
@@ -197,19 +201,6 @@ class GradientReduction(Planning, Submission, WrappedOptimizer):
                 self._broken = (f"a backward pass on rank {self._rank} raised before it "
                                 "finished, so its gradients are incomplete")
 
-    def _sparse_gradient_leaves(self, p: torch.Tensor) -> bool:
-        """A final sparse gradient, as Horovod treats it: with sparse_as_dense in a set of more
-        than one, densified here and handed back sparse after the reduction; else allgathered
-        on its own at synchronize() (its bucket holds zeros for it until the next plan leaves
-        it out). True where it has left its bucket."""
-        key = id(p)
-        if self._sparse_as_dense and self._set.size > 1:
-            p.grad = p.grad.to_dense()
-            self._densified.add(key)
-            return False
-        self._found_sparse.add(key)
-        return key in self._planned_sparse
-
     def _gradient_ready(self, p: torch.Tensor) -> None:
         """What a final gradient does before its bucket is packed (Adasum: the local step)."""
 
@@ -230,12 +221,12 @@ class GradientReduction(Planning, Submission, WrappedOptimizer):
                                                       self._passes):
                 self._sparse_gradient_leaves(p)
         self._submit_ready_buckets(force=True)
-        seen_sparse = self._planned_sparse | self._found_sparse
-        sparse = [(n, p) for n, p in self._named if id(p) in seen_sparse] if seen_sparse else []
-        self._sparse |= self._found_sparse    # the next step's plan reduces them on their own
-        agreement = (self._agreement.submit(self._broken is not None, again,
-                                            [n for n, _ in sparse], self._schedule.vote())
-                     if self._agrees else None)
+        found = self._found_sparse - self._planned_sparse
+        new_sparse = [(n, p) for n, p in self._named if id(p) in found] if found else []
+        agreement = (self._agreement.submit(
+            self._broken is not None, again,
+            sparse_gradients.layouts(self._sparse_params, self._pass_count), bool(new_sparse),
+            self._schedule.vote()) if self._agrees else None)
         failures: list[BaseException] = []
 
         def wait(outcome: Callable[[], Any]) -> Any:
@@ -253,12 +244,14 @@ class GradientReduction(Planning, Submission, WrappedOptimizer):
                 wait(agreement.wait)
                 if (agreed := len(failures) == failed_before):
                     self._schedule.agreed(self._agreement.schedule())
-            if sparse and agreed:
-                for p, handle in sparse_gradients.gather(sparse, self._prefix, self._op,
-                                                         self._process_set):
-                    gathered = wait(handle)
-                    if gathered is not None:
-                        p.grad = gathered
+            agreed_on = self._agreement if agreement is not None else None
+            if agreed and (self._sparse_params or new_sparse or agreed_on is not None
+                           and agreed_on.new_sparse()):
+                for p, handle in wait(lambda: self._sparse_collectives(agreed_on,
+                                                                       new_sparse)) or ():
+                    reduced = wait(handle)
+                    if reduced is not None:
+                        p.grad = reduced
         finally:
             self._handles = []
             self._synchronized = True       # nothing of this step is pending any more

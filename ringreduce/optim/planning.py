@@ -66,7 +66,8 @@ class Planning:
         self._planned = frozenset(id(p) for _, p in trainable)
         self._planned_sparse = frozenset(self._sparse)
         self._agreement = StepAgreement(self._set, self._process_set, self._prefix,
-                                        [n for n, _ in dense])
+                                        [n for n, _ in dense],
+                                        [n for n, _ in self._sparse_params])
         self._agrees = self._set.size > 1
         for bucket in self._buckets:
             describe(bucket)

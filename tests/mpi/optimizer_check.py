@@ -433,6 +433,74 @@ def check_sparse_gradient_of_some_passes():
                 f"{emb.weight.detach().tolist()}, not {(-0.25 * average).tolist()}"
 
 
+def check_sparse_gradient_of_some_ranks_or_dense():
+    """An embedding's gradient (sparse=True) that some ranks lack, or that comes dense in a
+    step, is reduced as Horovod reduces each gradient as it comes: gathered where it is sparse
+    (ranks without one take part with an empty one), allreduced where it is dense (zeros
+    where a rank has none). Exact and the same on every rank, at its first sparse step (the
+    plan has it in a bucket) and later (reduced on its own). Before: a MismatchError ('sparse'
+    differs) where only some ranks had it, and a KeyError in the backward hook where it came
+    dense after a sparse step. Sparse on some ranks and dense on others: a MismatchError on
+    every rank naming both, every rank skipping the step; the next step trains on exactly."""
+    def rows(k, step):
+        return [k % 6, (k + step) % 6]
+
+    # each step: which ranks use the embedding (sparse), and whether every rank adds a dense
+    # term (its weight's sum: the gradient comes dense on every rank)
+    steps = [([n - 1], False), ([], False), ([0], False), (list(range(n)), True),
+             ([n - 1], True), (list(range(0, n, 2)), False)]
+    for first_sparse_at_start in (False, True):
+        emb = nn.Embedding(6, 2, sparse=True, dtype=torch.float64)
+        nn.init.zeros_(emb.weight)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5),
+                                       [("emb.weight", emb.weight)])
+        want = torch.zeros(6, 2, dtype=torch.float64)
+        for step, (users, dense) in enumerate(steps[0 if first_sparse_at_start else 1:]):
+            opt.zero_grad()
+            total = torch.zeros(6, 2, dtype=torch.float64)
+            for k in users:
+                for row in rows(k, step):
+                    total[row] += n * (k + 1)     # (multiples of n: total / n exact)
+            loss = None
+            if r in users:
+                loss = emb(torch.tensor(rows(r, step))).sum() * n * (r + 1)
+            if dense:
+                total += n * n      # (n from each rank)
+                loss = emb.weight.sum() * n + (0 if loss is None else loss)
+            if loss is not None:
+                loss.backward()
+            opt.step()
+            want -= 0.5 * total / n
+            assert torch.equal(emb.weight.detach(), want), \
+                f"step {step} (users {users}, dense {dense}): {emb.weight.detach().tolist()}, " \
+                f"not {want.tolist()}"
+        if n == 1:
+            continue
+        # sparse on rank 0, dense on the last rank: an error on every rank, then exact again
+        for sparse_known in (True, False):
+            if not sparse_known:
+                emb = nn.Embedding(6, 2, sparse=True, dtype=torch.float64)
+                nn.init.zeros_(emb.weight)
+                opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5),
+                                               [("emb.weight", emb.weight)])
+                want = torch.zeros(6, 2, dtype=torch.float64)
+            opt.zero_grad()
+            if r == 0:
+                emb(torch.tensor([1])).sum().backward()
+            elif r == n - 1:
+                emb.weight.sum().backward()
+            expect(hvd.MismatchError, ["'emb.weight'", "sparse on ranks [0]",
+                                       f"dense on ranks [{n - 1}]"], opt.step)
+            assert torch.equal(emb.weight.detach(), want), "a skipped step changed the weight"
+            opt.zero_grad()
+            (emb(torch.tensor([2])).sum() * n).backward()    # (gathered: n / n exact)
+            opt.step()
+            want[2] -= 0.5 * n
+            assert torch.equal(emb.weight.detach(), want), \
+                f"after the error (sparse known: {sparse_known}): " \
+                f"{emb.weight.detach().tolist()}, not {want.tolist()}"
+
+
 def check_param_group_added_after_wrapping():
     """A param group added after wrapping (add_param_group) is reduced from the next step on,
     named as the given named_parameters name it (or, without them, as Horovod names one), on
@@ -690,7 +758,8 @@ run_cases([then_barrier(check) for check in (
     check_equivalence, check_large_gradients_alone, check_inheritance, check_features,
     check_unused_and_frozen, check_errors,
     check_groups_leave_the_predivide_factor_out, check_groups_of_several_dtypes,
-    check_sparse_gradient_of_some_passes, check_param_group_added_after_wrapping,
+    check_sparse_gradient_of_some_passes, check_sparse_gradient_of_some_ranks_or_dense,
+    check_param_group_added_after_wrapping,
     check_a_parameter_in_two_optimizers,
     check_channels_last, check_overlap,
     check_bucket_schedules, check_state_helpers, check_sync_batch_norm)], r)

@@ -7,11 +7,12 @@ A configuration draws from: backward_passes_per_step, fusion threshold and first
 `groups`, op and gradient_predivide_factor, gradient_as_bucket_view, sparse_as_dense,
 zero_grad(set_to_none), a layer of 1 MiB (a bucket of its own), a float32 layer and a
 float16 or bfloat16 one beside the float64 ones, a sparse or dense embedding and a branch that
-each rank uses in passes of its own, a frozen layer, two optimizers over one backward, and a
+each rank uses in passes of its own (or in none), the embedding's weight used densely by every
+rank in some steps (its gradient then dense), a frozen layer, two optimizers over one backward, and a
 process set without the last rank. The simulation runs each member's passes on a copy of the
 model and reduces each gradient in its own dtype (zeros where a member has none; Average
 scaled as Horovod scales, the predivide factor unused with `groups`; a sparse one gathered,
-its values / size). Parameters are bitwise the same on every member and within rounding of
+its values / size, unless it came dense). Parameters are bitwise the same on every member and within rounding of
 the simulation (its sums run in another order). Each configuration is a case of its own.
 """
 import random
@@ -71,10 +72,10 @@ def draw():
              first=plan.choice([None, 256]), groups=plan.choice([None, None, 1, 2]),
              predivide=plan.choice([1.0, 1.0, 2.0]), op=plan.choice([hvd.Average, hvd.Sum]),
              views=plan.random() < 0.3, sparse_as_dense=plan.random() < 0.3,
-             branch=plan.choice([0.0, 0.5, 1.0]), embedding=plan.choice([0.0, 0.5, 1.0]),
+             branch=plan.choice([0.0, 0.5, 1.0]), embedding=plan.choice([0.0, 0.5, 0.5, 1.0]),
              set_to_none=plan.random() < 0.5, steps=plan.choice([1, 2, 3]),
              two=plan.random() < 0.3, subset=n > 2 and plan.random() < 0.3,
-             seed=plan.randrange(2**31))
+             seed=plan.randrange(2**31), dense_embedding=plan.choice([0.0, 0.5, 0.5]))
     if c["op"] == hvd.Sum:
         c["predivide"] = 1.0        # (a factor with Sum is a ValueError, as in Horovod)
     return c
@@ -82,20 +83,25 @@ def draw():
 
 def uses(c, k, step, p):
     """Whether member k uses the branch and the embedding in pass p of a step: each member
-    its own passes, the embedding in one at least where it is used at all (a member without
-    a sparse gradient where others have one is a MismatchError, not a case here)."""
+    its own passes (a member may have no embedding gradient where others have one)."""
     draws = random.Random(hash((c["seed"], k, step, p)))
     embedding = draws.random() < c["embedding"]
-    if c["embedding"] and p == random.Random(hash((c["seed"], k, step))).randrange(c["passes"]):
-        embedding = True
     return draws.random() < c["branch"], embedding
+
+
+def dense_embedding(c, step):
+    """Whether every member uses the embedding's weight densely in the step's first pass."""
+    return random.Random(hash((c["seed"], step))).random() < c["dense_embedding"]
 
 
 def loss(model, c, k, step, p):
     g = torch.Generator().manual_seed(c["seed"] + 1000 * step + 10 * k + p)
     x = torch.randint(-2, 3, (4, 8), generator=g).double()
     idx = torch.randint(0, 10, (4,), generator=g)
-    return model(x, idx, *uses(c, k, step, p)).sum() * int(torch.randint(1, 4, (1,), generator=g))
+    out = model(x, idx, *uses(c, k, step, p)).sum()
+    if p == 0 and dense_embedding(c, step):
+        out = out + model.emb.weight.sum()
+    return out * int(torch.randint(1, 4, (1,), generator=g))
 
 
 def wrap(model, c, process_set):
@@ -124,15 +130,15 @@ def simulated_step(reference, c, members, step):
             loss(copy, c, k, step, p).backward()
         grads.append({name: q.grad for name, q in copy.named_parameters()})
     predivide = 1.0 if c["groups"] else c["predivide"]
+    gathered = c["sparse"] and not c["sparse_as_dense"] and not dense_embedding(c, step)
     with torch.no_grad():
         for name, q in reference.named_parameters():
             own = [g[name] for g in grads]
-            if not q.requires_grad or (c["sparse"] and not c["sparse_as_dense"] and name ==
-                                       "emb.weight" and all(g is None for g in own)):
+            if not q.requires_grad or (gathered and name == "emb.weight"
+                                       and all(g is None for g in own)):
                 continue
             own = [torch.zeros_like(q) if g is None else g.to_dense() for g in own]
-            if c["op"] == hvd.Average and not (name == "emb.weight" and c["sparse"] and
-                                               not c["sparse_as_dense"]):
+            if c["op"] == hvd.Average and not (name == "emb.weight" and gathered):
                 own = [horovod_scaled(g, 1.0 / predivide) for g in own]
                 total = horovod_scaled(sum(own[1:], own[0]), predivide / len(members))
             elif c["op"] == hvd.Average:        # gathered: each member's values / size

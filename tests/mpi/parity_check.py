@@ -147,8 +147,8 @@ def check_sparse_gradients_in_the_optimizer():
                hvd.DistributedOptimizer, torch.optim.SGD(model.parameters(), lr=0.1),
                model.named_parameters(), sparse_as_dense=r == n - 1)
         # a dense embedding on the last rank alone: gathered sparse on the others, reduced in
-        # its bucket there; the step's agreement names the sparse gradients, so every rank
-        # gets a MismatchError instead of a gather waiting for ranks that never submit it
+        # its bucket there; the step's agreement tells every rank, so every rank gets a
+        # MismatchError naming both instead of a gather waiting for ranks that never submit it
         torch.manual_seed(3)
         model = Embedder(sparse=r != n - 1)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -156,7 +156,9 @@ def check_sparse_gradients_in_the_optimizer():
         before = [p.detach().clone() for p in model.parameters()]
         F.cross_entropy(model(torch.randint(0, 20, (4, 5))), torch.zeros(4, dtype=torch.long)
                         ).backward()
-        expect(hvd.MismatchError, ["'sparse' differs", f"rank {n - 1}: None"], opt.step)
+        expect(hvd.MismatchError, ["'embedding.weight' is sparse on ranks "
+                                   f"{list(range(n - 1))} and dense on ranks [{n - 1}]"],
+               opt.step)
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
