@@ -15,13 +15,14 @@ gather with the others, rather than meeting other collectives.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from ..api.collectives import allreduce_async, sparse_allreduce_async, synchronize
 from ..api.objects import allgather_object
-from ..core.errors import MismatchError
+from ..core.errors import JoinedError, MismatchError
 from ..sets.process_set import ProcessSet
 from .step_agreement import StepAgreement
 
@@ -80,7 +81,8 @@ def agree_on_new(named: Named, found: Named, counts: dict[int, int], prefix: str
     index = {id(p): i for i, (_, p) in enumerate(named)}
     mine = ({index[id(p)] for _, p in found},
             {i for i, (_, p) in enumerate(named) if _own_dense(p, counts)})
-    reports = allgather_object(mine, name=f"{prefix}sparse.found", process_set=process_set)
+    with _join_hint():
+        reports = allgather_object(mine, name=f"{prefix}sparse.found", process_set=process_set)
     union = sorted(set().union(*(sparse for sparse, _ in reports)))
     for i in union:
         dense_on = [ranks[k] for k, (_, dense) in enumerate(reports) if i in dense]
@@ -119,7 +121,7 @@ def start(planned: Named, agreed: Optional[list[tuple[bool, bool]]], found: Name
     for name, p in found:
         started.append((p, sparse_allreduce_async(_sparse_or_empty(p), f"{prefix}sparse.{name}",
                                                   op, process_set)))
-    return started
+    return [(p, _hinted(wait)) for p, wait in started]
 
 
 def short_of_passes(params: Named, counts: dict[int, int], passes: int) -> list[torch.Tensor]:
@@ -168,6 +170,25 @@ def _allreduce(p: torch.Tensor, counts: dict[int, int], name: str, reduction: tu
                              postscale_factor=postscale, process_set=process_set,
                              compression=compression)
     return lambda: synchronize(handle)
+
+
+@contextmanager
+def _join_hint() -> Iterator[None]:
+    """A JoinedError (some ranks have joined: gathers cannot run) says what to do, as
+    Horovod's does."""
+    try:
+        yield
+    except JoinedError as exc:
+        raise JoinedError(f"{exc} A DistributedOptimizer gathers sparse gradients: pass "
+                          "sparse_as_dense=True to reduce them in its buckets, which "
+                          "joined ranks take part in.") from exc
+
+
+def _hinted(wait: Callable[[], Optional[torch.Tensor]]) -> Callable[[], Optional[torch.Tensor]]:
+    def hinted() -> Optional[torch.Tensor]:
+        with _join_hint():
+            return wait()
+    return hinted
 
 
 def _mixed(name: str, sparse_on: list[int], dense_on: list[int]) -> MismatchError:

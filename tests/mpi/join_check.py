@@ -4,7 +4,8 @@ JoinedError meanwhile; join() returns the last rank to join, on every rank.
 
 Then a DistributedOptimizer epoch with a different number of batches per rank, against one
 process applying the same averaged gradients (the parameters of the rank that joined last,
-broadcast after join() as Horovod's documentation says).
+broadcast after join() as Horovod's documentation says); its sparse gradients while a rank
+has joined.
 
 Usage: join_check.py [SETTINGS]   (a JSON object {label: {variable: value}}: every check once
 per setting. JOIN_FIRST=k: rank k joins first, then k+1, ... around the ring; unset: each rank
@@ -120,6 +121,43 @@ def uneven_epoch():
     hvd.check_consistency(model)        # bitwise identical on every rank
 
 
+def sparse_gradients_under_join():
+    """A DistributedOptimizer gathers sparse gradients, which cannot run while a rank has
+    joined: the others' step raises JoinedError saying to pass sparse_as_dense=True (as
+    Horovod's says), at the embedding's first sparse step and at a later one; they join too,
+    and every rank goes on in step. With sparse_as_dense, the joined rank's zeros take part."""
+    if n == 1:
+        return
+    for steps_before in (0, 1):
+        emb = torch.nn.Embedding(4, 2, sparse=True)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0),
+                                       [("emb.weight", emb.weight)])
+        for _ in range(steps_before):       # every rank: the embedding is known sparse
+            opt.zero_grad()
+            emb(torch.tensor([1])).sum().backward()
+            opt.step()
+        if r != 0:
+            opt.zero_grad()
+            emb(torch.tensor([1])).sum().backward()
+            try:
+                opt.step()
+                raise AssertionError("a sparse gradient was gathered while rank 0 had joined")
+            except hvd.JoinedError as e:
+                assert "sparse_as_dense=True" in str(e) and "[0]" in str(e), e
+            opt.zero_grad()
+        hvd.join()
+        assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
+    emb = torch.nn.Embedding(4, 2, sparse=True)
+    torch.nn.init.zeros_(emb.weight)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0),
+                                   [("emb.weight", emb.weight)], sparse_as_dense=True)
+    if r != 0:
+        (emb(torch.tensor([1])).sum() * n).backward()
+        opt.step()
+    hvd.join()
+    assert torch.equal(emb.weight[1], torch.full((2,), -float(n - 1))) or r == 0, emb.weight
+
+
 def check_all():
     first = os.environ.get("JOIN_FIRST")
     for first in range(n) if first is None else [int(first) % n]:
@@ -128,6 +166,7 @@ def check_all():
     joins_apart_in_time(0)
     joins_apart_in_time(n - 1)
     uneven_epoch()
+    sparse_gradients_under_join()
 
 
 per_setting(sys.argv[1] if len(sys.argv) > 1 else None, hvd.init, check_all, hvd.shutdown)
