@@ -244,11 +244,8 @@ class GradientReduction(Planning, SparseGradients, Submission, WrappedOptimizer)
                 wait(agreement.wait)
                 if (agreed := len(failures) == failed_before):
                     self._schedule.agreed(self._agreement.schedule())
-            agreed_on = self._agreement if agreement is not None else None
-            if agreed and (self._sparse_params or new_sparse or agreed_on is not None
-                           and agreed_on.new_sparse()):
-                for p, handle in wait(lambda: self._sparse_collectives(agreed_on,
-                                                                       new_sparse)) or ():
+            if agreed and (self._sparse_params or new_sparse or self._agreement.new_sparse()):
+                for p, handle in wait(lambda: self._sparse_collectives(new_sparse)) or ():
                     reduced = wait(handle)
                     if reduced is not None:
                         p.grad = reduced

@@ -24,7 +24,6 @@ from ..api.collectives import allreduce_async, sparse_allreduce_async, synchroni
 from ..api.objects import allgather_object
 from ..core.errors import JoinedError, MismatchError
 from ..sets.process_set import ProcessSet
-from .step_agreement import StepAgreement
 
 Named = Sequence[tuple[str, torch.Tensor]]
 Started = list[tuple[torch.Tensor, Callable[[], Optional[torch.Tensor]]]]
@@ -48,12 +47,12 @@ class SparseGradients:
         self._found_sparse.add(key)
         return key in self._planned_sparse
 
-    def _sparse_collectives(self, agreement: Optional[StepAgreement], new_sparse: list) -> list:
+    def _sparse_collectives(self, new_sparse: list) -> list:
         """Start the step's collectives of the parameters reduced on their own (the plan's
-        sparse ones and those found sparse this step, by the agreement where there is one);
-        the latter are the next plan's sparse ones, on every rank alike."""
-        agreed = None if agreement is None else agreement.layouts()
-        if agreement is not None and agreement.new_sparse():
+        sparse ones and those found sparse this step, by the step's agreement in a set of more
+        than one); the latter are the next plan's sparse ones, on every rank alike."""
+        agreed = self._agreement.layouts() if self._agrees else None
+        if self._agreement.new_sparse():     # (never set in a set of one: nothing submitted)
             new_sparse, mixed = agree_on_new(self._named, new_sparse, self._pass_count,
                                              self._prefix, self._process_set, self._set.ranks)
         else:
@@ -102,11 +101,10 @@ def start(planned: Named, agreed: Optional[list[tuple[bool, bool]]], found: Name
     are (`reduction`: op, prescale, postscale; `compression`)."""
     if agreed is None:
         agreed = layouts(planned, counts)
-    for (name, _), (sparse, dense) in zip(planned, agreed):
+    for j, ((name, _), (sparse, dense)) in enumerate(zip(planned, agreed)):
         if sparse and dense:
             reports = allgather_object(layouts(planned, counts), name=f"{prefix}sparse.layouts",
                                        process_set=process_set)
-            j = [n for n, _ in planned].index(name)
             raise _mixed(name, [ranks[k] for k, report in enumerate(reports) if report[j][0]],
                          [ranks[k] for k, report in enumerate(reports) if report[j][1]])
     started: Started = []
