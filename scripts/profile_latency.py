@@ -11,7 +11,9 @@ backend: the group's own `allreduce([t]).wait()`, then with torch's `AllreduceOp
 read as `dist.all_reduce` makes them, then `dist.all_reduce(t, async_op=True).wait()` itself
 (what DDP does with a bucket); last the synchronous call (`dist.all_reduce(t)`, what a script
 calls), the group's with torch's options and then torch's own, so the differences show what
-each layer costs. Each line is
+each layer costs. The last two lines are torch's floor: the same two `dist.all_reduce` calls on
+a group whose backend does nothing (its allreduce returns a finished Work, or None for the
+synchronous call), so what torch's own layers cost, with no exchange at all. Each line is
 timed twice: back to back (the ranks' calls pipeline) and one call after each barrier (the
 median, as bench_allreduce.py times its rows: a call started with every rank in step).
 Python's garbage collector is paused, so its occasional full collections (tens of milliseconds
@@ -36,6 +38,24 @@ from ringreduce.transport.signature import digest
 from ringreduce.transport.reduce_spec import ReduceSpec
 
 
+class _Finished(dist.Work):
+    """A Work that is done already: the do-nothing backend's."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+class _DoNothing(dist.ProcessGroup):
+    """torch's floor: a Python backend whose allreduce does no work at all."""
+
+    def allreduce(self, tensors, opts=None):
+        return None if opts is not None and not opts.asyncOp else _Finished()
+
+
+dist.Backend.register_backend("profile_nothing", lambda store, rank, size, timeout:
+                              _DoNothing(rank, size), devices=["cpu"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bytes", type=int, default=4096)
@@ -56,6 +76,7 @@ def main() -> None:
     spec = ReduceSpec(torch.float32, hvd.Sum, digest=digest(signature), signature=signature)
     ringreduce.distributed.init_process_group()
     group, SUM = dist.group.WORLD, dist.ReduceOp.SUM
+    nothing = dist.new_group(backend="profile_nothing")
 
     def with_torch_options(asynchronous: bool):
         def call():
@@ -85,6 +106,10 @@ def main() -> None:
             x, SUM, async_op=True).wait()),
         ("backend, synchronous: options, allreduce", with_torch_options(False)),
         ("dist.all_reduce(t) (synchronous)", lambda: dist.all_reduce(x, SUM)),
+        ("torch's floor: async .wait(), no backend", lambda: dist.all_reduce(
+            x, SUM, group=nothing, async_op=True).wait()),
+        ("torch's floor: synchronous, no backend", lambda: dist.all_reduce(
+            x, SUM, group=nothing)),
     ]
     gc.disable()
     if comm.rank == 0:
