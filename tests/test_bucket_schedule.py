@@ -2,7 +2,8 @@
 choice and how it is agreed, on step times given here."""
 import pytest
 
-from ringreduce.optim.schedule import TRIAL_STEPS, TRIALS, WARM_UP_STEPS, BucketSchedule
+from ringreduce.optim.schedule import (CHECK_STEPS, KEPT, TRIAL_STEPS, TRIALS, WARM_UP_STEPS,
+                                       BucketSchedule)
 
 
 def run_steps(schedule, overlap_ms, inline_ms, steps):
@@ -77,3 +78,76 @@ def test_without_a_vote_the_trials_end_in_overlap():
     seen = run_steps(schedule, 100.0, 1.0, WARM_UP_STEPS + TRIAL_STEPS + 3)
     assert seen[-3:] == ["overlap"] * 3 and "inline" in seen
     assert schedule.chosen is None and schedule.vote() == 0
+
+
+def train(step_ms, steps):
+    """Two ranks' schedules (the first decides) over `steps` steps, as the optimizer drives
+    them: each step begins, takes `step_ms(schedule, step)` ms, and its synchronize() carries
+    the first rank's vote in the step's agreement to both. Returns the schedule of each step
+    (alike on both ranks) and the two."""
+    ranks = [BucketSchedule("auto", 2, True, False), BucketSchedule("auto", 2, False, False)]
+    now, seen = 0.0, []
+    for schedule in ranks:
+        schedule.synchronized(now)
+    for step in range(steps):
+        for schedule in ranks:
+            schedule.step_began()
+        taken = {"inline" if schedule.inline else "overlap" for schedule in ranks}
+        assert len(taken) == 1, f"step {step}: the ranks differ: {taken}"
+        seen.append(taken.pop())
+        now += step_ms(seen[-1], step) / 1024
+        votes = [schedule.vote() for schedule in ranks]
+        assert votes[1] == 0
+        for schedule in ranks:
+            schedule.agreed(votes[0])
+            schedule.synchronized(now)
+    return seen, ranks
+
+
+TRIALS_END = WARM_UP_STEPS - 1 + TRIAL_STEPS    # (the warm-up's first step is not timed)
+
+
+def test_a_choice_confirmed_kept_stays():
+    seen, ranks = train(lambda schedule, step: 90 if schedule == "inline" else 100,
+                        TRIALS_END + CHECK_STEPS + 5)
+    assert seen[TRIALS_END + 1:] == ["inline"] * (CHECK_STEPS + 4)
+    first = ranks[0]
+    assert first.measured() == pytest.approx({"overlap": 100 / 1024, "inline": 90 / 1024,
+                                              "inline kept": 90 / 1024})
+    assert first.vote() == 0 and all(r.chosen == "inline" for r in ranks)
+
+
+def test_trials_that_misjudge_are_corrected_by_the_schedule_kept():
+    """Overlap quicker in its trials (130 against 139 ms) but slower kept (149): inline is
+    timed kept (128), quicker, and stays on every rank, for good."""
+    def step_ms(schedule, step):
+        if step < TRIALS_END:
+            return 139 if schedule == "inline" else 130
+        return 128 if schedule == "inline" else 149
+
+    seen, ranks = train(step_ms, TRIALS_END + CHECK_STEPS + 10)
+    assert seen[TRIALS_END + 1] == "overlap"        # the choice, from the trials
+    assert seen[-10:] == ["inline"] * 10
+    after = seen[TRIALS_END + 1:]
+    assert sum(a != b for a, b in zip(after, after[1:])) == 1, after
+    assert after.count("overlap") <= 1 + 2 + KEPT, after     # the vote's, settling, kept
+    assert ranks[0].measured() == pytest.approx({
+        "overlap": 130 / 1024, "inline": 139 / 1024, "overlap kept": 149 / 1024,
+        "inline kept": 128 / 1024})
+    assert all(r.chosen == "inline" for r in ranks) and ranks[0].vote() == 0
+
+
+def test_a_switch_slower_kept_goes_back_and_stays():
+    """Kept, overlap is slower than inline's trials, but inline kept is slower still: back to
+    overlap, which then stays (at most two switches)."""
+    def step_ms(schedule, step):
+        if step < TRIALS_END:
+            return 139 if schedule == "inline" else 130
+        return 160 if schedule == "inline" else 149
+
+    seen, ranks = train(step_ms, TRIALS_END + CHECK_STEPS + 30)
+    assert seen[-30:] == ["overlap"] * 30
+    after = seen[TRIALS_END + 1:]
+    assert sum(a != b for a, b in zip(after, after[1:])) == 2, after
+    assert ranks[0].measured()["inline kept"] == pytest.approx(160 / 1024)
+    assert all(r.chosen == "overlap" for r in ranks)
