@@ -11,9 +11,10 @@ backend: the group's own `allreduce([t]).wait()`, then with torch's `AllreduceOp
 read as `dist.all_reduce` makes them, then `dist.all_reduce(t, async_op=True).wait()` itself
 (what DDP does with a bucket); last the synchronous call (`dist.all_reduce(t)`, what a script
 calls), the group's with torch's options and then torch's own, so the differences show what
-each layer costs. The last two lines are torch's floor: the same two `dist.all_reduce` calls on
-a group whose backend does nothing (its allreduce returns a finished Work, or None for the
-synchronous call), so what torch's own layers cost, with no exchange at all. Each line is
+each layer costs. The last three lines are torch's floor: the group's own call and the same two
+`dist.all_reduce` calls on a group whose backend does nothing (its allreduce returns a finished
+Work, or None for the synchronous call), so what torch's own layers cost, with no exchange at
+all. Each line is
 timed twice: back to back (the ranks' calls pipeline) and one call after each barrier (the
 median, as bench_allreduce.py times its rows: a call started with every rank in step).
 Python's garbage collector is paused, so its occasional full collections (tens of milliseconds
@@ -106,6 +107,7 @@ def main() -> None:
             x, SUM, async_op=True).wait()),
         ("backend, synchronous: options, allreduce", with_torch_options(False)),
         ("dist.all_reduce(t) (synchronous)", lambda: dist.all_reduce(x, SUM)),
+        ("torch's floor: group.allreduce([t]).wait()", lambda: nothing.allreduce([x]).wait()),
         ("torch's floor: async .wait(), no backend", lambda: dist.all_reduce(
             x, SUM, group=nothing, async_op=True).wait()),
         ("torch's floor: synchronous, no backend", lambda: dist.all_reduce(

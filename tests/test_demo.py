@@ -63,7 +63,7 @@ def test_latency_profile_times_every_layer():
     result = run_mpi(2, str(script), "--calls", "5", timeout=120)
     assert result.returncode == 0, result.output[-4000:]
     timed = re.findall(r"^(.+?)\s+([\d.]+)\s+([\d.]+)$", result.output, re.M)
-    assert len(timed) == 15 and timed[-1][0] == "torch's floor: synchronous, no backend", \
+    assert len(timed) == 16 and timed[-1][0] == "torch's floor: synchronous, no backend", \
         result.output[-4000:]
 
 
