@@ -40,7 +40,7 @@ TRIALS = 4              # steps measured under each schedule
 TRIAL_STEPS = 4 * TRIALS    # each measured step follows one under the same schedule
 KEPT = 4                # steps timed under a schedule kept, after the choice or a switch
 SETTLING = 2            # steps not timed after a vote: its own, and the first taking it
-CHECK_STEPS = 2 * (SETTLING + KEPT) + 1     # the most steps from the trials' end to the last vote's
+CHECK_STEPS = 2 * (SETTLING + KEPT) + 1     # the most steps from the trials to the last vote
 
 AUTO, OVERLAP, INLINE = "auto", "overlap", "inline"
 _VOTES = {OVERLAP: 1, INLINE: 2}    # the agreement's byte (0: no vote this step)
