@@ -119,7 +119,7 @@ CLASSES = 1000
 MiB = float(1 << 20)
 # Warm-up steps, enough for DistributedOptimizer's bucket schedule to be chosen (auto) before
 # the steps that count, as it is after the first few steps of a real run
-WARM_UP = schedule.WARM_UP_STEPS + schedule.TRIAL_STEPS + schedule.CHECK_STEPS + 2
+WARM_UP = schedule.WARM_UP_STEPS + schedule.TRIAL_STEPS + 2
 
 
 # ---------------------------------------------------------------------------- models
@@ -292,8 +292,8 @@ def per_step_ms(totals: dict[str, float], steps: int) -> dict[str, float]:
 
 def schedule_of(trainer: Trainer) -> dict:
     """A DistributedOptimizer's bucket schedule (optim/schedule.py): the one it took, and the
-    median step time of each schedule's trials, and of each timed kept, where it measured them
-    (RINGREDUCE_BUCKET_SCHEDULE=auto, within the warm-up)."""
+    median step time of each schedule's trials where it measured them (RINGREDUCE_BUCKET_
+    SCHEDULE=auto, within the warm-up)."""
     schedule = getattr(trainer.opt, "_schedule", None)
     if schedule is None:
         return {}
@@ -467,7 +467,7 @@ def main() -> None:
                     trials = ", ".join(f"{k} {v:.1f} ms" for k, v in
                                        r["schedule_trials_ms"].items())
                     print(f"  {r['method']}: bucket schedule {r['schedule']}"
-                          + (f" (its timed steps' medians: {trials})" if trials else ""))
+                          + (f" (trial steps' medians: {trials})" if trials else ""))
         results += rows
 
     if RANK == 0:

@@ -396,8 +396,7 @@ def train_tables(data: dict, source: str) -> str:
 
 def schedules(results: list, models: dict) -> list[str]:
     """Where each DistributedOptimizer reduced its buckets (optim/schedule.py), as it chose
-    within its warm-up, with the medians of its timed steps (each schedule's trials, and each
-    one timed kept: "overlap kept"); nothing for a file without them."""
+    within its warm-up, with its trial steps' medians; nothing for a file without them."""
     lines = []
     for r in results:
         if "schedule" not in r:
@@ -405,7 +404,7 @@ def schedules(results: list, models: dict) -> list[str]:
         trials = ", ".join(f"{k} {v:.0f} ms" for k, v in r.get("schedule_trials_ms", {}).items())
         lines.append(f"- {TRAIN_MODELS.get(r['model'], r['model'])}, {TRAIN_METHODS[r['method']]}:"
                      f" buckets reduced `{r['schedule']}`"
-                     + (f" (its timed steps' medians: {trials})" if trials else ""))
+                     + (f" (its trial steps' medians: {trials})" if trials else ""))
     return (["Bucket schedules (`RINGREDUCE_BUCKET_SCHEDULE=auto`):", ""] + lines + [""]
             if lines else [])
 
