@@ -141,7 +141,8 @@ class Settings:
         "DistributedOptimizer: where each bucket is reduced as soon as it fills: overlap: on "
         "the engine thread, while backward goes on; inline: on the training thread, backward "
         "pausing for it (quicker where each rank has one busy core); auto: measure both over "
-        "the first steps and keep the quicker, the same on every rank (overlap on GPUs)")
+        "the first 38 steps and keep the quicker (overlap only where more than 5% quicker), "
+        "the same on every rank (overlap on GPUs)")
     simulated_nodes: int = _setting(
         0, int,
         "group the ranks into this many simulated nodes (contiguous blocks of ranks) instead of "
