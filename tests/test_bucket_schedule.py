@@ -1,7 +1,10 @@
 """DistributedOptimizer's bucket schedule (optim/schedule.py) by itself: the trials, the
 choice and how it is agreed, on step times given here."""
+import dataclasses
+
 import pytest
 
+from ringreduce.core.config import Settings
 from ringreduce.optim.schedule import (BLOCK, OVERLAP_MARGIN, TIMED, TRIAL_STEPS, TRIALS,
                                        WARM_UP_STEPS, BucketSchedule)
 
@@ -101,3 +104,11 @@ def test_without_a_vote_the_trials_end_in_overlap():
     seen = run_steps(schedule, 100.0, 1.0, WARM_UP_STEPS + TRIAL_STEPS + 3)
     assert seen[-3:] == ["overlap"] * 3 and "inline" in seen
     assert schedule.chosen is None and schedule.vote() == 0
+
+
+def test_the_settings_help_says_how_long_auto_measures_and_its_margin():
+    """RINGREDUCE_BUCKET_SCHEDULE's help (core.config, below the optimizer: it cannot import
+    these constants) names the steps auto measures and overlap's margin: kept in step here."""
+    doc = {f.name: f.metadata["doc"] for f in dataclasses.fields(Settings)}["bucket_schedule"]
+    assert f"first {WARM_UP_STEPS + TRIAL_STEPS} steps" in doc, doc
+    assert f"more than {round(OVERLAP_MARGIN * 100)}% quicker" in doc, doc
