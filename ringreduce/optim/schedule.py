@@ -8,26 +8,25 @@ has one busy core, the engine thread takes its time from backward's, and a rank 
 step for buckets its peers reduced late; reducing each bucket inline, its gradients still in
 cache and every rank in step, is then quicker. Which holds depends on the model and the
 machine, so `auto` (the default, RINGREDUCE_BUCKET_SCHEDULE) measures it: after
-`WARM_UP_STEPS`, the steps take the two in turn, `BLOCK` steps at a time, `TRIALS` blocks
-each (`TRIAL_STEPS` in all), and only the last `TIMED` steps of each block are timed. A
-schedule's cost builds up over several steps after a switch: on a 23.5M-parameter MLP, forced
-in blocks of six, overlap took 137-138 ms on a block's first two steps and 152-157 on its last
-two, inline 126-136 throughout; timed on the second step of pairs, one run's trials put
-overlap at 133 ms and inline at 139, chose overlap, and trained at 149 ms a step where inline
-takes 128. Taking the two in turn, block by block, lets the machine's slow spells fall on both
-alike. The time of a step is from the end of one synchronize() to the end of the next
-(forward, backward, the reduction, the wrapped step: what a training loop sees). The set's
-first rank takes `overlap` only where its timed steps' median was quicker than inline's by
-more than `OVERLAP_MARGIN`: even a block's last steps see part of overlap's cost only (on a
-ResNet-18-sized CNN, trials of 428 ms against inline's 434 chose overlap, which then took 423
-ms a step, where the same optimizer without bucket views took 381 inline), while inline's is
-whole from a block's second step; so
-where the two are close inline is the safer choice, and where overlap pays (a core that
-backward leaves idle) it pays far more than the margin. Every rank learns the choice from
-the next step's agreement (step_agreement.py), so all ranks take it from the same step. On
-GPUs `auto` is `overlap`: the device computes while the host reduces. The schedule never
-changes what is reduced, only on which thread: ranks that differ in it still pair their
-buckets by name.
+`WARM_UP_STEPS`, the steps take the two in turn, `BLOCK` steps at a time, `TRIALS` blocks each
+(`TRIAL_STEPS` in all), and only the last `TIMED` steps of each block are timed. A schedule's
+cost builds up over several steps after a switch: on a 23.5M-parameter MLP, forced in blocks of
+six, overlap took 137-138 ms on a block's first two steps and 152-157 on its last two, inline
+126-136 throughout; timed on the second step of pairs, one run's trials put overlap at 133 ms
+and inline at 139, chose overlap, and trained at 149 ms a step where inline takes 128. Taking
+the two in turn, block by block, lets the machine's slow spells fall on both alike. The time of
+a step is from the end of one synchronize() to the end of the next (forward, backward, the
+reduction, the wrapped step: what a training loop sees). The set's first rank takes `overlap`
+only where its timed steps' median was quicker than inline's by more than `OVERLAP_MARGIN`:
+even a block's last steps see part of overlap's cost only (on a ResNet-18-sized CNN, trials of
+428 ms against inline's 434 chose overlap, which then took 423 ms a step, where the same
+optimizer without bucket views took 381 inline), while inline's is whole from a block's second
+step; so where the two are close inline is the safer choice, and where overlap pays (a core
+that backward leaves idle) it pays far more than the margin. Every rank learns the choice from
+the next step's agreement (step_agreement.py), so all ranks take it from the same step. On GPUs
+`auto` is `overlap`: the device computes while the host reduces. The schedule never changes
+what is reduced, only on which thread: ranks that differ in it still pair their buckets by
+name.
 """
 from __future__ import annotations
 
@@ -98,8 +97,9 @@ class BucketSchedule:
     def _takes_inline(self) -> bool:
         """Inline, unless overlap's trials were quicker by more than the margin."""
         inline, overlap = self._times[INLINE], self._times[OVERLAP]
-        return bool(inline and overlap) and (statistics.median(overlap)
-                                             >= statistics.median(inline) * (1 - OVERLAP_MARGIN))
+        if not (inline and overlap):
+            return False
+        return statistics.median(overlap) >= statistics.median(inline) * (1 - OVERLAP_MARGIN)
 
     def vote(self) -> int:
         """This rank's byte in the step's agreement: its choice, once (the first rank's)."""

@@ -84,10 +84,10 @@ def agree_on_new(named: Named, found: Named, counts: dict[int, int], prefix: str
         reports = allgather_object(mine, name=f"{prefix}sparse.found", process_set=process_set)
     union = sorted(set().union(*(sparse for sparse, _ in reports)))
     for i in union:
-        dense_on = [ranks[k] for k, (_, dense) in enumerate(reports) if i in dense]
-        if dense_on:
-            sparse_on = [ranks[k] for k, (sparse, _) in enumerate(reports) if i in sparse]
-            return [named[i] for i in union], _mixed(named[i][0], sparse_on, dense_on)
+        if any(i in dense for _, dense in reports):
+            return [named[i] for i in union], _mixed(
+                named[i][0], _where(ranks, reports, lambda r: i in r[0]),
+                _where(ranks, reports, lambda r: i in r[1]))
     return [named[i] for i in union], None
 
 
@@ -105,8 +105,8 @@ def start(planned: Named, agreed: Optional[list[tuple[bool, bool]]], found: Name
         if sparse and dense:
             reports = allgather_object(layouts(planned, counts), name=f"{prefix}sparse.layouts",
                                        process_set=process_set)
-            raise _mixed(name, [ranks[k] for k, report in enumerate(reports) if report[j][0]],
-                         [ranks[k] for k, report in enumerate(reports) if report[j][1]])
+            raise _mixed(name, _where(ranks, reports, lambda r: r[j][0]),
+                         _where(ranks, reports, lambda r: r[j][1]))
     started: Started = []
     for (name, p), (_, dense) in zip(planned, agreed):
         if dense:
@@ -187,6 +187,11 @@ def _hinted(wait: Callable[[], Optional[torch.Tensor]]) -> Callable[[], Optional
         with _join_hint():
             return wait()
     return hinted
+
+
+def _where(ranks: Sequence[int], reports: list, says: Callable[[Any], bool]) -> list[int]:
+    """The ranks whose report (an allgather_object's, in the set's order) `says` so."""
+    return [ranks[k] for k, report in enumerate(reports) if says(report)]
 
 
 def _mixed(name: str, sparse_on: list[int], dense_on: list[int]) -> MismatchError:
