@@ -11,13 +11,16 @@ from typing import Any, Optional
 import torch
 
 from ..core import timeline
+from ..kernels.ops import ReduceOp
 from ..sets.active_set import ActiveSet
-from ..sets.handles import Handle
+from ..sets.handles import Finished, Handle
 from ..sets.process_set import ProcessSet
 from ..transport.negotiation import OutOfOrder
 from .compression import Compression, Compressor
 from .reductions import allreduce_work
 from .work import run, submit
+
+_SUM = ReduceOp.Sum
 
 
 def reduce_now(ps: ActiveSet, tensor: torch.Tensor, name: Optional[str], op: Any,
@@ -55,7 +58,9 @@ def allreduce_now(ps: Any, tensor: Any, name: Optional[str], op: Any, postscale:
     """A small synchronous allreduce on the active set `ps`, run at once on this thread when
     the set's engine is idle; None when the call does not take the small way (or the engine is
     busy), and the general path takes it. If the members' next collectives differ, the engine
-    settles their order and this call waits its turn. `automatic`: as `started`'s."""
+    settles their order and this call waits its turn. `automatic`: `name` is one of the
+    set's automatic names (the backend's, in call order), unique already, which no caller can
+    take twice."""
     small = ps.transport.small
     if small is None:
         return None
@@ -76,20 +81,19 @@ def allreduce_now(ps: Any, tensor: Any, name: Optional[str], op: Any, postscale:
     return handle.wait()
 
 
-def started(ps: Any, tensor: Any, name: Optional[str], op: Any, postscale: float,
-            automatic: bool = False) -> Optional[Handle]:
+def started(ps: Any, tensor: Any, name: Optional[str], op: Any,
+            postscale: float) -> Optional[Handle]:
     """A small asynchronous in-place allreduce, started: begun on this thread when the set's
     engine is idle and its way `begins` (our part is posted at once, and if every member's is
     there already it completes here: a synchronous call's cost, not a hand-off's; otherwise
     the rest runs first in the queue), else queued whole. None when the call is not small
-    (the general path takes it). `automatic`: `name` is one of the set's automatic names
-    (the backend's, in call order), unique already, which no caller can take twice."""
+    (the general path takes it)."""
     small = ps.transport.small
     case = None if small is None else small.case(tensor, op)
     if case is None:
         return None
-    named = not automatic and name is not None
-    if small.begins and ps.engine.claim_idle(name if named else None):
+    named = name is not None
+    if small.begins and ps.engine.claim_idle(name):
         try:
             name = ps.auto_name("allreduce") if name is None else name
             handle = ps.engine.begin_now(name, named, small.begin, tensor, name, case,
@@ -99,6 +103,33 @@ def started(ps: Any, tensor: Any, name: Optional[str], op: Any, postscale: float
     else:
         name = ps.auto_name("allreduce") if name is None else name
         handle = ps.engine.submit(name, small.work(tensor, name, case, postscale, True))
+    timeline.record(name, "submitted")
+    return handle
+
+
+def started_in_place(ps: Any, tensor: Any, name: str) -> Any:
+    """`started`, for the backend's asynchronous Sum in place under its automatic `name` (DDP's
+    small buckets, dist.all_reduce(t, async_op=True)), written flat for its common end: True
+    where it ended on this thread (the result is in `tensor`, and no handle is made), else its
+    handle; None where the call is not small (the general path takes it)."""
+    small = ps.transport.small
+    case = None if small is None else small.case(tensor, _SUM)
+    if case is None:
+        return None
+    engine, handle = ps.engine, True
+    if small.begins and engine.claim_idle(None):     # (Engine.begin_now, unnamed, written out)
+        try:
+            done, rest, whole = small.begin(tensor, name, case, 1.0)
+            if done:
+                engine.names.last_done = None
+            else:
+                handle = engine.rest_first(name, rest, whole)
+        except Exception as exc:
+            handle = Finished(name, None, exc, engine)
+        finally:
+            engine.release_idle()
+    else:
+        handle = engine.submit(name, small.work(tensor, name, case, 1.0, True))
     timeline.record(name, "submitted")
     return handle
 

@@ -11,13 +11,13 @@ from ..api.collectives import Average, Sum
 from ..api.compression import Compression
 from ..api.reductions import (allreduce_work, bitwise_allreduce_work, grouped_allreduce_work,
                               reducescatter_work, sparse_allreduce_work)
-from ..api.small_path import allreduce_now, reduce_later, reduce_now, started
+from ..api.small_path import allreduce_now, reduce_later, reduce_now, started_in_place
 from ..api.work import first, submit
 from ..core.errors import UnsupportedError
 from ..sets.active_set import ActiveSet, refusing
 from .arguments import SUM, all_reducible, bitwise, copy_flat, one, reducible, restored, worked_on
 from .group_base import SEQUENCE, GroupBase
-from .work import CollectiveWork
+from .work import CollectiveWork, FinishedWork
 
 _BOOL = torch.bool
 _SPARSE = torch.sparse_coo
@@ -56,9 +56,11 @@ class Reductions(GroupBase):
                                    automatic=True) is not None:
                     return None
             else:
-                handle = started(ps, tensor, name, Sum, 1.0, automatic=True)
-                if handle is not None:
-                    return CollectiveWork(handle, tensors)
+                begun = started_in_place(ps, tensor, name)
+                if begun is True:
+                    return FinishedWork(tensors, name, ps.engine)
+                if begun is not None:
+                    return CollectiveWork(begun, tensors)
         else:
             with refusing(ps, name, "allreduce"):
                 tensor = one(tensors, "allreduce")

@@ -6,7 +6,8 @@ the result into torch's output tensors where the collective does not write them 
 `get_future()` is completed from the handle's done-callback (`Future.set_result`, or
 with our error: failed_future.fail), so DDP's reducer and FSDP chain on it; Python callbacks
 chained on it run as the collective's (`CollectiveFuture`). (A synchronous all_reduce
-returns no Work: it ran to its end on the caller's thread, group_reductions.py.)
+returns no Work: it ran to its end on the caller's thread, group_reductions.py; an
+asynchronous small one that ended there too returns a `FinishedWork`, which needs no handle.)
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from ..gpu import cuda
-from ..sets.handles import Handle
+from ..sets.handles import Finished, Handle
 from ..sets.lineage import children_end, children_of
 from .failed_future import fail
 
@@ -168,4 +169,41 @@ class CollectiveWork(dist.Work):
 
     def result(self) -> list:
         self._settle()
+        return self._value
+
+
+class FinishedWork(dist.Work):
+    """The Work of a collective that ended on the caller's thread with its result in torch's
+    tensors (`value`): a small all_reduce whose members were all there, DDP's small buckets'
+    common case. Nothing to wait for; the handle its future's callbacks run as (see
+    CollectiveFuture) is made only where a future is asked for (at a few microseconds a call,
+    each object shows)."""
+
+    __slots__ = ("_value", "_name", "_engine", "_future")
+
+    def __init__(self, value: list, name: str, engine: Any) -> None:
+        _WORK_INIT(self)
+        self._value, self._name, self._engine, self._future = value, name, engine, None
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def get_future(self) -> Future:
+        with _FUTURES:
+            if self._future is None:
+                self._future = CollectiveFuture(Finished(self._name, self._value, None,
+                                                         self._engine))
+                self._future.set_result(self._value)
+            return self._future
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> Optional[BaseException]:
+        return None
+
+    def result(self) -> list:
         return self._value

@@ -222,14 +222,20 @@ class Engine:
             done, value, whole = begin(*args)
         except Exception as exc:    # (an interrupt of the caller's thread goes to the caller)
             return Finished(name, None, exc, self)
-        if done:
-            finished = Finished(name, value, None, self)
-            if named:
-                self.names.hold(finished)       # (before the claim lets go of `inline`)
-            else:
-                self.names.last_done = None     # (names.hold's first half)
-            return finished
-        remaining = [settle_first if value is None else value]
+        if not done:
+            return self.rest_first(name, value, whole)
+        finished = Finished(name, value, None, self)
+        if named:
+            self.names.hold(finished)       # (before the claim lets go of `inline`)
+        else:
+            self.names.last_done = None     # (names.hold's first half)
+        return finished
+
+    def rest_first(self, name: str, rest: Optional[Callable[[], Any]],
+                   whole: Callable[[], Any]) -> Handle:
+        """(By the holder of an idle claim.) A begun collective's handle, first in the queue:
+        `rest` completes it (None: settle the order first), `whole` runs it from the start."""
+        remaining = [settle_first if rest is None else rest]
 
         def work() -> Any:          # `rest` the first time, `whole` if it must run again
             return (remaining.pop() if remaining else whole)()

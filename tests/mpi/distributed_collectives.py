@@ -485,7 +485,8 @@ def case_works_polled_and_their_values():
     """A Work polled with is_completed() alone, as gloo's users may, completes with its outputs
     written (without wait()); its future's value is gloo's (all_gather: the output list;
     gather: the root's list, elsewhere none; all_gather_into_tensor: the output's chunk per
-    rank); a synchronous all_reduce of a parameter's transposed view runs, as on gloo."""
+    rank); a small all_reduce that one rank starts last, and its callback's collective; a
+    synchronous all_reduce of a parameter's transposed view runs, as on gloo."""
     root = n - 1
     gathered = [torch.empty(2) for _ in range(n)]
     flat = torch.empty(2 * n)
@@ -537,6 +538,22 @@ def case_works_polled_and_their_values():
     chunks = values["all_gather_into_tensor"]
     assert len(chunks) == n and all(c.shape == (2,) for c in chunks), "into tensor's value"
     check_equal(torch.cat(chunks), flat, "all_gather_into_tensor's value")
+    # A small all_reduce that rank 0 starts last: there it ends on the caller's thread (a Work
+    # done from the start), elsewhere it ends later; the same Work either way, and a callback
+    # chained on its future starts a collective that pairs across ranks.
+    if r == 0:
+        time.sleep(0.05)
+    mine = torch.full((3,), float(r + 1))
+    work = dist.all_reduce(mine, async_op=True)
+    counted = work.get_future().then(lambda fut: reduced(torch.ones(1), async_op=True))
+    while not work.is_completed():
+        assert time.monotonic() < deadline, "small all_reduce: never completed while polled"
+        time.sleep(0.001)
+    assert work.is_success() and work.exception() is None, "small all_reduce: not a success"
+    assert work.result()[0] is mine and work.get_future().wait()[0] is mine, "its value"
+    assert work.get_future() is work.get_future(), "small all_reduce: one future"
+    check_equal(mine, torch.full((3,), n * (n + 1) / 2), "small all_reduce polled")
+    check_equal(counted.wait(), torch.full((1,), float(n)), "all_reduce in its callback")
     weight = nn.Parameter(rand(4, 3, seed=75))
     dist.all_reduce(weight.t())         # (in place on a view of a leaf: as gloo, no error)
     close(weight.detach(), sum(rand(4, 3, seed=75, rank=k) for k in range(n)),
