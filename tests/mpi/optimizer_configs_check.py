@@ -5,15 +5,17 @@ Usage: optimizer_configs_check.py [configurations] [seed]
 
 A configuration draws from: backward_passes_per_step, fusion threshold and first bucket,
 `groups`, op and gradient_predivide_factor, gradient_as_bucket_view, sparse_as_dense,
-zero_grad(set_to_none), a layer of 1 MiB (a bucket of its own), a float32 layer and a
-float16 or bfloat16 one beside the float64 ones, a sparse or dense embedding and a branch that
-each rank uses in passes of its own (or in none), the embedding's weight used densely by every
-rank in some steps (its gradient then dense), a frozen layer, two optimizers over one backward, and a
-process set without the last rank. The simulation runs each member's passes on a copy of the
-model and reduces each gradient in its own dtype (zeros where a member has none; Average
-scaled as Horovod scales, the predivide factor unused with `groups`; a sparse one gathered,
-its values / size, unless it came dense). Parameters are bitwise the same on every member and within rounding of
-the simulation (its sums run in another order). Each configuration is a case of its own.
+zero_grad(set_to_none), compression (none, fp16 or bf16), a layer of 1 MiB (a bucket of its
+own), a float32 layer and a float16 or bfloat16 one beside the float64 ones, a sparse or dense
+embedding and a branch that each rank uses in passes of its own (or in none), the embedding's
+weight used densely by every rank in some steps (its gradient then dense), a frozen layer, two
+optimizers over one backward, and a process set without the last rank. The simulation runs
+each member's passes on a copy of the model and reduces each gradient in its own dtype (zeros
+where a member has none; cast to the wire dtype first where compression applies, and back
+after; Average scaled as Horovod scales, the predivide factor unused with `groups`; a sparse
+one gathered, its values / size, unless it came dense). Parameters are bitwise the same on
+every member and within rounding of the simulation (its sums run in another order). Each
+configuration is a case of its own.
 """
 import random
 import sys
@@ -31,6 +33,8 @@ r, n = hvd.rank(), hvd.size()
 plan = random.Random(SEED)
 LR = 2.0 ** -8
 TOLERANCES = {torch.float16: 1e-2, torch.bfloat16: 1e-2}    # (else 1e-5: see train)
+COMPRESSIONS = {None: hvd.Compression.none, torch.float16: hvd.Compression.fp16,
+                torch.bfloat16: hvd.Compression.bf16}
 
 
 class Net(nn.Module):
@@ -78,6 +82,13 @@ def draw():
              seed=plan.randrange(2**31))
     extra = random.Random(c["seed"])      # (draws added later: the plan's sequence stays)
     c["dense_embedding"] = extra.choice([0.0, 0.5, 0.5])
+    # (bucket views take no compression: a ValueError; fp16 would overflow the big layer's
+    # gradients, as on Horovod: bf16 there)
+    c["compression"] = extra.choice([None, None, torch.float16, torch.bfloat16])
+    if c["views"]:
+        c["compression"] = None
+    elif c["big"] and c["compression"] == torch.float16:
+        c["compression"] = torch.bfloat16
     if c["op"] == hvd.Sum:
         c["predivide"] = 1.0        # (a factor with Sum is a ValueError, as in Horovod)
     return c
@@ -111,7 +122,7 @@ def wrap(model, c, process_set):
     options = dict(backward_passes_per_step=c["passes"], op=c["op"],
                    gradient_predivide_factor=c["predivide"], fusion_threshold=c["threshold"],
                    sparse_as_dense=c["sparse_as_dense"], gradient_as_bucket_view=c["views"],
-                   process_set=process_set)
+                   compression=COMPRESSIONS[c["compression"]], process_set=process_set)
     if c["first"]:
         options["first_bucket_bytes"] = c["first"]
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -140,6 +151,8 @@ def simulated_step(reference, c, members, step):
                                        and all(g is None for g in own)):
                 continue
             own = [torch.zeros_like(q) if g is None else g.to_dense() for g in own]
+            if not (name == "emb.weight" and gathered):
+                own = [sent(g, c["compression"]) for g in own]
             if c["op"] == hvd.Average and not (name == "emb.weight" and gathered):
                 own = [horovod_scaled(g, 1.0 / predivide) for g in own]
                 total = horovod_scaled(sum(own[1:], own[0]), predivide / len(members))
@@ -147,7 +160,15 @@ def simulated_step(reference, c, members, step):
                 total = sum(g / len(members) for g in own[1:]) + own[0] / len(members)
             else:
                 total = sum(own[1:], own[0])
-            q -= LR * total
+            q -= LR * total.to(q.dtype)
+
+
+def sent(g, wire):
+    """A gradient as compression sends it: Horovod's fp16 casts every floating dtype to
+    float16; our bf16 casts those wider than bfloat16 (float32, float64)."""
+    if wire == torch.float16 or (wire == torch.bfloat16 and g.dtype.itemsize > 2):
+        return g.to(wire)
+    return g
 
 
 def configuration(i, c):
@@ -184,7 +205,8 @@ def train(c, members, process_set):
         # the float64 ones' gradients
         error = (q.double() - want.double()).abs().max().item()
         scale = max(want.double().abs().max().item(), 1.0)
-        assert error <= TOLERANCES.get(q.dtype, 1e-5) * scale, \
+        tolerance = TOLERANCES.get(c["compression"] or q.dtype, 1e-5)
+        assert error <= tolerance * scale, \
             f"{name} off the simulation by {error} (on a scale of {scale})"
 
 
