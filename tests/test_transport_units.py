@@ -265,6 +265,20 @@ def _self_exchange(MPI):
     return MPI.COMM_SELF.Dup(), np.zeros(_native.EXCHANGE_BYTES, dtype=np.uint8)
 
 
+def _truncation_reported(MPI, comm) -> bool:
+    """Whether this MPI reports a message to this process cut short by its receive: MPICH
+    does; Open MPI 5's path to itself truncates it silently (between two processes it
+    reports MPI_ERR_TRUNCATE, and our exchanges always go between two)."""
+    received = np.zeros(16, dtype=np.uint8)
+    requests = [comm.Irecv(received, source=0, tag=9),
+                comm.Isend(np.zeros(40, dtype=np.uint8), dest=0, tag=9)]
+    try:
+        MPI.Request.Waitall(requests)
+    except MPI.Exception:
+        return True
+    return False
+
+
 def _probe(comm, tag, seconds=1.0):
     """Whether a message with `tag` is waiting for a receive (polled a while: a message to
     ourselves may take a moment to show)."""
@@ -326,9 +340,11 @@ def test_a_failed_exchange_leaves_no_receive_posted():
                              sent.ctypes.data, send_bytes, received.ctypes.data,
                              recv_bytes, 0.5)
 
+    failing = [(-1, 64, "MPI_Isend failed .*count"), (40, 16, "MPI_Testall failed")]
+    if not _truncation_reported(MPI, comm):     # (then the second cannot fail here)
+        failing = failing[:1]
     try:
-        for send_bytes, recv_bytes, failure in [(-1, 64, "MPI_Isend failed .*count"),
-                                                (40, 16, "MPI_Testall failed")]:
+        for send_bytes, recv_bytes, failure in failing:
             with pytest.raises(RuntimeError, match=f"^ringreduce: mpi_exchange: {failure}"):
                 exchange(send_bytes, recv_bytes)
             received[:] = 0
