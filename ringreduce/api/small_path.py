@@ -100,6 +100,8 @@ def started(ps: Any, tensor: Any, name: Optional[str], op: Any,
                                          postscale)
         finally:
             ps.engine.release_idle()
+        if handle is None:      # (ended here, unnamed)
+            handle = Finished(name, tensor, None, ps.engine)
     else:
         name = ps.auto_name("allreduce") if name is None else name
         handle = ps.engine.submit(name, small.work(tensor, name, case, postscale, True))
@@ -109,29 +111,23 @@ def started(ps: Any, tensor: Any, name: Optional[str], op: Any,
 
 def started_in_place(ps: Any, tensor: Any, name: str) -> Any:
     """`started`, for the backend's asynchronous Sum in place under its automatic `name` (DDP's
-    small buckets, dist.all_reduce(t, async_op=True)), written flat for its common end: True
-    where it ended on this thread (the result is in `tensor`, and no handle is made), else its
-    handle; None where the call is not small (the general path takes it)."""
+    small buckets, dist.all_reduce(t, async_op=True)): True where it ended on this thread (the
+    result is in `tensor`, and no handle is made), else its handle; None where the call is not
+    small (the general path takes it)."""
     small = ps.transport.small
     case = None if small is None else small.case(tensor, _SUM)
     if case is None:
         return None
-    engine, handle = ps.engine, True
-    if small.begins and engine.claim_idle(None):     # (Engine.begin_now, unnamed, written out)
+    engine = ps.engine
+    if small.begins and engine.claim_idle(None):
         try:
-            done, rest, whole = small.begin(tensor, name, case, 1.0)
-            if done:
-                engine.names.last_done = None
-            else:
-                handle = engine.rest_first(name, rest, whole)
-        except Exception as exc:
-            handle = Finished(name, None, exc, engine)
+            handle = engine.begin_now(name, False, small.begin, tensor, name, case, 1.0)
         finally:
             engine.release_idle()
     else:
         handle = engine.submit(name, small.work(tensor, name, case, 1.0, True))
     timeline.record(name, "submitted")
-    return handle
+    return True if handle is None else handle
 
 
 def queued_work(ps: Any, tensor: Any, name: Optional[str], op: Any,

@@ -205,37 +205,31 @@ class Engine:
 
     def begin_now(self, name: str, named: bool,
                   begin: Callable[..., tuple[bool, Any, Callable[[], Any]]], *args: Any
-                  ) -> Handle:
+                  ) -> Optional[Handle]:
         """By the holder of an idle claim: start asynchronous collective `name` on this thread
         rather than hand it to the engine thread. `begin(*args)` posts this rank's part without
         waiting and returns (done, value, whole). Done: every member's part was there already,
-        and `begin` completed the collective, as a synchronous call would; `value` is its
-        result. Otherwise `value` is `rest`, what completes it (None: the members' next
+        and `begin` completed the collective in place, as a synchronous call would; then None
+        (the caller has the result: at a few microseconds a call a handle shows), or, where
+        `named` (the caller chose the name, which stays taken until waited for, names.py), its
+        handle. Otherwise `value` is `rest`, what completes it (None: the members' next
         collectives differ, and the order is settled first), which goes first in the queue
         (nothing else may run before it: our part is posted), for the engine thread or a
         waiter; `whole()` runs it from the start (after a reorder). The order is never settled
         on this caller: what the others wait for may be its next submission. Errors, `begin`'s
-        too, reach the caller from `wait()`, as for queued work. `named`: the caller chose the
-        name, which stays taken until waited for (names.py); an automatic one cannot be taken
-        twice, and only frees the name held before it."""
+        too, reach the caller from `wait()`, as for queued work."""
         try:
             done, value, whole = begin(*args)
         except Exception as exc:    # (an interrupt of the caller's thread goes to the caller)
             return Finished(name, None, exc, self)
-        if not done:
-            return self.rest_first(name, value, whole)
-        finished = Finished(name, value, None, self)
-        if named:
-            self.names.hold(finished)       # (before the claim lets go of `inline`)
-        else:
-            self.names.last_done = None     # (names.hold's first half)
-        return finished
-
-    def rest_first(self, name: str, rest: Optional[Callable[[], Any]],
-                   whole: Callable[[], Any]) -> Handle:
-        """(By the holder of an idle claim.) A begun collective's handle, first in the queue:
-        `rest` completes it (None: settle the order first), `whole` runs it from the start."""
-        remaining = [settle_first if rest is None else rest]
+        if done:
+            if not named:
+                self.names.last_done = None     # (names.hold's first half: an automatic
+                return None                     # name frees the one held before it)
+            finished = Finished(name, value, None, self)
+            self.names.hold(finished)           # (before the claim lets go of `inline`)
+            return finished
+        remaining = [settle_first if value is None else value]
 
         def work() -> Any:          # `rest` the first time, `whole` if it must run again
             return (remaining.pop() if remaining else whole)()
