@@ -239,6 +239,7 @@ def dataset():
 
 
 IN_A_BUCKET = "in a bucket's allreduce"
+IN_THE_HOST_CHECK = "in the commit's host check"     # after the commit's save
 working_way = Transport._way
 
 
@@ -274,8 +275,19 @@ def train_with(faults):
     sampler = elastic.ElasticSampler(data, shuffle=True, seed=5)
     loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
     state = elastic.TorchState(model, opt, sampler=sampler, epoch=0, batch=0)
-    resets, starts, committed = [], [], {e: [] for e in range(EPOCHS)}
+    # each epoch's samples by batch: recorded before the commit, so a batch whose state was
+    # saved counts even where the commit's host check then fails on this rank (the others'
+    # failure shuts the set down while it waits there), and a batch run again after a reset
+    # is recorded once
+    resets, starts, committed = [], [], {e: {} for e in range(EPOCHS)}
     state.register_reset_callbacks([lambda: resets.append((state.epoch, state.batch))])
+    check_host_updates = state.check_host_updates
+
+    def host_check():   # (the commit's, after its save: batch state.batch - 1 is committed)
+        fault_at(IN_THE_HOST_CHECK, state.batch - 1)
+        check_host_updates()
+
+    state.check_host_updates = host_check
 
     def fault_at(where, batch):
         for fault in faults:
@@ -299,8 +311,8 @@ def train_with(faults):
                 fault_at("after step", offset + i)
                 state.batch = offset + i + 1
                 state.sampler.record_batch(i, BATCH)
+                committed[state.epoch][state.batch] = index.tolist()
                 state.commit()
-                committed[state.epoch].extend(index.tolist())
             state.epoch += 1
             state.batch = 0
             state.sampler.set_epoch(state.epoch)
@@ -311,7 +323,8 @@ def train_with(faults):
     assert (state.epoch, state.batch) == (EPOCHS, 0)
     assert sampler.state_dict() == {"epoch": EPOCHS, "processed_num": 0}
     assert all(fault.fired for fault in faults if r in fault.ranks)
-    for epoch, indices in committed.items():        # every sample once per epoch, all ranks
+    for epoch, batches in committed.items():        # every sample once per epoch, all ranks
+        indices = [i for batch in batches.values() for i in batch]
         everyone = sorted(i for part in MPI.COMM_WORLD.allgather(indices) for i in part)
         assert everyone == list(range(SAMPLES)), (epoch, everyone)
     same_bytes_everywhere(model.state_dict().values(), "final model")
@@ -337,6 +350,13 @@ def check_training_with_failures():
         assert resets == [(1, 1)] and starts == [(0, 0), (1, 1)], (resets, starts)
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             assert torch.equal(p, q), f"{name} differs from the uninterrupted run (restart)"
+    if n > 1:   # one rank fails in a commit after its save (as where the others' failure
+        # shuts the set down while it waits in the commit's host check): every rank resumes
+        # after that batch, which counts as done
+        model, resets, starts = train_with([Fault(1, 0, IN_THE_HOST_CHECK, [n - 1])])
+        assert resets == [(1, 1)] and starts == [(0, 0), (1, 1)], (resets, starts)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.equal(p, q), f"{name} differs from the uninterrupted run (commit)"
 
 
 def run_with_one_failure(steps, fail_step, fail_rank, fail, step):
