@@ -83,30 +83,16 @@ def allreduce_now(ps: Any, tensor: Any, name: Optional[str], op: Any, postscale:
 
 def started(ps: Any, tensor: Any, name: Optional[str], op: Any,
             postscale: float) -> Optional[Handle]:
-    """A small asynchronous in-place allreduce, started: begun on this thread when the set's
-    engine is idle and its way `begins` (our part is posted at once, and if every member's is
-    there already it completes here: a synchronous call's cost, not a hand-off's; otherwise
-    the rest runs first in the queue), else queued whole. None when the call is not small
-    (the general path takes it)."""
+    """A small asynchronous in-place allreduce, started (`_start`); None when the call is not
+    small (the general path takes it)."""
     small = ps.transport.small
     case = None if small is None else small.case(tensor, op)
     if case is None:
         return None
     named = name is not None
-    if small.begins and ps.engine.claim_idle(name):
-        try:
-            name = ps.auto_name("allreduce") if name is None else name
-            handle = ps.engine.begin_now(name, named, small.begin, tensor, name, case,
-                                         postscale)
-        finally:
-            ps.engine.release_idle()
-        if handle is None:      # (ended here, unnamed)
-            handle = Finished(name, tensor, None, ps.engine)
-    else:
-        name = ps.auto_name("allreduce") if name is None else name
-        handle = ps.engine.submit(name, small.work(tensor, name, case, postscale, True))
-    timeline.record(name, "submitted")
-    return handle
+    name = name if named else ps.auto_name("allreduce")
+    handle = _start(ps, small, tensor, name, named, case, postscale)
+    return Finished(name, tensor, None, ps.engine) if handle is None else handle
 
 
 def started_in_place(ps: Any, tensor: Any, name: str) -> Any:
@@ -118,16 +104,27 @@ def started_in_place(ps: Any, tensor: Any, name: str) -> Any:
     case = None if small is None else small.case(tensor, _SUM)
     if case is None:
         return None
+    handle = _start(ps, small, tensor, name, False, case, 1.0)
+    return True if handle is None else handle
+
+
+def _start(ps: Any, small: Any, tensor: Any, name: str, named: bool, case: tuple,
+           postscale: float) -> Optional[Handle]:
+    """Both `started`s: begun on this thread when the set's engine is idle and its way `begins`
+    (our part is posted at once, and if every member's is there already it completes here: a
+    synchronous call's cost, not a hand-off's; otherwise the rest runs first in the queue),
+    else queued whole. None where it ended here under an automatic name (`named`: the caller
+    chose `name`, see Engine.begin_now)."""
     engine = ps.engine
-    if small.begins and engine.claim_idle(None):
+    if small.begins and engine.claim_idle(name if named else None):
         try:
-            handle = engine.begin_now(name, False, small.begin, tensor, name, case, 1.0)
+            handle = engine.begin_now(name, named, small.begin, tensor, name, case, postscale)
         finally:
             engine.release_idle()
     else:
-        handle = engine.submit(name, small.work(tensor, name, case, 1.0, True))
+        handle = engine.submit(name, small.work(tensor, name, case, postscale, True))
     timeline.record(name, "submitted")
-    return True if handle is None else handle
+    return handle
 
 
 def queued_work(ps: Any, tensor: Any, name: Optional[str], op: Any,
