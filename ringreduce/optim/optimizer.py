@@ -1,8 +1,9 @@
 """`DistributedOptimizer`: gradients are averaged across a process set's ranks while backward runs.
 
-The returned object is an instance of a subclass of the wrapped optimizer's class, sharing its
-param_groups, so isinstance checks, LR schedulers and state_dict keep working. As Horovod's
-(which makes a new optimizer of the class over the same groups), it starts with empty state.
+The returned object is an instance of a subclass of the wrapped optimizer's class, made as
+Horovod makes its own: the class's __init__ over the wrapped optimizer's param_groups (the same
+group dicts), so isinstance checks, LR schedulers and state_dict keep working, and it starts
+with the defaults, attributes and state that __init__ makes from the groups alone.
 Its life cycle comes first in the subclass's bases, so it overrides the wrapped class's step()
 and zero_grad() and reaches them with `super()`:
 - on a member of the process set, gradients are reduced while backward runs
@@ -99,15 +100,19 @@ def _life_cycle(optimizer: torch.optim.Optimizer, options: Options) -> type[Wrap
     return AdasumOptimizer
 
 
-def _class_defaults(plain_class: type, given: dict) -> dict:
-    """The defaults of Horovod's wrapped optimizer, which its class's __init__ made from the
-    param_groups alone: the class's own, so that a param group added later without `lr` gets
-    the class's default, as on Horovod. A class that cannot be made from parameters alone
-    (which Horovod cannot wrap) keeps the `given` ones."""
-    try:
-        return dict(plain_class([torch.zeros(1, requires_grad=True)]).defaults)
-    except Exception:
-        return dict(given)
+def _lost_state(plain: dict, made: dict) -> int:
+    """How many parameters' state the plain optimizer holds that the one its class's __init__
+    made does not (Adagrad's __init__ makes state too: the same where it was given the class's
+    defaults)."""
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                    and a.dtype == b.dtype and torch.equal(a, b))
+        return type(a) is type(b) and a == b
+
+    return sum(1 for p, values in plain.items()
+               if values.keys() != made.get(p, {}).keys()
+               or not all(same(v, made[p][k]) for k, v in values.items()))
 
 
 def _outside(process_set: ProcessSet) -> bool:
@@ -120,31 +125,43 @@ def _outside(process_set: ProcessSet) -> bool:
 def _wrap(optimizer: torch.optim.Optimizer, life_cycle: type[WrappedOptimizer],
           options: Options) -> torch.optim.Optimizer:
     """An instance of a subclass of the optimizer's class with `life_cycle` first in its bases,
-    sharing the optimizer's param_groups, with empty state (as Horovod's, which is made anew
-    over the same groups: state held before wrapping is dropped, with a warning)."""
+    made as Horovod makes its own: the class's __init__ over the optimizer's param_groups alone
+    (the same group dicts). So its defaults, its attributes and its state are those __init__
+    makes from the groups, not those the optimizer was made with or holds (a warning says
+    where state is dropped), and hooks registered on the optimizer stay there. A class that
+    cannot be made from its groups alone (which Horovod cannot wrap) keeps the optimizer's
+    attributes and defaults, with empty state."""
     plain_class = type(optimizer)
     cls = type(plain_class.__name__, (life_cycle, plain_class), {})
     wrapped = cls.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)   # share param_groups and hooks
-    if optimizer.state:
-        warnings.warn(f"ringreduce: DistributedOptimizer starts with empty state, as Horovod's "
-                      f"does: the state the wrapped optimizer holds for {len(optimizer.state)} "
+    try:
+        plain_class.__init__(wrapped, optimizer.param_groups)
+    except Exception:
+        wrapped.__dict__.clear()
+        wrapped.__dict__.update(optimizer.__dict__)
+        wrapped.state = defaultdict(dict)
+        wrapped.defaults = dict(optimizer.defaults)
+    lost = _lost_state(optimizer.state, wrapped.state)
+    if lost:
+        warnings.warn(f"ringreduce: DistributedOptimizer starts with the state its class makes, "
+                      f"as Horovod's does: the state the wrapped optimizer holds for {lost} "
                       "parameter(s) is not carried over. Load a checkpoint into the "
                       "DistributedOptimizer (then broadcast_optimizer_state) instead.")
-    wrapped.state = defaultdict(dict)
-    wrapped.defaults = _class_defaults(plain_class, optimizer.defaults)
     # An LR scheduler made before wrapping replaced the plain optimizer's step() with its own
-    # (an instance attribute): copied, it would hide the life cycle's step() and step the plain
-    # optimizer, unreduced. That step() (torch's, which tells the scheduler a step happened) is
-    # kept, to step with: both objects share param_groups and (below) state, so it steps this
-    # one's parameters alike.
+    # (an instance attribute), which steps the plain optimizer: the life cycle steps through
+    # it (torch's, which tells the scheduler a step happened), so that the scheduler sees the
+    # steps; both objects share the param_groups' dicts and (below) state, so it steps this
+    # one's parameters alike. (Copied, as where the class cannot be made, such attributes
+    # would hide the life cycle's own and step unreduced.)
     ours = {name for klass in life_cycle.__mro__ if klass is not object for name in vars(klass)}
-    shadowing = {name: wrapped.__dict__.pop(name) for name in ours if name in wrapped.__dict__}
-    wrapped._plain_step = shadowing.get("step")
+    for name in ours:
+        wrapped.__dict__.pop(name, None)
+    wrapped._plain_step = optimizer.__dict__.get("step")
     # torch's patched step holds its optimizer weakly: keep the plain one alive for it, and
-    # give it this one's state, which it steps.
+    # give it this one's state and groups, which it steps.
     wrapped._plain = optimizer if wrapped._plain_step is not None else None
     if wrapped._plain is not None:
         optimizer.state = wrapped.state
+        optimizer.param_groups = wrapped.param_groups
     wrapped._setup(options)
     return wrapped

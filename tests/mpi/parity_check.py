@@ -350,6 +350,42 @@ def check_optimizer_behaviours():
     opt = hvd.DistributedOptimizer(Scaled(nn.Linear(2, 1).parameters(), 2.0, lr=0.5))
     assert opt.defaults["lr"] == 0.5, opt.defaults
 
+    # What the class's __init__ makes from its arguments is made anew from the groups alone,
+    # with the arguments' defaults, and hooks registered on the plain optimizer stay there:
+    # Horovod's wrapper steps with scale 1 (w = -lr * 1, not -lr * 10) and runs no such hook
+    class Scaling(torch.optim.SGD):
+        def __init__(self, params, lr=1e-3, scale=1.0):
+            super().__init__(params, lr=lr)
+            self.scale = scale
+
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad.mul_(self.scale)
+            return super().step(closure)
+
+    w = nn.Parameter(torch.zeros(1))
+    plain = Scaling([w], lr=0.5, scale=10.0)
+    hooked = []
+    plain.register_step_post_hook(lambda *_: hooked.append(1))
+    opt = hvd.DistributedOptimizer(plain)
+    (w * (r + 1)).sum().backward()
+    opt.step()
+    assert opt.scale == 1.0 and not hooked, (opt.scale, hooked)
+    check_equal(w.detach(), torch.tensor([-0.5 * (n + 1) / 2]), "stepped with scale 1")
+    # Adagrad's __init__ makes its state, from its argument initial_accumulator_value: the
+    # wrapper's sums start at the class's 0, not the given 0.5 (and a warning says so); with
+    # the default, the state is the same and nothing is said
+    for given, warned in ((0.0, False), (0.5, True)):
+        w = nn.Parameter(torch.ones(2))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = hvd.DistributedOptimizer(torch.optim.Adagrad(
+                [w], lr=0.5, initial_accumulator_value=given))
+        said = [str(c.message) for c in caught if "state its class makes" in str(c.message)]
+        assert bool(said) == warned, (given, said)
+        assert torch.equal(opt.state[w]["sum"], torch.zeros(2)), opt.state[w]
+
 
 def check_schedulers_closures_early_steps_and_release():
     x = torch.full((1, 3), float(r + 1))
