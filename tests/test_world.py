@@ -35,16 +35,25 @@ def test_init_on_a_list_of_world_ranks_as_horovods():
     assert rows == [[0, 2, 0, 2, 0, 1], [1, 2, 1, 2, 0, 1]]
 
 
-@pytest.mark.parametrize("n,failing", [(2, 1), (3, 0)])
-def test_uncaught_exception_on_one_rank_ends_the_job(n, failing):
+@pytest.mark.parametrize("n,failing,where", [(2, 1, "main"), (3, 0, "main"), (2, 0, "thread")])
+def test_uncaught_exception_on_one_rank_ends_the_job(n, failing, where):
+    """On the main thread, or on a thread that called a collective: the others wait for it."""
     start = time.monotonic()
-    result = run_mpi(n, "fail_check.py", str(failing), timeout=60)
+    result = run_mpi(n, "fail_check.py", str(failing), where, timeout=60)
     assert result.returncode != 0
     assert time.monotonic() - start < 30
     assert result.output.count("RuntimeError: injected failure on purpose") == 1, \
         result.output[-3000:]       # printed once
     assert f"rank {failing} raised an uncaught exception" in result.output
-    assert "UNEXPECTED" not in result.output
+    assert "OK rank" not in result.output
+
+
+def test_uncaught_exception_on_a_thread_that_called_no_collective_ends_that_thread_alone():
+    """As in Python, and so on Horovod: its traceback is printed, and the job goes on."""
+    result = run_ok(2, "fail_check.py", "1", "bystander", timeout=60)
+    assert result.output.count("RuntimeError: injected failure on purpose") == 1, \
+        result.output[-3000:]
+    assert "raised an uncaught exception" not in result.output
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -143,6 +143,13 @@ def place(thread: threading.Thread) -> Optional[str]:
     return thread.__dict__.get(_PLACE)
 
 
+def takes_part() -> bool:
+    """Whether the calling thread has called a collective or is one of ringreduce's own
+    (`internal`): other ranks may be waiting for it."""
+    return (getattr(_fixed, "done", False)
+            or threading.current_thread().__dict__.get(_STARTED, ()) is None)
+
+
 def fix_place(home: Union[int, str]) -> None:
     """On the calling thread, at its first collective call on each set (engine.py; a thread
     whose place is fixed returns at once): the first one fixes its place, `home` being the

@@ -24,6 +24,7 @@ from ..core import timeline
 from ..core.config import Settings, ignored_horovod_variables
 from ..core.errors import RingReduceError, ShutDownError
 from ..core.mpi import mpi
+from ..core.thread_places import takes_part
 from ..core.version import __version__
 from ..core.waiting import wait_reporting
 from ..gpu.cuda_aware import resolve_cuda_aware
@@ -342,8 +343,12 @@ def abort(message: str, code: int = 1) -> None:
 
 
 def _install_abort_hooks() -> None:
-    """An uncaught exception on one rank must end the job, not leave the others in a collective."""
+    """An uncaught exception on one rank must end the job, not leave the others in a
+    collective: on the main thread, on ringreduce's own, or on a thread that called a
+    collective. Another thread's ends that thread alone, as Python (and so Horovod) has it:
+    the others wait for nothing from it."""
     previous_hook = sys.excepthook
+    previous_thread_hook = threading.excepthook
 
     def on_uncaught(exc_type, exc, tb):
         if issubclass(exc_type, (KeyboardInterrupt, SystemExit)):
@@ -353,6 +358,8 @@ def _install_abort_hooks() -> None:
               f"aborting the job.\n{text}")
 
     def on_thread_uncaught(args):
+        if not takes_part():    # (the hook runs on the thread that raised)
+            return previous_thread_hook(args)
         on_uncaught(args.exc_type, args.exc_value, args.exc_traceback)
 
     sys.excepthook = on_uncaught
