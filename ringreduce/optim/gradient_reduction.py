@@ -39,7 +39,7 @@ from . import sparse_gradients
 from .sparse_gradients import SparseGradients
 from .planning import Planning
 from .schedule import BucketSchedule
-from .submission import Submission
+from .submission import Submission, hand_to_replaced
 from .wrapped_optimizer import STEP_AFTER_SYNCHRONIZE, Options, WrappedOptimizer, remove_hooks
 
 
@@ -106,6 +106,7 @@ class GradientReduction(Planning, SparseGradients, Submission, WrappedOptimizer)
         self._waiting = [len(b.params) for b in self._buckets]  # params not ready, per bucket
         self._next_bucket = 0                # buckets are submitted strictly in order
         self._handles: list[Handle] = []
+        self._sent: list[tuple] = []           # (bucket, what it reduced): see _submit_...
         self._compressed: list[tuple] = []     # (params, handle, contexts): see _submit_custom
         self._found_sparse: set[int] = set()   # parameters with sparse gradients this step
         self._densified: set[int] = set()      # sparse gradients this step, sparse_as_dense
@@ -250,11 +251,12 @@ class GradientReduction(Planning, SparseGradients, Submission, WrappedOptimizer)
                     if reduced is not None:
                         p.grad = reduced
         finally:
-            self._handles = []
+            self._handles, sent, self._sent = [], self._sent, []
             self._synchronized = True       # nothing of this step is pending any more
         if failures:
             self._compressed = []
             raise failures[0]
+        hand_to_replaced(sent)
         self._ever_planned |= self._planned     # (every rank's first bucket carried the plan)
         if self._compressed:
             self._decompress()
@@ -341,7 +343,7 @@ class GradientReduction(Planning, SparseGradients, Submission, WrappedOptimizer)
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._break_if_backward_failed()
         if self._set.closed:    # shutdown() and init() since: the step's collectives are gone
-            self._synchronized, self._handles = True, []
+            self._synchronized, self._handles, self._sent = True, [], []
         if not self._synchronized and not self._fresh:      # a gradient came this step
             if self._broken is None:
                 raise UsageError(

@@ -43,6 +43,8 @@ class Submission:
                     gradient = self._direct_gradient(bucket)
                 else:
                     ready = self._pack(bucket)
+            self._sent.append((bucket, gradient if bucket.direct else
+                               [p.grad for p in bucket.params]))
             self._submit_bucket(bucket, self._reduce_work(bucket, ready, gradient))
             self._next_bucket += 1
 
@@ -185,3 +187,21 @@ def describe(bucket: fusion.Bucket) -> None:
     """Tell the timeline which parameters a bucket's events are about."""
     timeline.describe(bucket.name, parameters=bucket.names, bytes=bucket.nbytes,
                       in_place=bucket.direct)
+
+
+def hand_to_replaced(sent: list[tuple]) -> None:
+    """At the end of synchronize(), as Horovod's (which sets each parameter's gradient to its
+    reduced value, `p.grad.set_(output)`): a gradient the program replaced after its bucket
+    took it (`p.grad = f(p.grad)` between backward and step, while the reduction ran) is given
+    the reduced value too, rather than stepping with this rank's own. `sent`: each bucket with
+    what it reduced (a direct bucket's tensor, or the gradients it packed)."""
+    for bucket, reduced in sent:
+        if bucket.direct:
+            p = bucket.params[0]
+            if p.grad is not None and p.grad is not reduced and p.grad.layout == torch.strided:
+                p.grad.set_(reduced)
+            continue
+        for p, packed, view in zip(bucket.params, reduced, bucket.views):
+            if (p.grad is not None and p.grad is not packed and p.grad.layout == torch.strided
+                    and p.grad.data_ptr() != view.data_ptr()):
+                p.grad.copy_(view)

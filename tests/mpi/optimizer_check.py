@@ -1,6 +1,7 @@
 """DistributedOptimizer on N ranks against one process training on the whole batch; then, in
 the same launch, SyncBatchNorm against BatchNorm on the whole batch (sync_bn_check.py)."""
 import copy
+import time
 import warnings
 import torch
 import torch.nn as nn
@@ -758,12 +759,40 @@ def check_state_helpers_refuse_a_mistake_on_one_rank():
     assert same.param_groups[0]["lr"] == 0.1
 
 
+def check_gradient_replaced_before_step():
+    """A gradient the program replaces between backward and step (p.grad = f(p.grad)) on rank
+    0 alone, while the reduction runs (the others come late): as Horovod's synchronize() sets
+    each gradient to its reduced value, rank 0 steps with the average too, for a parameter
+    reduced in place (a bucket of its own) and for one packed in a shared bucket. Its
+    gradients are bitwise the others' (which are the averages), and so are the parameters."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.Linear(512, 2))   # 1 MiB: alone
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   model.named_parameters(), fusion_threshold=4096)
+    for _ in range(2):      # (the first steps reduce beside backward, the overlap schedule)
+        opt.zero_grad()
+        if r != 0:
+            time.sleep(0.3)
+        model(torch.full((1, 512), float(r + 1))).sum().backward()
+        if r == 0:
+            for p in model.parameters():
+                p.grad = torch.nan_to_num(p.grad)       # a new tensor, the same values
+        opt.step()
+        for name, p in model.named_parameters():
+            everyone = MPI.COMM_WORLD.allgather(p.grad.numpy().tobytes())
+            assert all(b == everyone[0] for b in everyone), f"{name}'s gradient differs"
+    params_equal_across_ranks(model, "a gradient replaced before the step on rank 0")
+    if n > 1:
+        assert sorted(b.direct for b in opt._buckets) == [False, True], opt._buckets
+
+
 run_cases([then_barrier(check) for check in (
     check_equivalence, check_large_gradients_alone, check_inheritance, check_features,
     check_unused_and_frozen, check_errors,
     check_groups_leave_the_predivide_factor_out, check_groups_of_several_dtypes,
     check_sparse_gradient_of_some_passes, check_sparse_gradient_of_some_ranks_or_dense,
-    check_param_group_added_after_wrapping,
+    check_param_group_added_after_wrapping, check_gradient_replaced_before_step,
     check_a_parameter_in_two_optimizers,
     check_channels_last, check_overlap,
     check_bucket_schedules, check_state_helpers, check_sync_batch_norm)], r)
