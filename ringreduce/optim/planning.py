@@ -95,10 +95,13 @@ class Planning:
         self._set.agree(signature)
 
     def _plan_fields(self) -> dict:
-        """What makes two ranks' plans the same: the parameters in bucket order, the large
-        ones reduced alone in place (fusion.ALONE_BYTES: one laid out otherwise on one rank is
-        fused there, and the mismatch names it), and how many go in each bucket."""
+        """What makes two ranks' plans the same: the parameters in bucket order and their
+        shapes (names given by position where named_parameters are not, so a rank that lists
+        its parameters in another order differs there), the large ones reduced alone in place
+        (fusion.ALONE_BYTES: one laid out otherwise on one rank is fused there, and the
+        mismatch names it), and how many go in each bucket."""
         return {"plan": tuple(n for b in self._buckets for n in b.names),
+                "shapes": tuple(tuple(p.shape) for b in self._buckets for p in b.params),
                 "large, reduced alone": tuple(b.names[0] for b in self._buckets
                                               if b.direct and b.nbytes >= fusion.ALONE_BYTES),
                 "bucket sizes": tuple(len(b.params) for b in self._buckets)}

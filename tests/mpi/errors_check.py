@@ -303,6 +303,14 @@ if n > 1:
            wrapped({"first_bucket_bytes": 8}))
     expect(hvd.MismatchError, ["plan'", "'backward_passes_per_step' differs"],
            wrapped({"backward_passes_per_step": 2}))
+    # Without named_parameters the names are positional: the last rank listing its parameters
+    # in another order (of other shapes) summed one parameter's gradient with another's
+    # elementwise, silently; the plan's shapes tell them apart
+    shaped = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    listed = list(shaped.parameters())
+    expect(hvd.MismatchError, ["plan'", "'shapes' differs", "(3, 2)"],
+           lambda: hvd.DistributedOptimizer(torch.optim.SGD(
+               listed[::-1] if r == n - 1 else listed, lr=0.1)))
     for mistake, words in (({"backward_passes_per_step": 0}, "backward_passes_per_step"),
                            ({"groups": "two"}, "groups must be")):
         if r == 0:
