@@ -101,6 +101,7 @@ class GradientReduction(Planning, SparseGradients, Submission, WrappedOptimizer)
 
     def _reset_step(self) -> None:
         self._fresh = True                   # nothing of this step seen yet
+        self._zero_grad_refused = False      # see zero_grad()
         self._in_backward = False
         self._pass_count = dict.fromkeys(self._planned, 0)
         self._waiting = [len(b.params) for b in self._buckets]  # params not ready, per bucket
@@ -345,12 +346,21 @@ class GradientReduction(Planning, SparseGradients, Submission, WrappedOptimizer)
         if self._set.closed:    # shutdown() and init() since: the step's collectives are gone
             self._synchronized, self._handles, self._sent = True, [], []
         if not self._synchronized and not self._fresh:      # a gradient came this step
+            if self._broken is None and self._zero_grad_refused:
+                self._break_step(      # (the program went on without this step: end it)
+                    f"ringreduce: optimizer.zero_grad() on rank {self._rank} came again "
+                    "while a step was open (a backward pass, then no step()): the step is "
+                    "skipped on every rank.")
             if self._broken is None:
+                self._zero_grad_refused = True
                 raise UsageError(
                     f"ringreduce: optimizer.zero_grad() on rank {self._rank} was called after "
                     "loss.backward() but before optimizer.step() or optimizer.synchronize(); "
                     "the gradients are being reduced (or counted towards "
-                    "backward_passes_per_step). Call zero_grad() before backward.")
+                    "backward_passes_per_step). Call zero_grad() before backward. This "
+                    "step stays open here, as on Horovod (the other ranks' step() waits for "
+                    "this rank's): finish it with optimizer.step() or synchronize() first. "
+                    "A second zero_grad() ends it, skipping it on every rank.")
             try:        # a broken step still meets the other ranks' collectives, and tells
                 self._complete_collectives()        # them to skip the step
             except UsageError:

@@ -787,12 +787,42 @@ def check_gradient_replaced_before_step():
         assert sorted(b.direct for b in opt._buckets) == [False, True], opt._buckets
 
 
+def check_a_step_skipped_on_one_rank():
+    """The last rank skips step() after a backward pass (a batch it chose to skip), then calls
+    zero_grad(): UsageError there, the step left open, as Horovod's (its step() would finish
+    it). A second zero_grad() ends it: UsageError there, and the others' step() raises
+    UsageError naming that rank, the step skipped everywhere; then the ranks train in step."""
+    if n == 1:
+        return      # (a job of one process reduces nothing: nothing stays open)
+    torch.manual_seed(6)
+    model = nn.Linear(4, 2)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   model.named_parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    model(torch.full((1, 4), float(r + 1))).sum().backward()
+    if r == n - 1:
+        expect(hvd.UsageError, ["zero_grad() on rank", "before optimizer.step()",
+                                "second zero_grad() ends it"], opt.zero_grad)
+        expect(hvd.UsageError, f"zero_grad() on rank {r} came again", opt.zero_grad)
+    else:
+        expect(hvd.UsageError, ["skipped on every rank", f"ranks [{n - 1}]"], opt.step)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.full((1, 4), float(r + 1))).sum().backward()
+        opt.step()
+    params_equal_across_ranks(model, "after a step skipped on one rank")
+
+
 run_cases([then_barrier(check) for check in (
     check_equivalence, check_large_gradients_alone, check_inheritance, check_features,
     check_unused_and_frozen, check_errors,
     check_groups_leave_the_predivide_factor_out, check_groups_of_several_dtypes,
     check_sparse_gradient_of_some_passes, check_sparse_gradient_of_some_ranks_or_dense,
     check_param_group_added_after_wrapping, check_gradient_replaced_before_step,
+    check_a_step_skipped_on_one_rank,
     check_a_parameter_in_two_optimizers,
     check_channels_last, check_overlap,
     check_bucket_schedules, check_state_helpers, check_sync_batch_norm)], r)
