@@ -9,7 +9,7 @@ import pytest
 
 from ringreduce.sets import engine, lineage
 from ringreduce.sets.handles import Finished
-from ringreduce.transport import negotiation
+from ringreduce.transport import settling
 
 
 def _no_settling():
@@ -177,7 +177,7 @@ def test_a_raising_callback_ends_its_collectives_children_for_the_others():
     finally:
         e.shutdown()
     marks = [("a", {}), ("b", {"dist.noname.7": (1, "ValueError: bad")}), ("c", {})]
-    ended_by = negotiation._ended_by
+    ended_by = settling._ended_by
     assert ended_by(0, "dist.noname.7.then.1", marks) == (1, "dist.noname.7", "ValueError: bad")
     assert ended_by(0, "dist.noname.7.then.5", marks) is not None
     assert ended_by(0, "dist.noname.7.then.0", marks) is None       # started before it raised

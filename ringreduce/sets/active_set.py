@@ -16,6 +16,7 @@ from ..core.errors import RingReduceError
 from ..core.mpi import mpi
 from ..transport.auto_names import AutoNames
 from ..transport.set_transport import Transport
+from ..transport.settling import agreement
 from ..transport.stall import StallWatch
 from .engine import Engine
 from .job import waits_elsewhere
@@ -46,7 +47,7 @@ class ActiveSet:
         self.transport = Transport(comm, self.local, self.cross, settings, watch, self.ranks,
                                    self.homogeneous, self.names)
         self.engine = Engine(f"ringreduce-set{set_id}", self.ranks[comm.rank], comm.Iprobe,
-                             self.transport.negotiator.agreement, set_id)
+                             functools.partial(agreement, self.transport.negotiator), set_id)
         self._optimizers = itertools.count()
         self.closed = False     # shut down: what holds it must find the set's new one (active)
 

@@ -34,7 +34,8 @@ from ..core.errors import RingReduceError
 from ..core.thread_places import fix_place, internal
 from ..core.waiting import (AWAKE_SECONDS, IDLE_POKE_SECONDS, LONGEST_PICKUP,
                              LONGEST_SETTLING_NAP, PICKUP_SECONDS, SETTLING_NAP, Backoff)
-from ..transport.negotiation import Agreement, OutOfOrder
+from ..transport.negotiation import OutOfOrder
+from ..transport.settling import Agreement
 from .handles import Finished, Handle, call_back, run_collective, settle_first
 from .lineage import EndedMarks
 from .names import TakenNames

@@ -712,8 +712,9 @@ if n > 1:
     thread.join()
     assert all(torch.equal(late[k], torch.full((2,), float(n))) for k in "ab"), late
     # Two optimizers (a GAN's) stepped in the other order on the last rank: each step's
-    # agreement waits for the other optimizer's on the others. Both steps fail on every rank,
-    # and the next steps, in one order, train the ranks alike.
+    # agreement waits for the other optimizer's on the others. Both steps fail on every rank
+    # (the first in a deadlock, the second where each rank owes it, or in another), and the
+    # next steps, in one order, train the ranks alike.
     torch.manual_seed(5)
     nets = [torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)]
     optimizers = [hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
@@ -727,7 +728,7 @@ if n > 1:
             net(torch.randn(4, 3)).sum().backward()
         for i in order:
             if fails:
-                expect(hvd.MismatchError, [stuck, "agreement'"], optimizers[i].step)
+                expect(hvd.MismatchError, "agreement' cannot run", optimizers[i].step)
             else:
                 optimizers[i].step()
 
@@ -746,6 +747,19 @@ if n > 1:
                            torch.full((2,), float(n * k + n * (n - 1) // 2)))
         hvd.barrier()
     assert hvd.allgather_object(r) == list(range(n))
+    # One named collective more on the last rank (caught): the others fail the one they wait
+    # in, which the last rank runs next; there it fails at once (it owes it), where it met
+    # the others' next one in another deadlock, and that the one after, without end
+    if last:
+        expect(hvd.MismatchError, [stuck, "'allreduce.extra_dl'"], hvd.allreduce,
+               torch.ones(2), name="extra_dl")
+    expect(hvd.MismatchError,
+           ["'allreduce.k0_dl' cannot run", f"failed on ranks {list(range(n - 1))} already"
+            if last else stuck], hvd.allreduce, torch.ones(2), name="k0_dl")
+    for k in (1, 2):
+        assert torch.equal(hvd.allreduce(torch.full((2,), float(r)), name=f"k{k}_dl",
+                                         op=hvd.Sum),
+                           torch.full((2,), float(n * (n - 1) // 2)))
 # A setting that decides how bytes move, set otherwise on the last rank alone (an init()
 # argument computed per rank), then another ringreduce release there: init() fails on every
 # rank, naming it and who has which value, before any collective could pair two ways; init()
