@@ -62,6 +62,13 @@ def _create(options: Any, backend_options: Any = None) -> RingReduceGroup:
                 f"to be MPI's, but this process is torch rank {dist.get_rank()} of "
                 f"{dist.get_world_size()} and MPI rank {world.rank()} of {world.size()}")
         label = f"torch group '{options.group_id}'"
+        if ranks != sorted(ranks):      # (new_group(ranks, sort_ranks=False))
+            raise RingReduceError(
+                f"ringreduce backend: {label} lists its ranks out of order ({ranks}, "
+                "new_group(..., sort_ranks=False)), which ranks them in that order; "
+                "ringreduce's process sets rank their members in global order, as Horovod's, "
+                "and would give every root, source and position the wrong rank: make the "
+                "group with sort_ranks=True (the default)")
         process_set = open_group(ranks, label)
     ps = active(process_set, "the ringreduce backend")
     headers = ps.duplicate_comm(ps.call_order_name("dist.point_to_point"))

@@ -111,11 +111,12 @@ class Reductions(GroupBase):
     def _bitwise(self, name: str, tensor: torch.Tensor, folding: tuple,
                  root: Optional[int] = None) -> CollectiveWork:
         """BAND, BOR or BXOR (`folding`: bitwise()) of an integer or bool tensor, as gloo has
-        them (reductions.bitwise_allreduce_work), its result written over the tensor;
-        for reduce, on group rank `root` alone (checked by the caller)."""
+        them (reductions.bitwise_allreduce_work), its result written over the tensor (which,
+        as on gloo, need not be contiguous: the work takes a contiguous copy); for reduce, on
+        group rank `root` alone (checked by the caller)."""
         op_name, fold = folding
         handle = submit(bitwise_allreduce_work(
-            tensor, name, op_name, fold, self._process_set,
+            tensor.contiguous(), name, op_name, fold, self._process_set,
             None if root is None else self._process_set.ranks[root]))
 
         def finish(result: torch.Tensor) -> None:

@@ -420,6 +420,10 @@ def case_dtypes_moved_and_bool_reduced():
             kept = mine[r].clone().t()      # (not contiguous: written in place)
             dist.reduce(kept, dst=root, op=op)
             same_bits(kept, want.t() if r == root else mine[r].t(), f"{dtype} reduce {op}")
+            pairs = torch.stack([mine[r], mine[r]], -1)     # every other element: a strided
+            dist.all_reduce(pairs[..., 0], op=op)           # view even flattened
+            same_bits(pairs[..., 0].contiguous(), want, f"{dtype} all_reduce {op}, strided")
+            same_bits(pairs[..., 1].contiguous(), mine[r], f"{dtype} {op}: the rest untouched")
     check_equal(reduced(torch.ones(2)), torch.full((2,), float(n)), "all_reduce after them")
     same_model(train(Masked, DDP), train(Masked), "DDP with a bool buffer")
 

@@ -226,6 +226,17 @@ def case_subgroup():
                     "MAX on a group of one")
         dist.destroy_process_group(alone)
     check_equal(reduced(torch.ones(3)), torch.full((3,), float(n)), "beside a group of one")
+    # ranks out of order (sort_ranks=False, which ranks them in that order) are refused on
+    # every member: our sets rank members in global order, and roots and positions would be
+    # another rank's
+    if n > 1:
+        def backwards():
+            group = dist.new_group(list(range(n))[::-1], sort_ranks=False)
+            return reduced(torch.ones(2), SUM, group)
+
+        expect(hvd.RingReduceError, ["lists its ranks out of order", "sort_ranks=True"],
+               backwards)
+        check_equal(reduced(torch.ones(3)), torch.full((3,), float(n)), "after the refusal")
 
 
 def case_threads_each_on_a_group_of_its_own():
