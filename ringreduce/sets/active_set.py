@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
@@ -14,6 +15,7 @@ import numpy as np
 from ..core.config import Settings
 from ..core.errors import RingReduceError
 from ..core.mpi import mpi
+from ..core.thread_places import fix_place, place
 from ..transport.auto_names import AutoNames
 from ..transport.set_transport import Transport
 from ..transport.settling import agreement
@@ -48,15 +50,20 @@ class ActiveSet:
                                    self.homogeneous, self.names)
         self.engine = Engine(f"ringreduce-set{set_id}", self.ranks[comm.rank], comm.Iprobe,
                              functools.partial(agreement, self.transport.negotiator), set_id)
-        self._optimizers = itertools.count()
+        self._optimizers: dict[str, Any] = {}     # a thread's place -> its count
         self.closed = False     # shut down: what holds it must find the set's new one (active)
 
     def optimizer_prefix(self) -> str:
-        """What the bucket names of the set's next DistributedOptimizer start with: nothing
-        for the first, 'opt<k>.' for the k-th after it, so two optimizers' buckets never share
-        a name (members that create them in the same order agree)."""
-        k = next(self._optimizers)
-        return "" if k == 0 else f"opt{k}."
+        """What the bucket names of the next DistributedOptimizer this thread wraps on the set
+        start with: nothing for the first, 'opt<k>.' for the k-th after it, so two optimizers'
+        buckets never share a name, and members that wrap them in the same order agree; on a
+        thread other than the main one, its place first ('train#1.', 'train#1.opt1.'), as
+        unnamed collectives have it (auto_names.py): each thread's optimizers pair with the
+        same thread's on the other members, whichever thread wraps first there."""
+        fix_place(self.id)
+        where = place(threading.current_thread()) or ""
+        k = next(self._optimizers.setdefault(where, itertools.count()))
+        return (f"{where}." if where else "") + ("" if k == 0 else f"opt{k}.")
 
     def auto_name(self, kind: str) -> str:
         """A collective's name when the caller gives none: '<kind>.noname.<k>' for the k-th

@@ -192,11 +192,40 @@ def named_from_many_threads() -> None:
             check_equal(got, total(t, i), f"n{t}.{i}")
 
 
+def optimizers_wrapped_in_opposite_orders() -> None:
+    """Two threads each wrap a DistributedOptimizer of the same model (an ensemble), in one
+    order on even ranks and the other on odd ones (one thread starts late): each thread's
+    buckets pair with the same thread's, whose names carry its place. They were named by
+    the order of wrapping, so model a on one rank was averaged with model b on another, with
+    no error. Each model steps with the average of its own gradients: a's inputs are 1 on
+    every rank, b's 100, so after one step of lr 1, w = w0 - 1 and w0 - 100, exactly."""
+    results: dict = {}
+
+    def train(t: int) -> None:
+        if t == (r + 1) % 2:
+            time.sleep(0.3)
+        model = torch.nn.Linear(2, 1, bias=False)
+        torch.nn.init.zeros_(model.weight)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                       model.named_parameters())
+        model(torch.full((1, 2), 100.0 ** t)).sum().backward()
+        opt.step()
+        results[t] = model.weight.detach().clone()
+
+    started = [threading.Thread(target=train, args=(t,)) for t in range(2)]
+    for thread in started:
+        thread.start()
+    for thread in started:
+        thread.join()
+    for t in range(2):
+        check_equal(results.get(t), torch.full((1, 2), -(100.0 ** t)), f"model {t}")
+
+
 CASES = [repeated(2, "allreduce", False), repeated(2, "allreduce", True),
          repeated(4, "mixed", False), repeated(4, "mixed", True),
          repeated(2, "allgather", False), repeated(2, "broadcast", False),
          first_calls_in_opposite_orders, idle_thread_on_one_rank, main_and_worker_threads, thread_on_some_ranks_only,
-         named_from_many_threads]
+         named_from_many_threads, optimizers_wrapped_in_opposite_orders]
 
 per_setting(sys.argv[2] if len(sys.argv) > 2 else None, hvd.init,
             lambda: run_cases(CASES, r), hvd.shutdown)
