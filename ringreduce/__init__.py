@@ -2,6 +2,8 @@
 
 `import ringreduce as hvd` in a script written for `horovod.torch` and run it with mpiexec.
 """
+import sys
+
 from . import checkpoint, elastic
 from .api.collectives import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async,
                               allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall,
@@ -11,6 +13,7 @@ from .api.collectives import (Adasum, Average, Max, Min, Product, Sum, allgather
                               grouped_allreduce_async_, grouped_reducescatter,
                               grouped_reducescatter_async, join, poll, reducescatter,
                               reducescatter_async, sparse_allreduce_async, synchronize)
+from .api import compression
 from .api.compression import Compression
 from .api.objects import (allgather_object, broadcast_object, broadcast_parameters,
                           check_consistency)
@@ -35,6 +38,11 @@ from .sets.world import (ccl_built, check_extension, cross_rank, cross_size, cud
 from .core.version import __version__
 
 compile_boundary.install()      # torch.compile runs our code eagerly rather than tracing it
+
+# horovod.torch's submodules, which scripts reach as its attributes (hvd.mpi_ops.Sum,
+# hvd.functions.broadcast_object, hvd.compression.Compressor): here the package holds every
+# name of theirs itself, and `compression` is our module of that name.
+mpi_ops = functions = optimizer = sync_batch_norm = sys.modules[__name__]
 
 __all__ = [
     # start-up and topology

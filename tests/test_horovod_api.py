@@ -9,6 +9,7 @@ import pytest
 
 from conftest import PATHS, RANK_COUNTS, run_ok, shared_script
 import ringreduce as hvd
+import ringreduce.torch as as_torch
 from ringreduce.core import config
 
 TENSOR_OPS = ["average", "name", "op", "prescale_factor", "postscale_factor", "process_set"]
@@ -85,6 +86,20 @@ def test_every_horovod_torch_name_exists_with_horovods_parameters(name):
 @pytest.mark.parametrize("name", ELASTIC)
 def test_every_horovod_torch_elastic_name_exists(name):
     assert hasattr(hvd.elastic, name)
+
+
+def test_horovods_submodules_are_attributes_with_their_names():
+    """horovod.torch's submodules, reached as attributes (hvd.compression.Compressor), through
+    `import ringreduce as hvd` and `import ringreduce.torch as hvd` alike."""
+    for package in (hvd, as_torch):
+        assert package.mpi_ops.allreduce_async_ is hvd.allreduce_async_
+        assert package.mpi_ops.Average is hvd.Average
+        assert package.functions.broadcast_optimizer_state is hvd.broadcast_optimizer_state
+        assert package.optimizer.DistributedOptimizer is hvd.DistributedOptimizer
+        assert package.sync_batch_norm.SyncBatchNorm is hvd.SyncBatchNorm
+        assert package.compression.Compression is hvd.Compression
+        assert issubclass(package.compression.FP16Compressor, package.compression.Compressor)
+        assert package.compression.NoneCompressor is package.compression.Compressor
 
 
 def test_ops_and_compression_match_horovods_values():
