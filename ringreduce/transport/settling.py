@@ -173,7 +173,8 @@ class _Settling:
         Every member fails its first collective with MismatchError, saying what each has.
         Each failed a collective of another kind, so their counts of automatic names differ
         now: realigned, so that the members' unnamed collectives pair again once their
-        programs go on alike (as after a join)."""
+        programs go on alike (as after a join). Another member's first that this member does
+        not have pending is one it owes (the module's docstring)."""
         me, ranks = self.negotiator.comm.rank, self.watch.ranks
         if self.negotiator.names is not None:
             self.negotiator.names.realign(self.negotiator.gather)
