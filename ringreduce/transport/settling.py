@@ -120,9 +120,11 @@ class _Settling:
                 "fails what it runs before the reset, until it comes to the reset too.")
         common = set(lists[0].tolist()).intersection(*(set(x.tolist()) for x in lists[1:]))
         if common:
-            n.owed.clear()      # (the members' programs meet again: what was owed is past)
             mine = dict(zip(hashes.tolist(), names))
-            return [mine[h] for h in lists[0].tolist() if h in common]
+            agreed = [mine[h] for h in lists[0].tolist() if h in common]
+            for name in agreed:     # (met with the others after all: not owed any more)
+                n.owed.pop(name, None)
+            return agreed
         if (flags & _OWED_FLAG).any():      # whoever owes its first fails it; every member
             if owing:                       # leaves the settling, to meet at the next ones
                 self._owed(names[0])
