@@ -7,7 +7,7 @@ collective.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -34,20 +34,26 @@ def broadcast_parameters(params: Params, root_rank: int, prefix: Optional[str] =
     named = [(f"broadcast_parameters.{prefix or ''}{name if name is not None else index}",
               tensor) for index, (name, tensor) in enumerate(items)
              if isinstance(tensor, torch.Tensor)]
-    agree_on_names(ps, "broadcast_parameters", prefix, [name for name, _ in named])
+    agree_on_names(ps, "broadcast_parameters", prefix, [name for name, _ in named],
+                   [tensor for _, tensor in named])
     handles = [broadcast_async_(tensor, root_rank, name, process_set) for name, tensor in named]
     for handle in handles:
         synchronize(handle)
 
 
 def agree_on_names(ps: ActiveSet, helper: str, prefix: Optional[str],
-                    names: list[str]) -> None:
-    """One signature check of the names a helper is about to broadcast under: where some rank
-    has others (another model, a parameter with optimizer state on some ranks only, other
-    param_groups), every rank gets a MismatchError naming them, instead of each waiting for
+                    names: list[str], tensors: Sequence[torch.Tensor] = ()) -> None:
+    """One signature check of the names a helper is about to broadcast under, and of the
+    `tensors` it broadcasts under the first of them: where some rank has other names (another
+    model, a parameter with optimizer state on some ranks only, other param_groups), or a
+    tensor of another shape or dtype, every rank gets a MismatchError naming them, before any
+    broadcast: nothing is overwritten (a broadcast of a tensor that differs fails after those
+    before it have landed, with those after it still under way), and no rank waits for
     broadcasts the others never submit (Horovod's stall)."""
     name = helper if prefix is None else f"{helper}[{prefix}]"
-    ps.agree({"collective": helper, "name": name, "tensors": tuple(names)})
+    ps.agree({"collective": helper, "name": name, "tensors": tuple(names),
+              "shapes": tuple(f"{n}: {str(t.dtype)[6:]}{tuple(t.shape)}"
+                              for n, t in zip(names, tensors))})
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
@@ -103,5 +109,8 @@ def check_consistency(tensors: Union[torch.nn.Module, Params], name: Optional[st
 
 
 def _digest(tensor: torch.Tensor) -> int:
-    raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)
+    """The tensor's bytes, shape and dtype (the same bytes as a tensor of another shape or
+    dtype are another tensor)."""
+    hashed = hashlib.blake2b(f"{tensor.dtype}{tuple(tensor.shape)}".encode(), digest_size=8)
+    hashed.update(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+    return int.from_bytes(hashed.digest(), "little", signed=True)

@@ -67,7 +67,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                     scalars[key] = value
                     assign[key] = functools.partial(_set_item, param_state, entry)
     agree_on_names(ps, "broadcast_optimizer_state", None,
-                    [key for key, _ in tensors] + list(scalars))
+                   [key for key, _ in tensors] + list(scalars), [t for _, t in tensors])
     handles = [broadcast_async_(tensor, root_rank, key, process_set) for key, tensor in tensors]
     for handle in handles:
         synchronize(handle)

@@ -101,7 +101,8 @@ class Planning:
         (fusion.ALONE_BYTES: one laid out otherwise on one rank is fused there, and the
         mismatch names it), and how many go in each bucket."""
         return {"plan": tuple(n for b in self._buckets for n in b.names),
-                "shapes": tuple(tuple(p.shape) for b in self._buckets for p in b.params),
+                "shapes": tuple(f"{n}: {tuple(p.shape)}" for b in self._buckets
+                                for n, p in zip(b.names, b.params)),
                 "large, reduced alone": tuple(b.names[0] for b in self._buckets
                                               if b.direct and b.nbytes >= fusion.ALONE_BYTES),
                 "bucket sizes": tuple(len(b.params) for b in self._buckets)}

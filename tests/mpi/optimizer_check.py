@@ -752,6 +752,20 @@ def check_state_helpers_refuse_a_mistake_on_one_rank():
     expect(hvd.MismatchError, [f"'momentum_buffer.1' only on ranks {list(range(n - 1))}",
                                "names in all"],      # (the first ten shown)
            hvd.broadcast_optimizer_state, other, 0)
+    # the same names, one layer of another shape on the last rank: refused before any
+    # broadcast, every tensor as it was (those before it were overwritten, and those after it
+    # still being written after the error), and so with a tensor of another dtype
+    for odd in (nn.Linear(2, 3), nn.Linear(3, 2).double()):
+        torch.manual_seed(r)
+        shaped = nn.Sequential(nn.Linear(3, 3), odd if r == n - 1 else nn.Linear(3, 2),
+                               nn.Linear(2, 1))
+        kept = copy.deepcopy(shaped.state_dict())
+        expect(hvd.MismatchError, ["'shapes' differs", f"'broadcast_parameters.1.weight: "
+                                   f"{str(odd.weight.dtype)[6:]}{tuple(odd.weight.shape)}' "
+                                   f"{last}"],
+               hvd.broadcast_parameters, shaped.state_dict(), root_rank=0)
+        time.sleep(0.2)
+        assert all(torch.equal(t, kept[k]) for k, t in shaped.state_dict().items())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     params_equal_across_ranks(model, "broadcast_parameters after a refused one")
     same = torch.optim.SGD(model.parameters(), lr=0.1 * (r + 1), momentum=0.9)
