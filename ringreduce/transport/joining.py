@@ -25,7 +25,8 @@ from .stall import StallWatch
 
 DTYPES = {name: dtype for dtype, name in NAMES.items()}
 # What a member runs, as a join round shares it: (collective, signature, reduction or None),
-# the reduction being (dtype name, element count, op, prescale, postscale, on a GPU).
+# the reduction being (dtype name, element count, op, prescale, postscale, on a GPU, the
+# element counts of the tensors fused in it, which Adasum weighs each on its own, or None).
 Description = tuple[str, Signature, Optional[tuple]]
 Reduce = Callable[[torch.Tensor, torch.Tensor, ReduceSpec], None]
 
@@ -69,7 +70,8 @@ class JoinRounds:
         """An allreduce that met joined members: agree with the others on what runs, then run
         it without the signature check (the joined ones contribute zeros)."""
         reduction = (NAMES[spec.dtype], src.numel(), int(spec.op), spec.prescale,
-                     spec.postscale, src.is_cuda)
+                     spec.postscale, src.is_cuda,
+                     None if spec.lengths is None else tuple(spec.lengths))
         self.round(("allreduce", spec.describe(), reduction))
         self.reduce(src, dst, spec.unchecked())
 
@@ -99,8 +101,9 @@ class JoinRounds:
 
     def _zeros(self, reduction: tuple, device: Optional[torch.device]) -> None:
         """A joined member's part in an allreduce: zeros of the others' dtype and length."""
-        dtype_name, count, op, prescale, postscale, on_gpu = reduction
+        dtype_name, count, op, prescale, postscale, on_gpu, lengths = reduction
         where = (device or torch.device("cuda", torch.cuda.current_device())) if on_gpu \
             else torch.device("cpu")
         zeros = torch.zeros(count, dtype=DTYPES[dtype_name], device=where)
-        self.reduce(zeros, zeros, ReduceSpec(zeros.dtype, ReduceOp(op), prescale, postscale))
+        self.reduce(zeros, zeros, ReduceSpec(zeros.dtype, ReduceOp(op), prescale, postscale,
+                                             lengths=lengths))

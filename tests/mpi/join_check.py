@@ -160,6 +160,23 @@ def sparse_gradients_under_join():
     assert torch.equal(emb.weight[1], torch.full((2,), want)), emb.weight
 
 
+def adasum_under_join():
+    """A grouped Adasum allreduce (what a DistributedOptimizer(op=Adasum) bucket runs) while
+    rank 0 has joined: its zeros are fused as the others' tensors are, each weighed on its
+    own (the joined rank ran Adasum over one fused tensor, and the set shut down with MPI's
+    'Message truncated'). Adasum of a vector with itself is the vector, with zeros too."""
+    if n & (n - 1):
+        return      # (Adasum takes a power-of-two number of ranks)
+    if r == 0:
+        hvd.join()
+        return
+    got = hvd.grouped_allreduce([torch.full((8,), 2.0), torch.full((2,), 3.0)], op=hvd.Adasum,
+                                name="adasum.joined")
+    assert torch.equal(got[0], torch.full((8,), 2.0)) and torch.equal(got[1],
+                                                                       torch.full((2,), 3.0))
+    hvd.join()
+
+
 def check_all():
     first = os.environ.get("JOIN_FIRST")
     for first in range(n) if first is None else [int(first) % n]:
@@ -169,6 +186,7 @@ def check_all():
     joins_apart_in_time(n - 1)
     uneven_epoch()
     sparse_gradients_under_join()
+    adasum_under_join()
 
 
 per_setting(sys.argv[1] if len(sys.argv) > 1 else None, hvd.init, check_all, hvd.shutdown)
