@@ -80,10 +80,8 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            if self.momentum is None:                 # cumulative moving average
-                factor = 1.0 / float(self.num_batches_tracked)
+        counting = (self.training and self.track_running_stats
+                    and self.num_batches_tracked is not None)
         batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         if not batch_stats:                           # eval with running statistics
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight,
@@ -92,6 +90,10 @@ class SyncBatchNorm(_BatchNorm):
         # running statistics.
         active(self.process_set, "SyncBatchNorm.forward()")
         count, mean, m2 = _global_stats(input, self.process_set)
+        if counting:    # (after the statistics' collective: one that fails counts no batch)
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:                 # cumulative moving average
+                factor = 1.0 / float(self.num_batches_tracked)
         if count == 1:                                # as F.batch_norm with batch statistics
             raise ValueError("ringreduce: SyncBatchNorm expects more than 1 value per channel "
                              "when training (the whole batch over the process set has 1)")

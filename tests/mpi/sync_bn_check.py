@@ -142,6 +142,29 @@ def one_value_per_channel():
         pass
 
 
+def failed_forward_counts_no_batch():
+    """A forward whose statistics' collective fails (the last rank passes another number of
+    channels, caught) changes no running statistic: with momentum=None the next batch is the
+    first counted, and the running mean is its mean, as torch's BatchNorm1d has it (it counted
+    the failed one, and weighed the next by 1/2, on every rank)."""
+    if n == 1:
+        return
+    sync = hvd.SyncBatchNorm(3, momentum=None).double()
+    try:
+        sync(torch.randn(4, 5 if r == n - 1 else 3, dtype=torch.float64))
+        failures.append("another number of channels on one rank: no error")
+    except hvd.MismatchError:
+        pass
+    x = torch.arange(12, dtype=torch.float64).reshape(4, 3)
+    sync(x)
+    ref = torch.nn.BatchNorm1d(3, momentum=None).double()
+    ref(torch.cat([x] * n))
+    expect("failed forward", int(sync.num_batches_tracked) == 1,
+           f"num_batches_tracked {int(sync.num_batches_tracked)}")
+    expect("failed forward", torch.equal(sync.running_mean, ref.running_mean),
+           f"running_mean {sync.running_mean.tolist()} want {ref.running_mean.tolist()}")
+
+
 def converted_model():
     """convert_sync_batchnorm on a model with two BatchNorm layers (the same collective names
     twice a step), trained two steps, against the plain model on the whole batch; revert."""
@@ -201,6 +224,7 @@ unequal = [3 + 2 * i for i in range(n)]                     # 3, 5, 7, ...
 with_empty = [4 + i for i in range(n - 1)] + [0] if n > 1 else [5]
 CASES = [
     ("one value per channel", one_value_per_channel),
+    ("a failed forward counts no batch", failed_forward_counts_no_batch),
     ("float64 2d", lambda: compare("float64 2d", torch.nn.BatchNorm2d, 3, (4, 4), [4] * n,
                                    torch.float64)),
     ("float64 empty rank, momentum None", lambda: compare(
