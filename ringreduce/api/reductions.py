@@ -19,7 +19,8 @@ from ..sets.process_set import ProcessSet
 from ..sets.process_sets import active
 from ..transport import adasum, ring
 from ..transport.reduce_spec import ReduceSpec
-from ..transport.signature import AllreduceSignature, digest, with_device
+from ..transport.signature import (GROUPED_TENSORS, AllreduceSignature, digest,
+                                   with_device)
 from .arguments import (as_callers, checked_tensor, described, on_callers_device, reduce_op,
                         refuse_adasum_off_global, same_memory)
 from .compression import Compression, Compressor, custom
@@ -104,7 +105,7 @@ def grouped_allreduce_work(tensors: Sequence[torch.Tensor], name: Optional[str],
     else:
         signature = with_device({"collective": "allreduce", "name": name, "op": op.name,
                                  "prescale": prescale, "postscale": postscale,
-                                 "tensors (dtype, shape)": tuple(described(t) for t in wires)},
+                                 GROUPED_TENSORS: tuple(described(t) for t in wires)},
                                 any(w.is_cuda for w in wires))
         signed = digest(signature)
 

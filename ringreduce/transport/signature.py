@@ -97,6 +97,9 @@ def label(signature: Signature) -> str:
     return text
 
 
+GROUPED_TENSORS = "tensors (dtype, shape)"     # a grouped allreduce's field
+
+
 def describe_mismatch(signatures: Sequence[Signature], ranks: Sequence[int]) -> str:
     """Name the tensor, the first differing field, and what each rank (global rank `ranks[i]`
     for signature i) submitted; or, where a rank refused its part (a mistake in its arguments,
@@ -114,10 +117,15 @@ def describe_mismatch(signatures: Sequence[Signature], ranks: Sequence[int]) -> 
                     "rank's call fails; later collectives run as usual.")
     fields = list(signatures[0])
     fields += [k for s in signatures[1:] for k in s if k not in fields]
-    for field in fields:
-        values = [s.get(field, _UNSAID.get(field)) for s in signatures]
-        if any(v != values[0] for v in values):
-            break
+    grouped = [GROUPED_TENSORS in s for s in signatures]
+    if any(grouped) and not all(grouped):   # (a grouped call of one tensor signs as one)
+        field = "number of tensors"
+        values = [len(s[GROUPED_TENSORS]) if GROUPED_TENSORS in s else 1 for s in signatures]
+    else:
+        for field in fields:
+            values = [s.get(field, _UNSAID.get(field)) for s in signatures]
+            if any(v != values[0] for v in values):
+                break
     names = sorted({str(s.get("name")) for s in signatures})
     kinds = sorted({str(s.get("collective")) for s in signatures})
     by_rank = "; ".join(f"rank {r}: {v!r}" for r, v in zip(ranks, values))

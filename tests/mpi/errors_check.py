@@ -141,6 +141,10 @@ if n > 1:
                  ["'allreduce.shape_mm'", "'shape'", "rank 0: (3,)", "rank 1: (4,)"],
                  hvd.allreduce_, x, name="shape_mm")
     assert torch.equal(x, torch.ones(3 + r)), "input changed by a failed collective"
+    # a grouped allreduce of one tensor on rank 0 (which signs as one allreduce) and of two
+    # on the others: the number of tensors named (it said "'dtype' differs", with a None)
+    expect(hvd.MismatchError, ["'number of tensors' differs", "rank 0: 1", "rank 1: 2"],
+           hvd.grouped_allreduce, [torch.ones(2)] * (1 + (r > 0)), name="count_mm")
     # the same on the block-by-block path, and between it and the small path
     big = torch.ones(300_000 + r)
     expect(hvd.MismatchError, ["'allreduce.big_mm'", "'shape'", "rank 0: (300000,)"],
