@@ -35,6 +35,8 @@ class Reductions(GroupBase):
         at once: dist.all_reduce(t)) runs to its end here and returns None, which torch takes
         for a backend that waited itself, as its every collective does; a Work costs as much
         as a tenth of a small allreduce."""
+        if isinstance(tensors, torch.Tensor):   # (DDP's join hook hands one bare)
+            tensors = [tensors]
         ps = self._running_on       # (_active's, without its frame)
         if ps is None or ps.closed:
             ps = self._active("allreduce")

@@ -44,14 +44,15 @@ def case_ddp():
     same_model(train(Net, hooked), reference, "DDP fp16_compress_hook", rtol=1e-3, atol=1e-4)
 
 
-def uneven(group, zero=False):
+def uneven(group, zero=False, find_unused=False):
     """DDP over `group` (None: the default one) inside `join()`, rank k taking 2 + 2k steps of
     its own data (uneven inputs: the ranks that run out shadow the others' collectives), with
     Adam, or ZeroRedundancyOptimizer (each rank steps its shard, then broadcasts it: joined
     too, so that a rank that ran out also shadows those broadcasts)."""
     torch.manual_seed(0)
     model = mlp()
-    ddp = DDP(model, process_group=group, bucket_cap_mb=0.002)
+    ddp = DDP(model, process_group=group, bucket_cap_mb=0.002,
+              find_unused_parameters=find_unused)
     if zero:
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam,
                                       lr=0.01, process_group=group)
@@ -74,6 +75,10 @@ def case_ddp_join_and_zero():
                rtol=1e-5, atol=1e-6)
     same_model(uneven(None, zero=True), uneven(common.GLOO, zero=True),
                "DDP join() and ZeroRedundancyOptimizer, against gloo", rtol=1e-5, atol=1e-6)
+    # with find_unused_parameters, DDP's join hook hands the group's allreduce a bare tensor
+    # (its map of used parameters), not a list: it was taken for a list of its elements
+    same_model(uneven(None, find_unused=True), uneven(common.GLOO, find_unused=True),
+               "DDP join() with find_unused_parameters, against gloo", rtol=1e-5, atol=1e-6)
 
 
 def counted_average_hook(state, bucket):
