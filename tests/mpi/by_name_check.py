@@ -17,7 +17,7 @@ import torch
 from mpi4py import MPI
 
 import ringreduce as hvd
-from checks import check_equal, expect, per_setting, run_cases
+from checks import check_equal, expect, in_threads, per_setting, run_cases
 
 world = MPI.COMM_WORLD
 r, n = world.rank, world.size
@@ -199,11 +199,7 @@ def racing_threads_with_names():
         results[t] = [(i, hvd.allreduce(value(f"t{t}.{i}", r, 3 + t), name=f"t{t}.{i}",
                                         op=hvd.Sum)) for i in range(30)]
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(worker, 2)
     for t in range(2):
         assert len(results.get(t, [])) == 30, f"thread {t} died"
         for i, got in results[t]:

@@ -3,6 +3,7 @@ one launch run under several settings."""
 import contextlib
 import json
 import os
+import threading
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -43,6 +44,16 @@ def expect(error: type, fragments: Union[str, Sequence[str]], fn: Callable, *arg
         return text
     raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise {error.__name__} "
                          f"({fragments})")
+
+
+def in_threads(target: Callable[[int], None], count: int) -> None:
+    """target(0) ... target(count - 1), each on a thread of its own, started in that order
+    (every rank alike: their places match), then waited for."""
+    threads = [threading.Thread(target=target, args=(t,)) for t in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def run_cases(cases: Sequence[Callable[[], None]], rank: int) -> None:

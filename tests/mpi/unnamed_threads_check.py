@@ -18,7 +18,7 @@ import torch
 from mpi4py import MPI
 
 import ringreduce as hvd
-from checks import check_equal, expect, per_setting, run_cases
+from checks import check_equal, expect, in_threads, per_setting, run_cases
 
 world = MPI.COMM_WORLD
 r, n = world.rank, world.size
@@ -181,11 +181,7 @@ def named_from_many_threads() -> None:
         results[t] = [hvd.allreduce(value(t, i, r), name=f"n{t}.{i}", op=hvd.Sum)
                       for i in range(CALLS)]
 
-    started = [threading.Thread(target=named, args=(t,)) for t in range(4)]
-    for thread in started:
-        thread.start()
-    for thread in started:
-        thread.join()
+    in_threads(named, 4)
     for t in range(4):
         assert len(results.get(t, [])) == CALLS, f"thread {t} died"
         for i, got in enumerate(results[t]):
@@ -212,11 +208,7 @@ def optimizers_wrapped_in_opposite_orders() -> None:
         opt.step()
         results[t] = model.weight.detach().clone()
 
-    started = [threading.Thread(target=train, args=(t,)) for t in range(2)]
-    for thread in started:
-        thread.start()
-    for thread in started:
-        thread.join()
+    in_threads(train, 2)
     for t in range(2):
         check_equal(results.get(t), torch.full((1, 2), -(100.0 ** t)), f"model {t}")
 
