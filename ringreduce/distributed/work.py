@@ -11,6 +11,7 @@ asynchronous small one that ended there too returns a `FinishedWork`, which need
 """
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Callable, Optional
 
@@ -24,6 +25,9 @@ from ..sets.lineage import children_end, children_of
 from .failed_future import fail
 
 _FUTURES = threading.Lock()     # a work's future is made once
+# sys.getrefcount of a Work that only its keeper holds (the keeper's attribute, its local name
+# and the call's argument): nobody else can reach it, to wait, to ask for its future or value
+UNHELD = 3 if getattr(sys, "_is_gil_enabled", lambda: True)() else -1   # (exact under the GIL)
 _WORK_INIT = dist.Work.__init__
 
 
@@ -183,6 +187,10 @@ class FinishedWork(dist.Work):
 
     def __init__(self, value: list, name: str, engine: Any) -> None:
         _WORK_INIT(self)
+        self._value, self._name, self._engine, self._future = value, name, engine, None
+
+    def reuse(self, value: list, name: str, engine: Any) -> None:
+        """Made anew for the next call (its keeper's, where nobody else holds it: UNHELD)."""
         self._value, self._name, self._engine, self._future = value, name, engine, None
 
     def wait(self, timeout: Any = None) -> bool:

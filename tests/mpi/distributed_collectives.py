@@ -2,7 +2,8 @@
 group of the same launch (reductions, within float tolerance) or a reference built from every
 rank's inputs (data movement, exact), ours bitwise identical across ranks; sparse all_reduce;
 the dtypes only moved (bool, uint16/64, float8, complex64), bool and complex reductions; Works
-polled and their futures' values; thousands of small calls leaving no objects alive."""
+polled and their futures' values, small ones held or dropped; thousands of small calls leaving
+no objects alive."""
 import gc
 import time
 
@@ -160,6 +161,34 @@ def case_calls_keep_nothing_alive():
             gc.enable()
     assert all(k < 50 for k in kept.values()), f"objects left by 500 calls: {kept}"
     check_equal(x, torch.ones(256), "the calls' tensor")
+
+
+def case_small_works_held_or_dropped():
+    """Small asynchronous all_reduces that end on the caller's thread (on rank 0, which starts
+    each last) return a Work that the group makes again only where somebody still holds the
+    last one: each Work held stays its call's (its value, its future), and a future asked of a
+    Work then dropped stays its call's while later calls reuse that Work."""
+    total = n * (n + 1) // 2
+    held, futures = [], []
+    for k in range(6):
+        if r == 0:
+            time.sleep(0.02)        # (the others' parts are there: it ends on rank 0's thread)
+        mine = torch.full((2,), float(r + 1 + k))
+        work = dist.all_reduce(mine, async_op=True)
+        if k < 3:
+            held.append((mine, work))
+        else:
+            futures.append((mine, work.get_future()))
+            del work
+    for k, (mine, work) in enumerate(held):
+        work.wait()
+        assert work.result()[0] is mine, f"held Work {k}: another call's value"
+        assert work.get_future().wait()[0] is mine, f"held Work {k}: another call's future"
+        check_equal(mine, torch.full((2,), float(total + n * k)), f"held Work {k}")
+    assert len({id(future) for _, future in futures}) == 3, "dropped Works: one future shared"
+    for k, (mine, future) in enumerate(futures, 3):
+        assert future.wait()[0] is mine, f"future of dropped Work {k}: another call's value"
+        check_equal(mine, torch.full((2,), float(total + n * k)), f"dropped Work {k}")
 
 
 def case_reduce_scatter():
