@@ -26,8 +26,11 @@ from .failed_future import fail
 
 _FUTURES = threading.Lock()     # a work's future is made once
 # sys.getrefcount of a Work that only its keeper holds (the keeper's attribute, its local name
-# and the call's argument): nobody else can reach it, to wait, to ask for its future or value
-UNHELD = 3 if getattr(sys, "_is_gil_enabled", lambda: True)() else -1   # (exact under the GIL)
+# and the call's argument): nobody else can reach it, to wait, to ask for its future or value.
+# Exact on CPython to 3.13 under the GIL; elsewhere -1, never reused (a free-threaded build's
+# counts are not exact, and from 3.14 a local name may hold no count of its own).
+UNHELD = (3 if sys.implementation.name == "cpython" and sys.version_info < (3, 14)
+          and getattr(sys, "_is_gil_enabled", lambda: True)() else -1)
 _WORK_INIT = dist.Work.__init__
 
 
