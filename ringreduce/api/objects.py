@@ -1,7 +1,7 @@
 """Model state across a process set: broadcast parameters and objects; check that tensors are
 bitwise identical everywhere. (The optimizer's state: optim/optimizer_state.py.)
 
-Objects travel pickled (mpi4py's lowercase calls), through the set's engine like every
+Objects travel pickled by cloudpickle, as on Horovod, through the set's engine like every
 collective.
 """
 from __future__ import annotations
@@ -9,12 +9,14 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
+import cloudpickle
 import torch
 
 from ..core.errors import ConsistencyError
 from ..sets.active_set import ActiveSet, refusing
 from ..sets.process_set import ProcessSet, global_process_set
 from ..sets.process_sets import active
+from ..transport.set_transport import pickled
 from ..transport.signature import qualified
 from .collectives import broadcast_async_, synchronize
 
@@ -58,22 +60,38 @@ def agree_on_names(ps: ActiveSet, helper: str, prefix: Optional[str],
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Any:
-    """Global rank root_rank's `obj` (any picklable object), on every member."""
+    """Global rank root_rank's `obj` (any object cloudpickle takes, as on Horovod), on every
+    member: the root's own object there, a copy on the others. The root pickles it before the
+    collective and the others unpickle it after, as Horovod does, so their errors are their
+    own, of pickle's types; one the root's pickling raises fails every member's call."""
     ps = active(process_set, "broadcast_object()")
     name = qualified("broadcast_object", name) or ps.auto_name("broadcast_object")
     with refusing(ps, name, "broadcast_object"):
         root = ps.root(root_rank, "broadcast_object", name)
+    payload, refused = pickled(obj) if ps.rank == root else (memoryview(bytearray()), None)
     signature = {"collective": "broadcast_object", "name": name, "root_rank": int(root_rank)}
-    return ps.engine.run(name, lambda: ps.transport.broadcast_object(obj, root, signature))
+    buf = ps.engine.run(name, lambda: ps.transport.broadcast_pickled(payload, refused, root,
+                                                                       signature))
+    if refused is not None:     # (a set of one)
+        raise refused
+    return obj if ps.rank == root else cloudpickle.loads(buf)
 
 
 def allgather_object(obj: Any, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> list:
-    """Every member's `obj`, as a list in set rank order."""
+    """Every member's `obj`, as a list in set rank order (copies). Pickled before the
+    collective and unpickled after it, as on Horovod: where every member's pickling fails
+    alike, each raises its own error (pickle's type) and the set goes on; where some members'
+    fails, every member gets a MismatchError quoting it."""
     ps = active(process_set, "allgather_object()")
     name = qualified("allgather_object", name) or ps.auto_name("allgather_object")
+    payload, refused = pickled(obj)
     signature = {"collective": "allgather_object", "name": name}
-    return ps.engine.run(name, lambda: ps.transport.allgather_object(obj, signature))
+    payloads = ps.engine.run(name, lambda: ps.transport.allgather_pickled(payload, refused,
+                                                                           signature))
+    if refused is not None:
+        raise refused
+    return [cloudpickle.loads(one) for one in payloads]
 
 
 def check_consistency(tensors: Union[torch.nn.Module, Params], name: Optional[str] = None,

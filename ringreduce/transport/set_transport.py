@@ -22,6 +22,7 @@ import math
 import pickle
 from typing import Any, Callable, Optional, Sequence, TypeVar, cast
 
+import cloudpickle
 import numpy as np
 import torch
 
@@ -229,35 +230,50 @@ class Transport:
             return
         self.watch.wait_request(self.comm.Ibarrier())
 
-    def broadcast_object(self, obj: Any, root: int, signature: Signature) -> Any:
-        """Member `root`'s `obj` on every member: the root's own object there (as Horovod
-        returns it), an unpickled copy on the others. A root that cannot pickle `obj` says so
-        in its signature: every member then raises the same MismatchError, quoting it."""
-        payload = self._broadcast_pickled(obj, root, signature)
-        return obj if self.comm.rank == root else pickle.loads(payload)
+    def broadcast_pickled(self, payload: memoryview, refused: Optional[Exception], root: int,
+                          signature: Signature) -> Optional[Any]:
+        """Member `root`'s `payload` (its object, `pickled`) on every member: the root's own
+        buffer there, a copy on the others; None where the root's pickling `refused` in a set of
+        one. A root that refused says so in its signature: every member then raises the same
+        MismatchError, quoting it."""
+        return self._broadcast(payload, refused, root, _quoting(signature, refused))
+
+    def allgather_pickled(self, payload: memoryview, refused: Optional[Exception],
+                          signature: Signature) -> Optional[list[bytes]]:
+        """Every member's `payload` (its object, `pickled`), in set rank order. A member whose
+        pickling `refused` says so as `broadcast_pickled`'s root does; None where every member
+        refused alike: each raises its own error, and nothing is out of step."""
+        return self._allgather(payload, refused, _quoting(signature, refused))
 
     def allgather_object(self, obj: Any, signature: Signature) -> list:
-        """Every member's `obj`, unpickled, in set rank order. A member that cannot pickle its
-        `obj` says so as `broadcast_object`'s root does."""
-        return [pickle.loads(payload) for payload in self._allgather_pickled(obj, signature)]
+        """Every member's `obj`, unpickled, in set rank order (the set's own bookkeeping)."""
+        payload, refused = pickled(obj)
+        payloads = self.allgather_pickled(payload, refused, signature)
+        if payloads is None:
+            raise RingReduceError(f"ringreduce: {label(signature)}: no member could pickle "
+                                  f"its object") from refused
+        return [pickle.loads(one) for one in payloads]
 
-    # (unpickling comes after the collective: a failure there is this member's own)
+    # A refusal that every member agreed on leaves the collective as a result, not an error:
+    # the collective's telling (`_telling`) would shut the set down.
 
     @_telling
-    def _broadcast_pickled(self, obj: Any, root: int, signature: Signature) -> Any:
-        payload, refused = _NOTHING, None
-        if self.comm.rank == root:
-            payload, refused, signature = _pickled(obj, signature)
+    def _broadcast(self, payload: memoryview, refused: Optional[Exception], root: int,
+                   signature: Signature) -> Optional[Any]:
         lengths = self._check_refusable(signature, len(payload), refused)
+        if refused is not None:
+            return None
         buf = payload if self.comm.rank == root else bytearray(int(lengths[root]))
         if self.size > 1 and len(buf):
             self.watch.wait_request(self.comm.Ibcast(buf, root=root))
         return buf
 
     @_telling
-    def _allgather_pickled(self, obj: Any, signature: Signature) -> list[bytes]:
-        payload, refused, signature = _pickled(obj, signature)
+    def _allgather(self, payload: memoryview, refused: Optional[Exception],
+                   signature: Signature) -> Optional[list[bytes]]:
         lengths = self._check_refusable(signature, len(payload), refused)
+        if refused is not None:
+            return None
         everyone = np.empty(int(lengths.sum()), dtype=np.uint8)
         self.watch.wait_request(self.comm.Iallgatherv(
             np.frombuffer(payload, dtype=np.uint8), [everyone, lengths.tolist()]))
@@ -267,16 +283,33 @@ class Transport:
     def _check_refusable(self, signature: Signature, per_rank: int,
                          refused: Optional[Exception]) -> np.ndarray:
         """The check of a collective this member may refuse (its signature then says why, and
-        the MismatchError raised on every member carries this member's error as its cause)."""
+        the MismatchError raised on every member carries this member's error as its cause).
+        Where it passes with `refused`, every member refused alike (or the set has one)."""
         try:
-            lengths = self.check(signature, per_rank=per_rank)
+            return self.check(signature, per_rank=per_rank)
         except MismatchError as mismatch:
             if refused is None:
                 raise
             raise mismatch from refused
-        if refused is not None:         # a set of one: no one to refuse to
-            raise refused
-        return lengths
+
+
+def pickled(obj: Any) -> tuple[memoryview, Optional[Exception]]:
+    """`obj` pickled by value where pickle goes by name (cloudpickle, as Horovod: a lambda, a
+    class of __main__), in writable memory (MPI's broadcast takes no read-only buffer; this
+    saves copying it); or nothing, and the error (a lock, a socket: unpicklable)."""
+    buffer = io.BytesIO()
+    try:
+        cloudpickle.dump(obj, buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as error:
+        return _NOTHING, error
+    return buffer.getbuffer(), None
+
+
+def _quoting(signature: Signature, refused: Optional[Exception]) -> Signature:
+    """A collective's signature, quoting this member's refusal where it refused."""
+    if refused is None:
+        return signature
+    return {**signature, "refused": f"{type(refused).__name__}: {refused}"}
 
 
 def _on_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -286,15 +319,3 @@ def _on_host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 _NOTHING = memoryview(bytearray())
-
-
-def _pickled(obj: Any, signature: Signature) -> tuple[memoryview, Optional[Exception],
-                                                      Signature]:
-    """`obj` pickled, in writable memory (MPI's broadcast takes no read-only buffer; this saves
-    copying it), or nothing, with the error and a signature that quotes it."""
-    pickled = io.BytesIO()
-    try:
-        pickle.dump(obj, pickled, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as error:      # unpicklable (a lock, a lambda ...): refused, every member
-        return _NOTHING, error, {**signature, "refused": f"{type(error).__name__}: {error}"}
-    return pickled.getbuffer(), None, signature
