@@ -106,16 +106,18 @@ def alltoall_work(tensor: torch.Tensor, splits: Any, name: Optional[str],
 
 
 def _send_splits(t: torch.Tensor, splits: Any, ps: ActiveSet, name: str) -> np.ndarray:
-    """How many rows of `t` go to each member: `splits`, checked, or an even split."""
+    """How many rows of `t` go to each member: `splits`, checked, or an even split (no
+    splits, or empty ones, as Horovod reads them)."""
     where = f"ringreduce: alltoall of tensor '{name}' on rank {ps.ranks[ps.rank]}"
     if t.dim() == 0:
         raise ValueError(f"{where}: needs a tensor with at least one dimension")
-    if splits is None:
+    given = None if splits is None else np.asarray(
+        splits.tolist() if isinstance(splits, torch.Tensor) else splits)
+    if given is None or given.size == 0:
         if t.shape[0] % ps.size:
             raise ValueError(f"{where}: dimension 0 ({t.shape[0]}) does not divide by the "
                              f"{ps.size} ranks; pass splits=")
         return np.full(ps.size, t.shape[0] // ps.size, dtype=np.int64)
-    given = np.asarray(splits.tolist() if isinstance(splits, torch.Tensor) else splits)
     if given.dtype.kind not in "iu":
         raise ArgumentTypeError(f"{where}: splits must be integers, got {given.tolist()!r}")
     send_splits = given.astype(np.int64).reshape(-1)

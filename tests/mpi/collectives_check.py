@@ -298,6 +298,13 @@ def check_alltoall():
     check_equal(result[1], torch.full((n,), 2, dtype=torch.int32), "its received splits")
     out, received = hvd.synchronize(hvd.alltoall_async(rows_of(r), splits=splits_of(r)))
     check_equal(out, torch.cat(pieces), "alltoall_async with splits")
+    # Empty splits, a list or a tensor, are an even split, as Horovod reads them (and as
+    # splits were given, the received splits come too)
+    for empty in ([], torch.tensor([], dtype=torch.int32)):
+        out, received = hvd.alltoall(x, splits=empty)
+        check_equal(out, want, f"alltoall splits={empty!r}")
+        check_equal(received, torch.full((n,), 2, dtype=torch.int32),
+                    f"alltoall splits={empty!r}: received splits")
     # Splits summing to less than dimension 0, as Horovod allows: the rows past them are not
     # sent, and their gradient is zero
     x = (torch.arange((n + 2) * 2, dtype=torch.float32).reshape(n + 2, 2) + 100 * r)
