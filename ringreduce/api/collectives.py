@@ -318,6 +318,7 @@ def poll(handle: Handle) -> bool:
     return handle.done()
 
 
-def synchronize(handle: Handle) -> Any:
-    """Wait for the collective behind `handle`; return its result or raise its error."""
-    return handle.wait()
+def synchronize(handle: Optional[Handle]) -> Any:
+    """Wait for the collective behind `handle`; return its result or raise its error. None
+    for None, as Horovod's gives (a script may keep None for a collective it skipped)."""
+    return None if handle is None else handle.wait()

@@ -99,6 +99,7 @@ def check_allreduce():
     for i, h in enumerate(handles):
         check_equal(hvd.synchronize(h), reference(70_000, torch.int32, hvd.Max, salt=i), "async")
         assert hvd.poll(h)
+    assert hvd.synchronize(None) is None, "synchronize(None): None, as Horovod's"
     y = inputs(r, 300, torch.float64, hvd.Sum)
     h = hvd.allreduce_async_(y, op=hvd.Sum)
     assert hvd.synchronize(h) is y
