@@ -3,6 +3,7 @@ its coalesced forms, reduce, and the reduce-scatters (one row per rank)."""
 from __future__ import annotations
 
 from sys import getrefcount
+from weakref import getweakrefcount
 from typing import Any, Optional
 
 import torch
@@ -31,7 +32,9 @@ class Reductions(GroupBase):
     """A group's reductions (torch's names, as ProcessGroup declares them)."""
 
     # the FinishedWork last returned, made again only where somebody still holds it (torch's
-    # holder of a Work it returned holds ours): one made each call cost half a microsecond
+    # holder of a Work it returned holds ours), or a weak reference still points to it (a
+    # finalizer, a WeakKeyDictionary): one made each call cost half a microsecond. It keeps
+    # the tensors of that call until the next (as the set's names keep its last handle's)
     _finished: Optional[FinishedWork] = None
 
     def allreduce(self, tensors: list, opts: Any = None) -> Optional[dist.Work]:
@@ -66,7 +69,8 @@ class Reductions(GroupBase):
                 begun = started_in_place(ps, tensor, name)
                 if begun is True:       # (ended here: DDP's small buckets' common case)
                     work = self._finished
-                    if work is not None and getrefcount(work) == UNHELD:
+                    if (work is not None and getrefcount(work) == UNHELD
+                            and not getweakrefcount(work)):
                         work.reuse(tensors, name, ps.engine)
                     else:
                         work = self._finished = FinishedWork(tensors, name, ps.engine)

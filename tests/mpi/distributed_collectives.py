@@ -6,6 +6,7 @@ polled and their futures' values, small ones held or dropped; thousands of small
 no objects alive."""
 import gc
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -166,8 +167,9 @@ def case_calls_keep_nothing_alive():
 def case_small_works_held_or_dropped():
     """Small asynchronous all_reduces that end on the caller's thread (on rank 0, which starts
     each last) return a Work that the group makes again only where somebody still holds the
-    last one: each Work held stays its call's (its value, its future), and a future asked of a
-    Work then dropped stays its call's while later calls reuse that Work."""
+    last one: each Work held stays its call's (its value, its future), a future asked of a
+    Work then dropped stays its call's while later calls reuse that Work, and a Work weakly
+    referenced is not reused."""
     total = n * (n + 1) // 2
     held, futures = [], []
     for k in range(6):
@@ -189,6 +191,25 @@ def case_small_works_held_or_dropped():
     for k, (mine, future) in enumerate(futures, 3):
         assert future.wait()[0] is mine, f"future of dropped Work {k}: another call's value"
         check_equal(mine, torch.full((2,), float(total + n * k)), f"dropped Work {k}")
+    # A Work dropped but weakly referenced (a finalizer, a WeakKeyDictionary) is not another
+    # call's Work: a weak reference finds it gone or still its call's
+    notes, finalized, refs = weakref.WeakKeyDictionary(), [], []
+    for k in range(3):
+        if r == 0:
+            time.sleep(0.02)
+        mine = torch.full((2,), float(k))
+        work = dist.all_reduce(mine, async_op=True)
+        work.wait()
+        assert work not in notes, f"weakly kept Work {k}: another call's Work"
+        notes[work] = k
+        weakref.finalize(work, finalized.append, k)
+        refs.append((weakref.ref(work), mine))
+        del work
+    for k, (ref, mine) in enumerate(refs):
+        kept = ref()
+        assert kept is None or kept.result()[0] is mine, f"weak reference {k}: another call's"
+    assert sorted(finalized) == [k for k, (ref, _) in enumerate(refs) if ref() is None], \
+        f"finalizers run {finalized}"
 
 
 def case_reduce_scatter():
