@@ -138,7 +138,7 @@ def worked_on(tensors: Sequence[torch.Tensor]
 
     def write_back(_result: Any) -> None:
         for tensor, copy in copied:
-            tensor.copy_(copy)
+            copy_into(tensor, copy)
 
     return targets, write_back
 
@@ -146,6 +146,16 @@ def worked_on(tensors: Sequence[torch.Tensor]
 def copy_flat(target: torch.Tensor, source: torch.Tensor) -> None:
     """`target` (any layout) takes `source`'s elements in order."""
     if target.is_contiguous():
-        target.view(-1).copy_(source.reshape(-1))
+        copy_into(target.view(-1), source.reshape(-1))
     else:
-        target.copy_(source.reshape(target.shape))
+        copy_into(target, source.reshape(target.shape))
+
+
+def copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
+    """`target.copy_(source)`, also where `target` is an inference tensor (made under
+    torch.inference_mode and handed to a collective after it), which gloo writes too."""
+    if target.is_inference():
+        with torch.inference_mode():
+            target.copy_(source)
+    else:
+        target.copy_(source)

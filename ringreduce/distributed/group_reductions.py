@@ -17,7 +17,8 @@ from ..api.small_path import allreduce_now, reduce_later, reduce_now, started_in
 from ..api.work import first, submit
 from ..core.errors import UnsupportedError
 from ..sets.active_set import ActiveSet, refusing
-from .arguments import SUM, all_reducible, bitwise, copy_flat, one, reducible, restored, worked_on
+from .arguments import (SUM, all_reducible, bitwise, copy_flat, copy_into, one, reducible,
+                        restored, worked_on)
 from .group_base import SEQUENCE, GroupBase
 from .work import UNHELD, CollectiveWork, FinishedWork
 
@@ -120,7 +121,7 @@ class Reductions(GroupBase):
         handle = submit(sparse_allreduce_work(scaled, name, op, self._process_set))
 
         def finish(result: torch.Tensor) -> None:
-            tensor.copy_(result.coalesce())
+            copy_into(tensor, result.coalesce())
 
         return CollectiveWork(handle, [tensor], finish)
 
@@ -137,7 +138,7 @@ class Reductions(GroupBase):
 
         def finish(result: torch.Tensor) -> None:
             if root is None or self.rank() == root:
-                tensor.copy_(result)
+                copy_into(tensor, result)
 
         return CollectiveWork(handle, [tensor], finish)
 
@@ -171,7 +172,7 @@ class Reductions(GroupBase):
 
         def finish(result: torch.Tensor) -> None:
             if self.rank() == root:
-                tensor.copy_(result)
+                copy_into(tensor, result)
 
         return CollectiveWork(handle, tensors, finish)
 

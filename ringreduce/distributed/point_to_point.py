@@ -36,6 +36,7 @@ from ..core.mpi import mpi
 from ..core.state import abandon
 from ..kernels.buffers import dtype_name
 from ..transport.stall import StallWatch
+from .arguments import copy_into
 from .messages import MessageWork
 from .poller import POLLER
 
@@ -157,7 +158,7 @@ class Channel:
                     "tensors of the same dtype and element count")
             if not direct:
                 with torch.no_grad():
-                    tensor.copy_(landing)
+                    copy_into(tensor, landing)
 
         work = MessageWork(self, what, peer, tensor, arrived=arrived)
         incoming = _Incoming(work, header, source, tag, landing)

@@ -212,6 +212,39 @@ def case_small_works_held_or_dropped():
         f"finalizers run {finalized}"
 
 
+def case_inference_tensors_written():
+    """Tensors made under torch.inference_mode (an evaluation loop's counts) and handed to
+    collectives after it are written as gloo writes them, where a copy back into them raised
+    (on the ranks whose output is copied: reduce's root alone, so the ranks diverged)."""
+    def made(t):
+        with torch.inference_mode():
+            return t.clone()
+
+    ints = torch.tensor([1, 2, 4, 8]) << r
+    every = [torch.tensor([1, 2, 4, 8]) << k for k in range(n)]
+    strided = made(rand(4, 2, seed=81)).t()
+    dist.all_reduce(strided)
+    close(strided, sum(rand(4, 2, seed=81, rank=k) for k in range(n)).t(),
+          "all_reduce of a transposed inference tensor")
+    bits = made(ints)
+    dist.all_reduce(bits, op=dist.ReduceOp.BOR)
+    folded = every[0]
+    for other in every[1:]:
+        folded = folded | other
+    check_equal(bits, folded, "all_reduce BOR of an inference tensor")
+    kept = made(rand(3, seed=82))
+    dist.reduce(kept, 0)
+    close(kept, sum(rand(3, seed=82, rank=k) for k in range(n)) if r == 0 else rand(3, seed=82),
+          "reduce into an inference tensor")
+    rows = made(torch.zeros(2 * n))
+    dist.all_to_all_single(rows, torch.arange(2.0 * n) + 10 * r)
+    check_equal(rows, torch.tensor([10.0 * k + i for k in range(n) for i in (2 * r, 2 * r + 1)]),
+                "all_to_all_single into an inference tensor")
+    scattered = made(torch.zeros(2))
+    dist.scatter(scattered, [torch.full((2,), 5.0 * k) for k in range(n)] if r == 0 else None, 0)
+    check_equal(scattered, torch.full((2,), 5.0 * r), "scatter into an inference tensor")
+
+
 def case_reduce_scatter():
     def listed(group, op=SUM):
         out = torch.empty(4)
