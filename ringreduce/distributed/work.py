@@ -32,6 +32,17 @@ _FUTURES = threading.Lock()     # a work's future is made once
 UNHELD = (3 if sys.implementation.name == "cpython" and sys.version_info < (3, 14)
           and getattr(sys, "_is_gil_enabled", lambda: True)() else -1)
 _WORK_INIT = dist.Work.__init__
+# torch's registry of in-flight collectives' Works by output tensor, for wait_tensor (under
+# allow_inflight_collective_as_graph_input_ctx: a collective begun in eager, waited in a
+# compiled region): torch's C++ collectives register themselves; a group in Python, whose
+# calls do not pass there, registers its own (absent before torch 2.6: nothing to do)
+_C10D = torch._C._distributed_c10d
+_REGISTERING = getattr(_C10D, "_allow_inflight_collective_as_graph_input", lambda: False)
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor if hasattr(
+    _C10D, "_register_work") else None
+# Works in torch's registry, kept alive until waited: the registry holds the C++ side alone,
+# and wait_tensor through it reaches our wait() only while the Python object lives
+_REGISTERED: dict[int, "CollectiveWork"] = {}
 
 
 class CollectiveFuture(Future):
@@ -86,7 +97,8 @@ class CollectiveWork(dist.Work):
     whichever thread first sees the handle done, before `wait()` returns or the future
     completes."""
 
-    __slots__ = ("_handle", "_value", "_finish", "_finishing", "_error", "_future")
+    __slots__ = ("_handle", "_value", "_finish", "_finishing", "_error", "_future",
+                 "_registered")
 
     def __init__(self, handle: Handle, value: list,
                  finish: Optional[Callable[[Any], None]] = None) -> None:
@@ -97,6 +109,24 @@ class CollectiveWork(dist.Work):
         self._error: Optional[BaseException] = None
         self._future: Optional[Future] = None
         self._finishing = None if finish is None else threading.Lock()
+        self._registered: Optional[list] = None
+        if _REGISTERING():
+            self._register()
+
+    def _register(self) -> None:
+        """In torch's registry under each output tensor, as torch's own collectives are."""
+        self._registered = [t for t in _tensors(self._value)]
+        for tensor in self._registered:
+            _C10D._register_work(tensor, self)
+        _REGISTERED[id(self)] = self
+
+    def _unregister(self) -> None:
+        """Out of torch's registry once waited (wait_tensor takes it out, and waits again: done
+        by then), and no longer kept alive."""
+        registered, self._registered = self._registered, None
+        for tensor in registered:
+            _WAIT_TENSOR(tensor)
+        _REGISTERED.pop(id(self), None)
 
     def _settle(self) -> None:
         """Wait for the handle and, where torch's outputs are to be written, write them once:
@@ -125,6 +155,8 @@ class CollectiveWork(dist.Work):
             self._handle.wait()
         else:
             self._settle()
+        if self._registered is not None:
+            self._unregister()
         return True
 
     def get_future(self) -> Future:
@@ -218,3 +250,10 @@ class FinishedWork(dist.Work):
 
     def result(self) -> list:
         return self._value
+
+
+def _tensors(value: Any) -> list:
+    """The tensors in torch's outputs (a list, or a list of lists: all_gather's)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for item in value for t in _tensors(item)]

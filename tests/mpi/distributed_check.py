@@ -36,7 +36,8 @@ from checks import run_cases
 from distributed_collectives import (
     case_all_gather, case_all_reduce, case_all_reduce_coalesced, case_all_to_all,
     case_bool_and_complex_in_every_reduction, case_broadcast, case_calls_keep_nothing_alive,
-    case_coalesced, case_dtypes_moved_and_bool_reduced, case_reduce_gather_scatter,
+    case_coalesced, case_dtypes_moved_and_bool_reduced, case_in_flight_waited_by_tensor,
+    case_reduce_gather_scatter,
     case_inference_tensors_written, case_reduce_scatter, case_small_works_held_or_dropped,
     case_sparse_all_reduce, case_strided_inputs, case_synchronous_all_reduce,
     case_works_polled_and_their_values)
@@ -83,7 +84,7 @@ cases = [case_all_reduce, case_synchronous_all_reduce, case_all_reduce_coalesced
          case_sparse_all_reduce,
          case_dtypes_moved_and_bool_reduced, case_bool_and_complex_in_every_reduction,
          case_works_polled_and_their_values, case_small_works_held_or_dropped,
-         case_inference_tensors_written, case_ddp,
+         case_inference_tensors_written, case_in_flight_waited_by_tensor, case_ddp,
          case_ddp_hooks_that_start_collectives, case_ddp_hook_raises_on_one_rank,
          case_ddp_bucket_fails_on_one_rank, case_ddp_join_and_zero, case_fsdp,
          case_torchmetrics, case_accelerate, case_pipelining, case_tensor_parallel,

@@ -2,8 +2,8 @@
 group of the same launch (reductions, within float tolerance) or a reference built from every
 rank's inputs (data movement, exact), ours bitwise identical across ranks; sparse all_reduce;
 the dtypes only moved (bool, uint16/64, float8, complex64), bool and complex reductions; Works
-polled and their futures' values, small ones held or dropped; thousands of small calls leaving
-no objects alive."""
+polled and their futures' values, small ones held or dropped; outputs waited by torch's
+wait_tensor; inference tensors written; thousands of small calls leaving no objects alive."""
 import gc
 import time
 import weakref
@@ -11,6 +11,7 @@ import weakref
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._functional_collectives import allow_inflight_collective_as_graph_input_ctx
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ringreduce as hvd
@@ -243,6 +244,38 @@ def case_inference_tensors_written():
     scattered = made(torch.zeros(2))
     dist.scatter(scattered, [torch.full((2,), 5.0 * k) for k in range(n)] if r == 0 else None, 0)
     check_equal(scattered, torch.full((2,), 5.0 * r), "scatter into an inference tensor")
+
+
+def case_in_flight_waited_by_tensor():
+    """Under torch's allow_inflight_collective_as_graph_input_ctx (a collective begun in eager,
+    its output waited in a compiled region) `wait_tensor` on a collective's output waits for it,
+    as for torch's own backends, where it returned at once (rank 0 comes late: the others'
+    outputs were read unreduced or untouched); the Work dropped, or waited first."""
+    wait_tensor = torch.ops._c10d_functional.wait_tensor
+    length = 1 << 16            # (the general path: a Work that waits)
+    total = float(n * (n + 1) // 2)
+    for waited_first in (False, True):
+        if r == 0:
+            time.sleep(0.1)
+        with allow_inflight_collective_as_graph_input_ctx():
+            summed = torch.full((length,), float(r + 1))
+            works = [dist.all_reduce(summed, async_op=True)]
+            sent = torch.full((length,), float(r + 1))
+            works.append(dist.broadcast(sent, n - 1, async_op=True))
+            gathered = torch.zeros(length * n)
+            works.append(dist.all_gather_into_tensor(gathered, torch.full((length,), float(r)),
+                                                     async_op=True))
+            if waited_first:
+                for work in works:
+                    work.wait()
+            del works
+            for out in (summed, sent, gathered):
+                wait_tensor(out)
+            what = " (Works waited first)" if waited_first else ""
+            check_equal(summed, torch.full((length,), total), f"all_reduce, wait_tensor{what}")
+            check_equal(sent, torch.full((length,), float(n)), f"broadcast, wait_tensor{what}")
+            check_equal(gathered, torch.arange(float(n)).repeat_interleave(length),
+                        f"all_gather_into_tensor, wait_tensor{what}")
 
 
 def case_reduce_scatter():
