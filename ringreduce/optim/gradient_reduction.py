@@ -65,11 +65,15 @@ class GradientReduction(Planning, SparseGradients, Submission, WrappedOptimizer)
                     "DistributedOptimizer reduces the gradients of backward_passes_per_step "
                     "passes per step (Horovod's cannot wrap it either)")
         # Average with a predivide factor f: sum(g / f) * f / size. With `groups`, Horovod's
-        # grouped allreduce leaves the factor out (its `_grouped_allreduce_grad_async`).
-        factor = options.gradient_predivide_factor if options.groups is None else 1.0
-        predivided = factor != 1.0
-        self._reduction = (ReduceOp.Sum if predivided else op, 1.0 / factor,
-                           factor / ps.size if predivided else 1.0)
+        # grouped allreduce leaves the factor out (its `_grouped_allreduce_grad_async`), for a
+        # group whose every member is ready before step(); one that is not (a member without a
+        # gradient, a step before backward_passes_per_step passes) is reduced member by
+        # member there, with it: `_short_reduction`, for such a group's bucket.
+        factor = options.gradient_predivide_factor
+        plain = (op, 1.0, 1.0)
+        predivided = plain if factor == 1.0 else (ReduceOp.Sum, 1.0 / factor, factor / ps.size)
+        self._reduction = predivided if options.groups is None else plain
+        self._short_reduction = None if options.groups is None or factor == 1.0 else predivided
         self._op = op                # sparse gradients: Horovod's op, without the predivision
         self._sparse_as_dense = options.sparse_as_dense
         self._consistency_every = settings.consistency_check_steps

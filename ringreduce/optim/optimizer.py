@@ -54,7 +54,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     `groups`: an int (that many groups, cut as Horovod's `split_list` cuts the parameters) or
     lists of parameters, each group traveling as one bucket per dtype (each gradient reduced
     in its own, as Horovod's grouped allreduce); `num_groups` is Horovod's older spelling of
-    an int `groups`. With `groups`, as in Horovod, `gradient_predivide_factor` is not used.
+    an int `groups`. With `groups`, as in Horovod, `gradient_predivide_factor` is used only
+    for a group short of gradients at step() (a member without one, fewer passes than
+    backward_passes_per_step), which Horovod reduces member by member.
     `op=Adasum` combines parameter deltas instead of averaging gradients (Horovod's Adasum
     optimizer; a power-of-two number of ranks).
     """

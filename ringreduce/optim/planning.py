@@ -57,9 +57,9 @@ class Planning:
         # The first bucket (a plan has one, maybe empty) carries the plan: see _submit_bucket.
         self._plan_signed = self._plan_fields()
         self._buckets[0].signature.update(self._plan_signed)
-        self._specs = [ReduceSpec(b.buffer.dtype, op, prescale, postscale, digest(b.signature),
-                                  b.signature, [p.numel() for p in b.params])
-                       for b in self._buckets]
+        self._specs = [_spec(b, self._reduction) for b in self._buckets]
+        self._short_specs = None if self._short_reduction is None else [
+            _spec(b, self._short_reduction) for b in self._buckets]
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._view_of = {id(p): v for b in self._buckets for p, v in zip(b.params, b.views)}
         self._sparse_params = [(n, p) for n, p in trainable if id(p) in self._sparse]
@@ -87,9 +87,12 @@ class Planning:
         if self._set.size == 1:
             return
         op, prescale, postscale = self._reduction
+        short = self._short_reduction
         signature = {"collective": "DistributedOptimizer", "name": f"{self._prefix}plan",
                      **self._plan_signed,
                      "reduction": (op.name, prescale, postscale),
+                     "reduction of a group short of gradients": None if short is None else (
+                         short[0].name, *short[1:]),
                      "backward_passes_per_step": self._passes,
                      "sparse_as_dense": self._sparse_as_dense}
         self._set.agree(signature)
@@ -204,3 +207,13 @@ class Planning:
                 if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
                 p.grad = view
+
+
+def _spec(bucket: fusion.Bucket, reduction: tuple) -> ReduceSpec:
+    """A bucket's ReduceSpec under `reduction` (op, prescale, postscale), which its signature
+    states (the plan's own reduction is in it already)."""
+    op, prescale, postscale = reduction
+    signature = {**bucket.signature, "op": op.name, "prescale": prescale,
+                 "postscale": postscale}
+    return ReduceSpec(bucket.buffer.dtype, op, prescale, postscale, digest(signature),
+                      signature, [p.numel() for p in bucket.params])

@@ -31,9 +31,10 @@ class Submission:
         while self._next_bucket < len(self._buckets) and (
                 force or self._waiting[self._next_bucket] == 0):
             bucket = self._buckets[self._next_bucket]
+            short = self._waiting[bucket.index] > 0     # (forced: a group short of gradients)
             self._trace_waiting(bucket)
             if self._custom:
-                self._submit_custom(bucket)
+                self._submit_custom(bucket, short)
                 self._next_bucket += 1
                 continue
             ready = None   # GPU: an event on torch's stream, after which the bucket is packed
@@ -45,7 +46,7 @@ class Submission:
                     ready = self._pack(bucket)
             self._sent.append((bucket, gradient if bucket.direct else
                                [p.grad for p in bucket.params]))
-            self._submit_bucket(bucket, self._reduce_work(bucket, ready, gradient))
+            self._submit_bucket(bucket, self._reduce_work(bucket, ready, gradient, short))
             self._next_bucket += 1
 
     def _submit_bucket(self, bucket: fusion.Bucket, work: Callable[[], Any]) -> Handle:
@@ -76,7 +77,7 @@ class Submission:
         self._handles.append(handle)
         return handle
 
-    def _submit_custom(self, bucket: fusion.Bucket) -> None:
+    def _submit_custom(self, bucket: fusion.Bucket, short: bool) -> None:
         """A bucket under a compressor of the user's own, as Horovod runs one: each gradient
         (made zeros where this rank has none; zeros stand in for a sparse one, which travels
         on its own) compressed here, each compressed tensor reduced in place, and
@@ -94,7 +95,7 @@ class Submission:
                                        "cannot be reduced")
             wires.append(wire.contiguous())
             contexts.append(context)
-        op, prescale, postscale = self._reduction
+        op, prescale, postscale = self._reduction_of(short)
         specs = []
         for wire, name in zip(wires, bucket.names):
             signature = with_device({
@@ -154,11 +155,17 @@ class Submission:
             return torch.zeros_like(p)
         return bucket.gradient()
 
+    def _reduction_of(self, short: bool) -> tuple:
+        """A bucket's (op, prescale, postscale): `short` of gradients at step(), a group's is
+        reduced as Horovod reduces its members one by one (see GradientReduction._setup)."""
+        return self._short_reduction if short and self._short_reduction else self._reduction
+
     def _reduce_work(self, bucket: fusion.Bucket, ready: Any = None,
-                     gradient: Optional[torch.Tensor] = None):
+                     gradient: Optional[torch.Tensor] = None, short: bool = False):
         """The engine's work for a bucket: reduce its buffer (or, for a direct bucket,
-        `gradient` in place), then unpack."""
-        transport, spec = self._set.transport, self._specs[bucket.index]
+        `gradient` in place), then unpack. `short`: see `_reduction_of`."""
+        specs = self._short_specs if short and self._short_specs else self._specs
+        transport, spec = self._set.transport, specs[bucket.index]
 
         def work() -> None:
             timeline.record(bucket.name, "reduce start")

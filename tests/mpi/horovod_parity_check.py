@@ -468,6 +468,40 @@ def backward(model, scale=1.0):
     model(torch.full((1, 3), scale * (r + 1))).sum().backward()
 
 
+def case_groups_short_of_gradients_take_the_predivide_factor():
+    """With `groups` and gradient_predivide_factor f, Horovod reduces a group whose members are
+    all ready before step() in one grouped allreduce without f, and one that is not (a member
+    without a gradient; a step before backward_passes_per_step passes) member by member with
+    it: prescale 1/f, postscale f / size in float32. Bitwise, on gradients whose sums are exact
+    (one rank's nonzero elements each, at 3 or more ranks): the factor changes the bits."""
+    f = 0.7
+
+    def gradient(k):
+        values = torch.randint(-256, 257, (64,), generator=torch.Generator().manual_seed(k)) / 64
+        if n > 2:
+            values[torch.arange(64) % n != k] = 0
+        return values.float()
+
+    def averaged_with(factor):
+        scaled = [horovod_scaled(gradient(k), 1.0 / factor) for k in range(n)]
+        return horovod_scaled(sum(scaled[1:], scaled[0]), factor / n)
+
+    for short, passes, used in (("a member without a gradient", 1, False),
+                                ("a step before the second pass", 2, True),
+                                (None, 1, True)):
+        a, b = nn.Parameter(torch.zeros(64)), nn.Parameter(torch.zeros(64))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([a, b], lr=1.0), [("a", a), ("b", b)],
+                                       groups=1, gradient_predivide_factor=f,
+                                       backward_passes_per_step=passes)
+        ((a + b if used else a) * gradient(r)).sum().backward()
+        opt.step()
+        want = averaged_with(f if short else 1.0)
+        what = f"groups=1, f={f}, " + (short or "every gradient there")
+        check_equal(-a.detach(), want, what)
+        if short is None:
+            check_equal(-b.detach(), want, f"{what}: the second member")
+
+
 def case_synchronize_again_reduces_again():
     """Horovod's synchronize() reduces every gradient again when called a second time, and so
     does step() after synchronize() outside skip_synchronize() (with Horovod's warning): with

@@ -12,7 +12,8 @@ weight used densely by every rank in some steps (its gradient then dense), a fro
 optimizers over one backward, and a process set without the last rank. The simulation runs
 each member's passes on a copy of the model and reduces each gradient in its own dtype (zeros
 where a member has none; cast to the wire dtype first where compression applies, and back
-after; Average scaled as Horovod scales, the predivide factor unused with `groups`; a sparse
+after; Average scaled as Horovod scales, the predivide factor unused with `groups` (where
+Horovod uses it for a group short of gradients, the bits differ, within rounding); a sparse
 one gathered, its values / size, unless it came dense). Parameters are bitwise the same on
 every member and within rounding of the simulation (its sums run in another order). Each
 configuration is a case of its own.
