@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..core.errors import UnsupportedError, UsageError
+from ..core.errors import UsageError
 from . import fusion
 from .gradient_reduction import GradientReduction
 from .wrapped_optimizer import Options
@@ -48,13 +48,9 @@ class AdasumOptimizer(GradientReduction):
         self._step_alone(p)
 
     def _sparse_gradient_leaves(self, p: torch.Tensor) -> bool:
-        """Adasum combines dense deltas: a sparse gradient is densified (sparse_as_dense),
-        and its step's delta stays dense; else refused."""
-        if not self._sparse_as_dense:
-            raise UnsupportedError(
-                f"ringreduce: parameter '{self._names[id(p)]}' on rank {self._rank} has a "
-                "sparse gradient, which Adasum cannot combine; pass sparse_as_dense=True")
-        p.grad = p.grad.to_dense()
+        """A sparse gradient stays as it is, as in Horovod's Adasum optimizer (which is not
+        given sparse_as_dense): the wrapped optimizer steps with it (SGD, SparseAdam), and
+        the step's delta, which Adasum combines, is dense."""
         return False
 
     def _pack(self, bucket: fusion.Bucket) -> Any:

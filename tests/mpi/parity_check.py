@@ -242,6 +242,42 @@ def check_adasum():
     (used * (r + 1)).sum().backward()
     opt.step()
     assert torch.equal(unused.detach(), torch.full((2,), 0.5 if n > 1 else 1.0)), unused
+    # A sparse gradient (an Embedding(sparse=True), grads None after zero_grad) stays sparse
+    # for the local step, as in Horovod's Adasum optimizer, which is not given sparse_as_dense
+    # (SGD adds a repeated row's entries one at a time, which rounds otherwise than densified;
+    # SparseAdam takes sparse gradients alone), with or without sparse_as_dense
+    def batch(k):
+        rows = torch.tensor([1, 1, 2]) if k % 2 == 0 else torch.tensor([2, 3, 3])
+        tiny = 2.0 ** -25
+        return rows, (torch.tensor([tiny, tiny, 3.0]) if k % 2 == 0
+                      else torch.tensor([1.0, tiny, tiny])) * (k + 1)
+
+    def local_delta(k):
+        emb = nn.Embedding(4, 1, sparse=True)
+        nn.init.ones_(emb.weight)
+        rows, scale = batch(k)
+        (emb(rows).squeeze(1) * scale).sum().backward()
+        torch.optim.SGD(emb.parameters(), lr=1.0).step()
+        return (emb.weight.detach() - 1.0).reshape(-1).double().numpy()
+
+    for sparse_as_dense in (False, True):
+        for make in (lambda ps: torch.optim.SGD(ps, lr=1.0),
+                     lambda ps: torch.optim.SparseAdam(ps, lr=0.5)):
+            emb = nn.Embedding(4, 1, sparse=True)
+            nn.init.ones_(emb.weight)
+            opt = hvd.DistributedOptimizer(make(list(emb.parameters())),
+                                           emb.named_parameters(), op=hvd.Adasum,
+                                           sparse_as_dense=sparse_as_dense)
+            opt.zero_grad()
+            rows, scale = batch(r)
+            (emb(rows).squeeze(1) * scale).sum().backward()
+            opt.step()
+            hvd.check_consistency(emb)
+            if isinstance(opt, torch.optim.SGD):    # (bitwise at 2: one combination)
+                want = 1.0 + adasum_tree([local_delta(k) for k in range(n)]).astype(np.float32)
+                got = emb.weight.detach().reshape(-1).numpy()
+                assert (np.array_equal(got, want) if n <= 2 else np.allclose(got, want)), \
+                    f"Adasum, sparse gradient stepped locally: {got} {want}"
 
 
 def check_build_queries():
