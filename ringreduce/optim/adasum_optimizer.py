@@ -62,6 +62,18 @@ class AdasumOptimizer(GradientReduction):
     def _unpack(self, bucket: fusion.Bucket) -> None:
         """The combined deltas stay in the buffer, for step()."""
 
+    def _to_compress(self, bucket: fusion.Bucket) -> list[torch.Tensor]:
+        """A compressor of the user's own is given the deltas, as Horovod's Adasum optimizer
+        compresses them."""
+        return list(bucket.views)
+
+    def _decompress(self) -> None:
+        """Each combined delta decompressed into its place in the buffer, for step()."""
+        for bucket, handle, contexts in self._compressed:
+            for view, wire, context in zip(bucket.views, handle.wait(), contexts):
+                view.copy_(self._compression.decompress(wire, context))
+        self._compressed = []
+
     def _step_alone(self, p: torch.Tensor) -> None:
         """The wrapped optimizer's step on `p` only; its delta into the bucket, `p` back to
         where it started until the combined delta arrives."""

@@ -24,7 +24,6 @@ import torch
 
 from ..api.arguments import reduce_op
 from ..api.compression import Compression, Compressor, custom
-from ..core.errors import UnsupportedError
 from ..kernels.ops import ReduceOp
 from ..sets.process_set import ProcessSet, global_process_set
 from ..sets.process_sets import active
@@ -87,14 +86,11 @@ def _life_cycle(optimizer: torch.optim.Optimizer, options: Options) -> type[Wrap
     ps = active(options.process_set, "DistributedOptimizer()")
     if not adasum_op:
         return GradientReduction
-    if custom(options.compression):
-        raise UnsupportedError("ringreduce: op=Adasum takes Compression.none, .fp16 or .bf16, "
-                               "not a compressor of your own")
     if options.gradient_predivide_factor != 1.0:
         raise ValueError("ringreduce: gradient_predivide_factor is not supported with "
                          "op=Adasum (as in Horovod)")
     compression = options.compression
-    wire = compression.wire_dtype
+    wire = None if custom(compression) else compression.wire_dtype    # (a user's: its own)
     for group in optimizer.param_groups:
         for p in group["params"]:
             adasum.check_supported(ps.size, wire if wire and compression.applies_to(p.dtype)

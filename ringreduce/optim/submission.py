@@ -83,11 +83,8 @@ class Submission:
         on its own) compressed here, each compressed tensor reduced in place, and
         decompressed at synchronize()."""
         wires, contexts = [], []
-        for p in bucket.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            gradient = p.grad if p.grad.layout == torch.strided else torch.zeros_like(p)
-            wire, context = self._compression.compress(gradient)
+        for p, tensor in zip(bucket.params, self._to_compress(bucket)):
+            wire, context = self._compression.compress(tensor)
             if wire.dtype not in CODES:
                 raise UnsupportedError(f"ringreduce: the compressor {self._compression!r} "
                                        f"made {wire.dtype} from parameter "
@@ -119,13 +116,23 @@ class Submission:
             return wires
 
         handle = self._submit_bucket(bucket, work)
-        self._compressed.append((bucket.params, handle, contexts))
+        self._compressed.append((bucket, handle, contexts))
+
+    def _to_compress(self, bucket: fusion.Bucket) -> list[torch.Tensor]:
+        """What a compressor of the user's own is given, per parameter of `bucket`: its
+        gradient (zeros where this rank has none, or a sparse one)."""
+        tensors = []
+        for p in bucket.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            tensors.append(p.grad if p.grad.layout == torch.strided else torch.zeros_like(p))
+        return tensors
 
     def _decompress(self) -> None:
         """synchronize()'s end under a compressor of the user's own: each reduced tensor
         decompressed into its dense gradient (`set_`, as Horovod's)."""
-        for params, handle, contexts in self._compressed:
-            for p, wire, context in zip(params, handle.wait(), contexts):
+        for bucket, handle, contexts in self._compressed:
+            for p, wire, context in zip(bucket.params, handle.wait(), contexts):
                 if p.grad.layout == torch.strided:
                     p.grad.set_(self._compression.decompress(wire, context))
         self._compressed = []

@@ -242,6 +242,39 @@ def check_adasum():
     (used * (r + 1)).sum().backward()
     opt.step()
     assert torch.equal(unused.detach(), torch.full((2,), 0.5 if n > 1 else 1.0)), unused
+    # A compressor of one's own compresses each delta, as Horovod's Adasum optimizer calls it:
+    # here float16 as Compression.fp16 sends it, so the two train alike, bitwise
+    given = []
+
+    class Half(hvd.compression.Compressor):
+        @staticmethod
+        def compress(tensor):
+            given.append(tensor.clone())
+            return tensor.half(), tensor.dtype
+
+        @staticmethod
+        def decompress(tensor, dtype):
+            return tensor.to(dtype)
+
+    trained = []
+    for compression in (Half, hvd.Compression.fp16):
+        torch.manual_seed(6)
+        model = nn.Linear(3, 2)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       model.named_parameters(), op=hvd.Adasum,
+                                       compression=compression)
+        for step in range(2):
+            opt.zero_grad()
+            model(torch.full((2, 3), float(r + step + 1))).pow(2).sum().backward()
+            if compression is Half and step == 0:
+                deltas = [-0.1 * p.grad for p in model.parameters()]
+            opt.step()
+        trained.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*trained)), "custom compressor vs fp16"
+    if n > 1:       # (alone, the plain optimizer: nothing is compressed)
+        first = {tuple(g.shape): g for g in given[:2]}
+        assert len(given) == 4 and all(torch.allclose(first[tuple(d.shape)], d)
+                                       for d in deltas), "the compressor is given the deltas"
     # A sparse gradient (an Embedding(sparse=True), grads None after zero_grad) stays sparse
     # for the local step, as in Horovod's Adasum optimizer, which is not given sparse_as_dense
     # (SGD adds a repeated row's entries one at a time, which rounds otherwise than densified;
