@@ -155,11 +155,13 @@ def _wrap(optimizer: torch.optim.Optimizer, life_cycle: type[WrappedOptimizer],
     for name in ours:
         wrapped.__dict__.pop(name, None)
     wrapped._plain_step = optimizer.__dict__.get("step")
-    # torch's patched step holds its optimizer weakly: keep the plain one alive for it, and
-    # give it this one's state and groups, which it steps.
-    wrapped._plain = optimizer if wrapped._plain_step is not None else None
-    if wrapped._plain is not None:
-        optimizer.state = wrapped.state
-        optimizer.param_groups = wrapped.param_groups
+    # The plain optimizer gets this one's state and groups, the same list (and keeps them
+    # through load_state_dict: WrappedOptimizer.__setstate__): a scheduler made before
+    # wrapping steps it (a patched step) or sets its groups' learning rates
+    # (ReduceLROnPlateau), groups added here included. torch's patched step holds its
+    # optimizer weakly: it is kept alive for it.
+    wrapped._plain = optimizer
+    optimizer.state = wrapped.state
+    optimizer.param_groups = wrapped.param_groups
     wrapped._setup(options)
     return wrapped

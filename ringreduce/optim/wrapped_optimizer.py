@@ -52,7 +52,7 @@ class Options:
 class WrappedOptimizer:
     """The base of every life cycle; see the module's docstring. Set by `DistributedOptimizer()`
     before `_setup`: `_plain_step` (the step() an LR scheduler put on the plain optimizer, or
-    None) and `_plain` (that optimizer, kept alive for it)."""
+    None) and `_plain` (that optimizer, which shares this one's state and groups)."""
 
     _plain_step: Optional[Callable[..., Any]]
     param_groups: list[dict]
@@ -143,12 +143,12 @@ class WrappedOptimizer:
 
     def __setstate__(self, state: dict) -> None:
         """load_state_dict() replaces `state` and `param_groups` with new objects: the plain
-        optimizer an LR scheduler made before wrapping holds (and steps with, and sets the
-        learning rate of) must keep sharing them."""
+        optimizer, which an LR scheduler made before wrapping holds (and steps with, and sets
+        the learning rates of), must keep sharing them."""
         super().__setstate__(state)     # type: ignore[misc]
         plain = self.__dict__.get("_plain")
         if plain is not None:
-            plain.__dict__.update(state)
+            plain.state, plain.param_groups = self.state, self.param_groups
 
 
 class LocalOptimizer(WrappedOptimizer):
