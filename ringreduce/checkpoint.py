@@ -16,12 +16,15 @@ import glob
 import io
 import os
 import re
+import warnings
+from collections import OrderedDict
 from typing import Any, Optional
 
 import torch
 
 from .api.objects import allgather_object, broadcast_object
 from .core.errors import CheckpointError
+from .optim.adasum_optimizer import AdasumOptimizer
 from .sets.active_set import ActiveSet, refusing
 from .sets.process_set import global_process_set
 from .sets.process_sets import active
@@ -38,6 +41,11 @@ def save(path: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Opti
     _agree_on_path(members, "checkpoint.save", path)
     failure = None
     if rank() == 0:
+        if isinstance(optimizer, AdasumOptimizer) and optimizer.state:
+            warnings.warn("ringreduce: checkpoint.save keeps rank 0's optimizer state, which "
+                          "checkpoint.load gives every rank; with op=Adasum each rank's state "
+                          "(momentum, Adam's moments) is its own, so a resumed run differs "
+                          "from one not interrupted")
         state = {"model": model.state_dict(),
                  "optimizer": optimizer.state_dict() if optimizer is not None else None,
                  "extra": extra}
@@ -68,6 +76,10 @@ def load(path: str, model: torch.nn.Module,
         raise CheckpointError(f"ringreduce: checkpoint.load({path!r}) failed on rank 0: "
                               f"{loaded['failure']}")
     state = loaded["state"]
+    if optimizer is not None and state["optimizer"] is None:
+        raise CheckpointError(f"ringreduce: checkpoint.load({path!r}): the file holds no "
+                              "optimizer state (it was saved without an optimizer); load it "
+                              "without one, nothing was restored")
     failure = None
     try:
         model.load_state_dict(state["model"])
@@ -110,15 +122,21 @@ def _check_loadable(value: Any, what: str) -> None:
 
 
 def _skeleton(value: Any) -> Any:
-    """`value` with every tensor in its dicts, lists and tuples left out (None): what
-    weights_only must read besides tensors, checked without copying them."""
-    if isinstance(value, torch.Tensor):
+    """`value` with every plain tensor in its dicts, lists and tuples left out (None): what
+    weights_only must read besides tensors, checked without copying them. Every other type
+    stays as it is, for the check to meet: a dict or tensor of a subclass weights_only may
+    refuse (a defaultdict, a tensor subclass)."""
+    kind = type(value)
+    if kind in _PLAIN_TENSORS:
         return None
-    if isinstance(value, dict):
-        return {key: _skeleton(item) for key, item in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_skeleton(item) for item in value)
+    if kind in (dict, OrderedDict):
+        return kind((key, _skeleton(item)) for key, item in value.items())
+    if kind in (list, tuple):
+        return kind(_skeleton(item) for item in value)
     return value
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _readable(error: BaseException) -> str:

@@ -200,7 +200,12 @@ def settings_environment(args: argparse.Namespace) -> dict[str, str]:
 def hydra_hostfile(horovod_hostfile: str, directory: str) -> str:
     """Horovod's 'host slots=N' lines as Hydra's 'host:N' lines, in a file under `directory`."""
     lines = []
-    for raw in Path(horovod_hostfile).read_text().splitlines():
+    try:
+        text = Path(horovod_hostfile).read_text()
+    except OSError as exc:
+        raise LaunchError(f"cannot read the hostfile {horovod_hostfile!r}: "
+                          f"{exc.strerror or exc}") from exc
+    for raw in text.splitlines():
         words = raw.split("#")[0].split()
         if not words:
             continue

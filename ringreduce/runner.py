@@ -182,7 +182,9 @@ def work(directory: str) -> int:
     rank, size = comm.Get_rank(), comm.Get_size()
     try:
         path, call = pickle.loads(Path(directory, CALL).read_bytes())
-        sys.path.extend(p for p in path if p not in sys.path)
+        # the caller's path first, in its order (a checkout it put before site-packages
+        # stays before it), then this interpreter's own entries it lacks
+        sys.path[:] = path + [p for p in sys.path if p not in path]
         fn, args, kwargs = cloudpickle.loads(call)
         outcome = cloudpickle.dumps((_OK, size, fn(*args, **kwargs)))
         failure = None

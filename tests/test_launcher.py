@@ -107,6 +107,13 @@ def test_unknown_flag_and_missing_np_are_errors(capfd):
     assert "OK rank" not in out
 
 
+def test_a_hostfile_that_cannot_be_read_is_named(capfd, tmp_path):
+    missing = tmp_path / "no-such-hosts"
+    code, out, err = answer(capfd, "-np", "2", "--hostfile", str(missing), sys.executable, CHECK)
+    assert code == 2 and f"cannot read the hostfile '{missing}'" in err, err
+    assert "Traceback" not in err and "OK rank" not in out
+
+
 def test_horovodruns_other_flags_are_taken_whole_and_named_when_they_change_nothing():
     """No abbreviations (horovodrun's --mpi is its controller switch, not --mpi-args with the
     program as its value); flags for what ringreduce has no use for are accepted, each named

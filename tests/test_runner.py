@@ -1,5 +1,6 @@
 """ringreduce.runner.run (Horovod's horovod.run) under the real mpiexec: return values in rank
 order, a rank that raises, refused arguments."""
+import sys
 import time
 
 import pytest
@@ -15,6 +16,11 @@ def rank_size_and_sum(base, scale=1):
     hvd.init()
     total = hvd.allreduce(torch.tensor(scale * (hvd.rank() + base)), op=hvd.Sum)
     return hvd.rank(), hvd.size(), total.item()
+
+
+def path_seen():
+    """This rank's sys.path."""
+    return list(sys.path)
 
 
 def expected(n, base, scale=1):
@@ -102,3 +108,16 @@ def test_function_that_never_initialises():
     """Horovod's functions call hvd.init() themselves; one that does not runs too."""
     assert runner.run(lambda: (hvd.is_initialized(), "plain"), num_proc=2) == \
         [(False, "plain")] * 2
+
+
+@pytest.mark.timeout(60)
+def test_the_ranks_search_the_callers_path_first_in_its_order(tmp_path):
+    """A directory the caller put first (a checkout before site-packages) stays first on the
+    ranks, where it once came after their own entries."""
+    sys.path.insert(0, str(tmp_path))
+    try:
+        caller = list(sys.path)
+        seen, = runner.run(path_seen, num_proc=1)
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert seen[:len(caller)] == caller, (seen[:4], caller[:4])

@@ -23,6 +23,7 @@ pending       each rank leaves an asynchronous allreduce it never synchronizes, 
 stoppable     prints its pid, then runs allreduces for a while (the test stops rank 1)
 stall         rank 1 sleeps FAULT_SLEEP seconds before its next allreduce
 """
+import collections
 import copy
 import os
 import sys
@@ -345,6 +346,22 @@ def checkpoint():
                                  "numpy", "weights_only=True", "is intact"],
            lambda: hvd.checkpoint.save(good, model, numpy_lr, extra={"step": 4}))
     assert hvd.checkpoint.load(good, model)["step"] == 3
+    # So is a dict or tensor of a subclass in the model's state (its extra state, a buffer),
+    # which the check once saw as a plain dict or left out as a tensor: the save replaced the
+    # good checkpoint with one load refused
+    for odd in (collections.defaultdict(int, {"seen": 2}), torch.ones(2).as_subclass(Tagged)):
+        holder = WithExtra(odd)
+        expect(hvd.CheckpointError, ["failed on rank 0", "weights_only=True", "is intact"],
+               lambda: hvd.checkpoint.save(good, holder, extra={"step": 5}))
+        assert hvd.checkpoint.load(good, model)["step"] == 3, type(odd).__name__
+    # A load given an optimizer from a file saved without one restores nothing
+    lr = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    expect(hvd.CheckpointError, ["no optimizer state", "nothing was restored"],
+           lambda: hvd.checkpoint.load(good, model, lr))
+    assert not torch.equal(model.weight.detach(), before[0]), "the model was restored"
     # Mistakes of the last rank alone (they waited for ever on the other ranks, or failed
     # there alone): a path of its own, an extra that cannot be read back, another model.
     last = r == n - 1
@@ -371,6 +388,24 @@ def checkpoint():
 
 class Refused:
     pass
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass: weights_only refuses it."""
+
+
+class WithExtra(nn.Linear):
+    """A Linear whose state holds `odd` as its extra state."""
+
+    def __init__(self, odd):
+        super().__init__(2, 2)
+        self.odd = odd
+
+    def get_extra_state(self):
+        return self.odd
+
+    def set_extra_state(self, state):
+        self.odd = state
 
 
 def alltoall():
