@@ -115,7 +115,7 @@ class CollectiveWork(dist.Work):
 
     def _register(self) -> None:
         """In torch's registry under each output tensor, as torch's own collectives are."""
-        self._registered = [t for t in _tensors(self._value)]
+        self._registered = _tensors(self._value)
         for tensor in self._registered:
             _C10D._register_work(tensor, self)
         _REGISTERED[id(self)] = self
