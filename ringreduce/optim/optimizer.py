@@ -155,13 +155,16 @@ def _wrap(optimizer: torch.optim.Optimizer, life_cycle: type[WrappedOptimizer],
     for name in ours:
         wrapped.__dict__.pop(name, None)
     wrapped._plain_step = optimizer.__dict__.get("step")
-    # The plain optimizer gets this one's state and groups, the same list (and keeps them
-    # through load_state_dict: WrappedOptimizer.__setstate__): a scheduler made before
-    # wrapping steps it (a patched step) or sets its groups' learning rates
-    # (ReduceLROnPlateau), groups added here included. torch's patched step holds its
-    # optimizer weakly: it is kept alive for it.
+    # The plain optimizer shares this one's group dicts (__init__ took them), and keeps them
+    # through load_state_dict (WrappedOptimizer.__setstate__): a ReduceLROnPlateau made on it
+    # sets their learning rates. Where a scheduler patched its step, which the life cycle
+    # steps through, it gets this one's state and list of groups too. (torch's patched step
+    # holds its optimizer weakly: it is kept alive for it.) A group added to either optimizer
+    # after wrapping is that one's alone, as on Horovod (where the plain one's step is not
+    # the wrapper's).
     wrapped._plain = optimizer
-    optimizer.state = wrapped.state
-    optimizer.param_groups = wrapped.param_groups
+    if wrapped._plain_step is not None:
+        optimizer.state = wrapped.state
+        optimizer.param_groups = wrapped.param_groups
     wrapped._setup(options)
     return wrapped

@@ -52,7 +52,7 @@ class Options:
 class WrappedOptimizer:
     """The base of every life cycle; see the module's docstring. Set by `DistributedOptimizer()`
     before `_setup`: `_plain_step` (the step() an LR scheduler put on the plain optimizer, or
-    None) and `_plain` (that optimizer, which shares this one's state and groups)."""
+    None) and `_plain` (that optimizer, which shares this one's groups, see __setstate__)."""
 
     _plain_step: Optional[Callable[..., Any]]
     param_groups: list[dict]
@@ -143,12 +143,19 @@ class WrappedOptimizer:
 
     def __setstate__(self, state: dict) -> None:
         """load_state_dict() replaces `state` and `param_groups` with new objects: the plain
-        optimizer, which an LR scheduler made before wrapping holds (and steps with, and sets
-        the learning rates of), must keep sharing them."""
+        optimizer, which an LR scheduler made before wrapping holds (and steps with, or sets
+        the learning rates of), must keep sharing them: the same list where it shared the
+        list, else the new group dicts in the old ones' places in its own."""
+        old = self.__dict__.get("param_groups")
         super().__setstate__(state)     # type: ignore[misc]
         plain = self.__dict__.get("_plain")
-        if plain is not None:
+        if plain is None:
+            return
+        if plain.param_groups is old:
             plain.state, plain.param_groups = self.state, self.param_groups
+        else:
+            new = {id(before): after for before, after in zip(old or (), self.param_groups)}
+            plain.param_groups = [new.get(id(group), group) for group in plain.param_groups]
 
 
 class LocalOptimizer(WrappedOptimizer):

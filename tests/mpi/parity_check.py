@@ -481,16 +481,17 @@ def check_schedulers_closures_early_steps_and_release():
     assert plain.param_groups is opt.param_groups and plain.state is opt.state
     # So with ReduceLROnPlateau made before wrapping, which sets the plain optimizer's groups'
     # learning rates and patches no step (a resume's load_state_dict left it setting dicts
-    # nothing read), groups added after wrapping included
+    # nothing read); a group added to the plain one alone stays its own (as on Horovod)
     weights = nn.Linear(3, 1), nn.Linear(3, 1)
     plain = torch.optim.SGD(weights[0].parameters(), lr=1.0)
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(plain, patience=0, factor=0.5)
     wrapped = hvd.DistributedOptimizer(plain, named_parameters=weights[0].named_parameters())
+    plain.add_param_group({"params": list(weights[1].parameters()), "lr": 1.0})
     plateau.step(1.0)
     wrapped.load_state_dict(wrapped.state_dict())
-    wrapped.add_param_group({"params": list(weights[1].parameters()), "lr": 1.0})
     plateau.step(2.0)                   # worse: every group's lr halved
-    assert [g["lr"] for g in wrapped.param_groups] == [0.5, 0.5], wrapped.param_groups
+    assert [g["lr"] for g in wrapped.param_groups] == [0.5], wrapped.param_groups
+    assert [g["lr"] for g in plain.param_groups] == [0.5, 0.5], plain.param_groups
     # step(closure): the closure's backward is what gets reduced
     opt.zero_grad()
     before = model.weight.detach().clone()
