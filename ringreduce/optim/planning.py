@@ -10,6 +10,7 @@ gradient_as_bucket_view, the gradients as views of the buckets (zero_grad() zero
 from __future__ import annotations
 
 import weakref
+from typing import Optional
 
 import torch
 
@@ -57,9 +58,11 @@ class Planning:
         # The first bucket (a plan has one, maybe empty) carries the plan: see _submit_bucket.
         self._plan_signed = self._plan_fields()
         self._buckets[0].signature.update(self._plan_signed)
-        self._specs = [_spec(b, self._reduction) for b in self._buckets]
-        self._short_specs = None if self._short_reduction is None else [
-            _spec(b, self._short_reduction) for b in self._buckets]
+        short = self._short_reduction is not None       # (say which, where it can differ)
+        self._specs = [_spec(b, self._reduction, _ALL_THERE if short else None)
+                       for b in self._buckets]
+        self._short_specs = None if not short else [
+            _spec(b, self._short_reduction, _SHORT) for b in self._buckets]
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._view_of = {id(p): v for b in self._buckets for p, v in zip(b.params, b.views)}
         self._sparse_params = [(n, p) for n, p in trainable if id(p) in self._sparse]
@@ -209,11 +212,20 @@ class Planning:
                 p.grad = view
 
 
-def _spec(bucket: fusion.Bucket, reduction: tuple) -> ReduceSpec:
+def _spec(bucket: fusion.Bucket, reduction: tuple, gradients: Optional[str]) -> ReduceSpec:
     """A bucket's ReduceSpec under `reduction` (op, prescale, postscale), which its signature
-    states (the plan's own reduction is in it already)."""
+    states (the plan's own reduction is in it already), first saying whether its `gradients`
+    were all there at step() where that decides the reduction (a group with a predivide
+    factor): a rank short of one where the others are not then reads so in the MismatchError."""
     op, prescale, postscale = reduction
-    signature = {**bucket.signature, "op": op.name, "prescale": prescale,
+    said = {} if gradients is None else {_GRADIENTS: gradients}
+    signature = {**said, **bucket.signature, "op": op.name, "prescale": prescale,
                  "postscale": postscale}
     return ReduceSpec(bucket.buffer.dtype, op, prescale, postscale, digest(signature),
                       signature, [p.numel() for p in bucket.params])
+
+
+_GRADIENTS = "gradients at step()"
+_ALL_THERE = "all there: one grouped allreduce, without the predivide factor (as Horovod)"
+_SHORT = ("a member's missing, or fewer passes than backward_passes_per_step: reduced with "
+          "the predivide factor (as Horovod reduces such a group member by member)")

@@ -500,6 +500,20 @@ def case_groups_short_of_gradients_take_the_predivide_factor():
         check_equal(-a.detach(), want, what)
         if short is None:
             check_equal(-b.detach(), want, f"{what}: the second member")
+    # The last rank alone short of a gradient (a branch it did not take): the ranks would
+    # reduce the group two ways (Horovod's then wait for each other): a MismatchError on every
+    # rank that says so, and the next step, every gradient there, trains on
+    if n > 1:
+        a, b = nn.Parameter(torch.zeros(64)), nn.Parameter(torch.zeros(64))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([a, b], lr=1.0), [("a", a), ("b", b)],
+                                       groups=1, gradient_predivide_factor=f)
+        ((a if r == n - 1 else a + b) * gradient(r)).sum().backward()
+        expect(hvd.MismatchError,
+               ["'gradients at step()' differs", f"rank {n - 1}: \"a member's"], opt.step)
+        opt.zero_grad()
+        ((a + b) * gradient(r)).sum().backward()
+        opt.step()
+        check_equal(-a.detach(), averaged_with(1.0), "after the mismatch, every gradient there")
 
 
 def case_synchronize_again_reduces_again():
