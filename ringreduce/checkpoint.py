@@ -76,12 +76,11 @@ def load(path: str, model: torch.nn.Module,
         raise CheckpointError(f"ringreduce: checkpoint.load({path!r}) failed on rank 0: "
                               f"{loaded['failure']}")
     state = loaded["state"]
-    if optimizer is not None and state["optimizer"] is None:
-        raise CheckpointError(f"ringreduce: checkpoint.load({path!r}): the file holds no "
-                              "optimizer state (it was saved without an optimizer); load it "
-                              "without one, nothing was restored")
     failure = None
     try:
+        if optimizer is not None and state["optimizer"] is None:
+            raise CheckpointError("the file holds no optimizer state (it was saved without an "
+                                  "optimizer): load it without one; nothing was restored here")
         model.load_state_dict(state["model"])
         if optimizer is not None and state["optimizer"] is not None:
             optimizer.load_state_dict(state["optimizer"])

@@ -362,6 +362,10 @@ def checkpoint():
     expect(hvd.CheckpointError, ["no optimizer state", "nothing was restored"],
            lambda: hvd.checkpoint.load(good, model, lr))
     assert not torch.equal(model.weight.detach(), before[0]), "the model was restored"
+    # The last rank alone gives one: every rank raises, naming it (it once raised alone, and
+    # the others waited for it in the load's last collective)
+    expect(hvd.CheckpointError, [f"ranks [{n - 1}] could not restore it", "no optimizer state"],
+           lambda: hvd.checkpoint.load(good, model, lr if r == n - 1 else None))
     # Mistakes of the last rank alone (they waited for ever on the other ranks, or failed
     # there alone): a path of its own, an extra that cannot be read back, another model.
     last = r == n - 1
