@@ -38,8 +38,6 @@ _WORK_INIT = dist.Work.__init__
 # calls do not pass there, registers its own (absent before torch 2.6: nothing to do)
 _C10D = torch._C._distributed_c10d
 _REGISTERING = getattr(_C10D, "_allow_inflight_collective_as_graph_input", lambda: False)
-_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor if hasattr(
-    _C10D, "_register_work") else None
 # Works in torch's registry, kept alive until waited: the registry holds the C++ side alone,
 # and wait_tensor through it reaches our wait() only while the Python object lives
 _REGISTERED: dict[int, "CollectiveWork"] = {}
@@ -125,7 +123,7 @@ class CollectiveWork(dist.Work):
         by then), and no longer kept alive."""
         registered, self._registered = self._registered, None
         for tensor in registered:
-            _WAIT_TENSOR(tensor)
+            torch.ops._c10d_functional.wait_tensor(tensor)
         _REGISTERED.pop(id(self), None)
 
     def _settle(self) -> None:
