@@ -7,7 +7,7 @@ collective.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import cloudpickle
 import torch
@@ -83,12 +83,33 @@ def allgather_object(obj: Any, name: Optional[str] = None,
     collective and unpickled after it, as on Horovod: where every member's pickling fails
     alike, each raises its own error (pickle's type) and the set goes on; where some members'
     fails, every member gets a MismatchError quoting it."""
+    ps, name, work, refused = _gathering(obj, name, process_set)
+    return _unpickled(ps.engine.run(name, work), refused)
+
+
+def begin_allgather_object(obj: Any, name: str,
+                           process_set: ProcessSet = global_process_set) -> Callable[[], list]:
+    """`allgather_object` queued on the set's engine, not waited for: for ringreduce's own
+    meetings on several sets at once (an elastic reset's), each of which may be what another
+    member's pending collective there has to meet. Returns the wait for its list."""
+    ps, name, work, refused = _gathering(obj, name, process_set)
+    handle = ps.engine.submit(name, work)
+    return lambda: _unpickled(handle.wait(), refused)
+
+
+def _gathering(obj: Any, name: Optional[str], process_set: ProcessSet
+               ) -> tuple[ActiveSet, str, Callable[[], list], Optional[BaseException]]:
+    """An object allgather's set, name and work, and this rank's pickling error (None)."""
     ps = active(process_set, "allgather_object()")
     name = qualified("allgather_object", name) or ps.auto_name("allgather_object")
     payload, refused = pickled(obj)
     signature = {"collective": "allgather_object", "name": name}
-    payloads = ps.engine.run(name, lambda: ps.transport.allgather_pickled(payload, refused,
-                                                                           signature))
+    return ps, name, lambda: ps.transport.allgather_pickled(payload, refused, signature), refused
+
+
+def _unpickled(payloads: list, refused: Optional[BaseException]) -> list:
+    """The members' objects; or this rank's own pickling error, raised after the collective
+    (which then gathered no object)."""
     if refused is not None:
         raise refused
     return [cloudpickle.loads(one) for one in payloads]

@@ -25,8 +25,11 @@ How a reset differs from Horovod's, and why:
   makes the restart raise `ShutDownError` on every other rank, naming it.)
 - A rank that failed alone still resets with the others: while its agreement is pending, each
   collective the others run fails with `MismatchError` naming it (negotiation.RESET), so they
-  reset too. (If they have left the function already, it waits there, and the stall report
-  says so.)
+  reset too, on each set they share with it (it meets them on every one of its sets). (If they
+  have left the function already, it waits there, and the stall report says so.) Their
+  unnamed collectives that failed so were never run on that rank, so every set's automatic
+  names then count on from the highest among its members, where Horovod's restart counts
+  from 0 on every rank: either way the ranks' next unnamed collectives pair.
 - A bounded number of resets. Under plain mpirun a `HorovodInternalError` is a program error
   (a `MismatchError`, say) or one raised on purpose, so Horovod's unbounded loop would retry
   a deterministic error forever. More failures than
@@ -40,11 +43,11 @@ import logging
 import os
 from typing import Any, Callable, TypeVar
 
-from ..api.objects import allgather_object
+from ..api.objects import allgather_object, begin_allgather_object
 from ..core.errors import (HorovodInternalError, HostsUpdatedInterrupt, NotInitializedError,
                            RingReduceError, ShutDownError, UnsupportedError, UsageError)
 from ..sets import world
-from ..sets.process_sets import failed_sets
+from ..sets.process_sets import failed_sets, other_sets, realign_names
 from ..transport.negotiation import RESET_GIVEN, ResetPending
 from .sampler import ElasticSampler
 from .state import (ROOT_RANK, HostUpdateResult, LRSchedulerStateHandler, ModelStateHandler,
@@ -53,6 +56,7 @@ from .state import (ROOT_RANK, HostUpdateResult, LRSchedulerStateHandler, ModelS
 
 log = logging.getLogger("ringreduce")
 
+RESET_SETS = f"{RESET_GIVEN}.sets"     # the reset's second meeting: which sets failed
 RESET_LIMIT_VARIABLE = "RINGREDUCE_ELASTIC_RESET_LIMIT"
 DEFAULT_RESET_LIMIT = 5
 
@@ -130,6 +134,11 @@ def _reset_together(reason: BaseException, failures: int, limit: int, what_runs:
                         "down; shutdown() and init() on every rank")
         world.restart()
         everyone = _agree(description, failures, own)
+    else:
+        # Ranks whose collectives failed for the reset had named unnamed ones that the failed
+        # rank never ran: their names would pair with its next ones (a restart's sets start
+        # from 0 on every rank, as Horovod's reset does).
+        realign_names("elastic_reset")
     most = max(count for _, count, *_ in everyone)
     report = _summarize(everyone)
     if most > limit:
@@ -152,8 +161,22 @@ def _agree(description: str, failures: int, own: bool) -> list[tuple[str, int, b
     """Every rank's (error, failure count, whether the error was its own, whether a failure
     inside a collective shut one of its sets down), once every rank has reached the reset. A
     rank that failed alone waits here while the others' collectives fail (negotiation.RESET:
-    not their own errors), which sends them here too."""
-    return allgather_object((description, failures, own, bool(failed_sets())), name=RESET_GIVEN)
+    not their own errors), which sends them here too. It meets them on each of its other sets
+    at the same time: a member that waits for it in a collective there meets the reset in that
+    set, as the others do in the job's. Which sets failed is gathered after those meetings,
+    which may find a set shut down."""
+    meetings = [begin_allgather_object(None, RESET_GIVEN, process_set)
+                for process_set in other_sets("elastic reset")
+                if process_set.process_set_id not in failed_sets()]
+    everyone = allgather_object((description, failures, own), name=RESET_GIVEN)
+    for wait in meetings:
+        try:
+            wait()
+        except ShutDownError as shut:     # a member failed there: failed_sets() lists it now
+            if not shut.restartable:
+                raise
+    failed = allgather_object(bool(failed_sets()), name=RESET_SETS)
+    return [(*given, shut) for given, shut in zip(everyone, failed)]
 
 
 def _caused_by_reset(error: BaseException) -> bool:

@@ -107,9 +107,15 @@ class ActiveSet:
         counter of automatic names restarts from the highest among the members afterwards, and
         members agree again."""
         last = self.transport.join(device)
-        self.names.realign(lambda mine: self.transport.allgather_object(
-            mine, {"collective": "join", "name": "join.names"}))
+        self.realign_names("join")
         return self.ranks[last]
+
+    def realign_names(self, after: str) -> None:
+        """(Collective over the members.) Every count of automatic names from the highest among
+        the members, after a `join` or an elastic reset, where some members ran unnamed
+        collectives that others did not."""
+        self.names.realign(lambda mine: self.transport.allgather_object(
+            mine, {"collective": after, "name": f"{after}.names"}))
 
     def root(self, root_rank: Any, what: str, name: str) -> int:
         """The set rank of global rank `root_rank`, or a clear error."""

@@ -347,6 +347,22 @@ def failed_sets() -> list[Union[int, str]]:
             and held.transport.watch.departures.restartable()]
 
 
+def realign_names(after: str) -> None:
+    """(Collective over every rank.) Each set's automatic names agree again on its members
+    (ActiveSet.realign_names), the sets taken in one order on every rank: the numbered ones by
+    id, then open_group's as made."""
+    job = state(after)
+    numbered = sorted(k for k in job.active if isinstance(k, int))
+    for set_id in numbered + [k for k in job.active if isinstance(k, str)]:
+        job.active[set_id].realign_names(after)
+
+
+def other_sets(what: str) -> list[ProcessSet]:
+    """The registered sets this rank belongs to besides the global one, and open_group's."""
+    job = state(what)
+    return [job.sets[k] for k in job.active if k != 0]
+
+
 def global_set(what: str) -> ActiveSet:
     """The global set (every rank), or NotInitializedError naming `what`."""
     return state(what).active[0]

@@ -115,9 +115,10 @@ class _Settling:
                 return None
             ranks = watch.ranks
             raise ResetPending(
-                f"ringreduce: rank {ranks[n.comm.rank]}: collective '{names[0]}' fails: ranks "
-                f"{[ranks[m] for m in resetting]} wait in '{RESET}' after an error; every rank "
-                "fails what it runs before the reset, until it comes to the reset too.")
+                f"ringreduce: rank {ranks[n.comm.rank]}: collective '{names[0]}'{watch.where} "
+                f"fails: ranks {[ranks[m] for m in resetting]} wait in '{RESET}' after an "
+                "error; every rank fails what it runs before the reset, until it comes to the "
+                "reset too.")
         common = set(lists[0].tolist()).intersection(*(set(x.tolist()) for x in lists[1:]))
         if common:
             mine = dict(zip(hashes.tolist(), names))

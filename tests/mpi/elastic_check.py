@@ -391,6 +391,41 @@ def check_lone_failure_with_plain_collectives():
     assert attempts == [0, 2], attempts               # again from the commit of step 2
 
 
+def check_lone_failure_with_unnamed_collectives():
+    """Horovod names unnamed collectives by a count that its reset starts again on every rank.
+    The others' unnamed collectives that failed for the reset were never run by the rank that
+    failed, so every count of every set restarts from the highest: one failure is one reset,
+    one run again and one round of callbacks, not a second reset for the names that the first
+    left apart. (From 3 ranks, a set of ranks 1..n-1 too, the failing rank among them.)"""
+    part = hvd.add_process_set(list(range(1, n))) if n > 2 else None
+    attempts, callbacks = [], []
+
+    @elastic.run
+    def train(state):
+        attempts.append(state.step)
+        for state.step in range(state.step, 5):
+            if state.step == 3 and r == n - 1 and len(attempts) == 1:
+                raise hvd.HorovodInternalError(f"injected failure on rank {r} alone, unnamed")
+            if part is not None and r > 0:
+                inside = hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=part)
+                assert torch.equal(inside, torch.full((2,), float(n - 1))), inside
+            total = hvd.allreduce(torch.full((3,), float(state.step)), op=hvd.Sum)
+            assert torch.equal(total, torch.full((3,), float(state.step * n))), total
+            handle = hvd.allreduce_async(torch.full((4,), 1.0), op=hvd.Sum)
+            assert torch.equal(hvd.synchronize(handle), torch.full((4,), float(n)))
+            hvd.barrier()
+            state.commit()
+        return state.step
+
+    state = elastic.ObjectState(step=0)
+    state.register_reset_callbacks([lambda: callbacks.append(state.step)])
+    assert train(state) == 4
+    assert attempts == [0, 2], attempts
+    assert callbacks == [2], callbacks
+    if part is not None:
+        assert hvd.remove_process_set(part)
+
+
 def check_failure_inside_a_process_set():
     """One member of a process set of ranks 0..n-2 fails inside its collective there: the set
     is shut down on its members, the last rank's next collective meets the reset, and every
@@ -522,6 +557,7 @@ def check_restart_refused_when_a_rank_left_for_good():
 CHECKS = {"all": (check_sampler, check_sync_and_round_trip, check_object_state,
                   check_host_updates, check_training_with_failures,
                   check_lone_failure_with_plain_collectives,
+                  check_lone_failure_with_unnamed_collectives,
                   check_failure_inside_a_process_set, check_reset_limit,
                   check_misuse_is_not_reset),
           "kill": (check_killed_rank_ends_the_job,),
