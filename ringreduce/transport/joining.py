@@ -10,7 +10,7 @@ joined. The public `join()` is in collectives.py; `ActiveSet.join` restarts the 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, NoReturn, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -18,9 +18,9 @@ import torch
 from ..core.errors import JoinedError, MismatchError
 from ..kernels.buffers import NAMES
 from ..kernels.ops import ReduceOp
-from .negotiation import JOINED, Negotiator, PeersJoined
+from .negotiation import JOINED, RESET, Negotiator, PeersJoined, ResetPending
 from .reduce_spec import ReduceSpec
-from .signature import Signature, describe_mismatch
+from .signature import Signature, describe_mismatch, label
 from .stall import StallWatch
 
 DTYPES = {name: dtype for dtype, name in NAMES.items()}
@@ -55,6 +55,11 @@ class JoinRounds:
                 description = self.round(None)
                 if description is not None and description[2] is not None:
                     self._zeros(description[2], device)
+                elif description is not None and description[1].get("name") == RESET:
+                    raise ResetPending(
+                        f"ringreduce: rank {self.ranks[self.comm.rank]}: join(){self.watch.where}"
+                        f" fails: the ranks that had not joined wait in '{RESET}' after an "
+                        "error; the joined ones come to the reset too.")
         finally:
             self.watch.set_joined(False)
 
@@ -81,6 +86,15 @@ class JoinRounds:
         member, MismatchError when they disagree among themselves."""
         everyone = self.negotiator.gather(mine)
         active = [(r, d) for r, d in enumerate(everyone) if d is not None]
+        resetting = [r for r, d in active if d[1].get("name") == RESET]
+        if resetting:       # the elastic reset's meeting: every other member leaves for it
+            if mine is not None and mine[1].get("name") != RESET:
+                raise ResetPending(
+                    f"ringreduce: rank {self.ranks[self.comm.rank]}: {label(mine[1])}"
+                    f"{self.watch.where} fails: ranks {[self.ranks[r] for r in resetting]} "
+                    f"wait in '{RESET}' after an error, other ranks having joined; every rank "
+                    "fails what it runs before the reset, until it comes to the reset too.")
+            return everyone[resetting[0]]
         if all(d[:2] == active[0][1][:2] for _, d in active):
             return active[0][1]
         if mine is not None:
@@ -88,10 +102,14 @@ class JoinRounds:
                                                   [self.ranks[r] for r, _ in active]))
         return None
 
-    def refuse(self, signature: Signature, joined: PeersJoined) -> NoReturn:
+    def refuse(self, signature: Signature, joined: PeersJoined) -> None:
         """A collective other than an allreduce met joined members: JoinedError, after the
-        round the joined members wait in."""
+        round the joined members wait in. But the elastic reset's meeting (RESET) returns,
+        to be run again: the joined members leave join() for the reset on seeing it (`join`)
+        and meet it there."""
         self.round((str(signature.get("collective")), signature, None))
+        if signature.get("name") == RESET:
+            return
         names = [self.ranks[r] for r in joined.ranks]
         raise JoinedError(
             f"ringreduce: {signature.get('collective')} '{signature.get('name')}' on rank "

@@ -160,7 +160,8 @@ class Transport:
         try:
             return self.negotiator.check(signature, per_rank, precomputed)
         except PeersJoined as joined:
-            self.joins.refuse(signature, joined)
+            self.joins.refuse(signature, joined)    # (returns for an elastic reset's meeting)
+        return self.negotiator.check(signature, per_rank, precomputed)
 
     @_telling
     def allgather(self, tensor: torch.Tensor, signature: Signature) -> torch.Tensor:

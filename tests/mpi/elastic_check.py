@@ -426,6 +426,37 @@ def check_lone_failure_with_unnamed_collectives():
         assert hvd.remove_process_set(part)
 
 
+def check_failure_while_a_rank_has_joined():
+    """The last rank runs out of data and joins; rank 0 then fails: the joined rank leaves
+    join() for the reset (ResetPending, so its run resets too), and every rank runs again from
+    the last commit, where rank 0 alone used to raise JoinedError out of run() and the joined
+    rank ShutDownError. The second time through, join() returns the same rank everywhere."""
+    if n == 1:
+        return
+    attempts = []
+
+    @elastic.run
+    def train(state):
+        attempts.append(state.step)
+        for state.step in range(state.step, 4):
+            if r == n - 1 and state.step == 3:
+                break       # out of data: joins
+            if r == 0 and state.step == 3 and len(attempts) == 1:
+                raise hvd.HorovodInternalError(f"injected failure on rank {r}, rank {n - 1} "
+                                               "having joined")
+            total = hvd.allreduce(torch.ones(3), op=hvd.Sum, name="joined.metric")
+            expected = float(n if state.step < 3 else n - 1)    # the joined rank gives zeros
+            assert torch.equal(total, torch.full((3,), expected)), (state.step, total)
+            if state.step < 3:
+                state.commit()      # (a commit's host check is no allreduce: not after a join)
+        return hvd.join()
+
+    last = train(elastic.ObjectState(step=0))
+    assert attempts == [0, 2], attempts
+    everyone = hvd.allgather_object(last, name="joined.last")
+    assert len(set(everyone)) == 1 and everyone[0] in range(n - 1), everyone
+
+
 def check_failure_inside_a_process_set():
     """One member of a process set of ranks 0..n-2 fails inside its collective there: the set
     is shut down on its members, the last rank's next collective meets the reset, and every
@@ -558,6 +589,7 @@ CHECKS = {"all": (check_sampler, check_sync_and_round_trip, check_object_state,
                   check_host_updates, check_training_with_failures,
                   check_lone_failure_with_plain_collectives,
                   check_lone_failure_with_unnamed_collectives,
+                  check_failure_while_a_rank_has_joined,
                   check_failure_inside_a_process_set, check_reset_limit,
                   check_misuse_is_not_reset),
           "kill": (check_killed_rank_ends_the_job,),
