@@ -23,7 +23,9 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..sets.process_set import ProcessSet, global_process_set
+from ..sets.active_set import refusing
 from ..sets.process_sets import active
+from ..transport.signature import qualified
 from .collectives import Sum, allgather, allreduce
 
 STATS_NAME = "sync_batch_norm.stats"
@@ -77,27 +79,37 @@ class SyncBatchNorm(_BatchNorm):
         if input.size(1) == 0:
             raise ValueError("ringreduce: SyncBatchNorm's input has no channels")
 
+    def _check_channels(self, input: torch.Tensor) -> None:
+        """The input's channels against the weight and running statistics it is used with (as
+        Horovod's kernels refuse them; without either, any number goes, as there)."""
+        if input.size(1) != self.num_features and (self.weight is not None
+                                                   or self.running_mean is not None):
+            raise ValueError(f"ringreduce: SyncBatchNorm({self.num_features}) got an input of "
+                             f"{input.size(1)} channels (shape {tuple(input.shape)})")
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        factor = 0.0 if self.momentum is None else self.momentum
-        counting = (self.training and self.track_running_stats
-                    and self.num_batches_tracked is not None)
-        batch_stats = self.training or (self.running_mean is None and self.running_var is None)
-        if not batch_stats:                           # eval with running statistics
+        # As Horovod's: the running statistics normalize in eval only while they are tracked;
+        # otherwise the batch's, which update the running ones wherever those exist (a module
+        # whose track_running_stats was turned off after it was made keeps them). (torch's
+        # BatchNorm uses them in eval whenever they exist, and updates them only in training.)
+        if not self.training and self.track_running_stats:
+            self._check_channels(input)
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight,
                                 self.bias, False, 0.0, self.eps)
-        # Batch statistics over the set: in training, and (as Horovod's) in eval without
-        # running statistics.
-        active(self.process_set, "SyncBatchNorm.forward()")
+        ps = active(self.process_set, "SyncBatchNorm.forward()")
+        with refusing(ps, qualified("allgather", STATS_NAME), "allgather"):
+            self._check_channels(input)     # (one rank's mistake fails the others' call)
         count, mean, m2 = _global_stats(input, self.process_set)
-        if counting:    # (after the statistics' collective: one that fails counts no batch)
-            self.num_batches_tracked.add_(1)
-            if self.momentum is None:                 # cumulative moving average
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)    # (after the collective: one that fails counts
+            if self.momentum is None:           # no batch); cumulative moving average
                 factor = 1.0 / float(self.num_batches_tracked)
         if count == 1:                                # as F.batch_norm with batch statistics
             raise ValueError("ringreduce: SyncBatchNorm expects more than 1 value per channel "
                              "when training (the whole batch over the process set has 1)")
-        if self.training and self.track_running_stats and count > 0:
+        if count > 0:
             _update_running(self.running_mean, self.running_var, mean, m2, count, factor)
         var = m2 / count if count > 0 else m2
         invstd = torch.rsqrt(var + self.eps)

@@ -153,8 +153,10 @@ def failed_forward_counts_no_batch():
     try:
         sync(torch.randn(4, 5 if r == n - 1 else 3, dtype=torch.float64))
         failures.append("another number of channels on one rank: no error")
-    except hvd.MismatchError:
-        pass
+    except (hvd.MismatchError, ValueError) as error:    # that rank's own, quoted to the others
+        want = ValueError if r == n - 1 else hvd.MismatchError
+        expect("failed forward", isinstance(error, want) and "SyncBatchNorm(3) got an input of "
+               "5 channels" in str(error), f"{type(error).__name__}: {error}")
     x = torch.arange(12, dtype=torch.float64).reshape(4, 3)
     sync(x)
     ref = torch.nn.BatchNorm1d(3, momentum=None).double()
@@ -163,6 +165,57 @@ def failed_forward_counts_no_batch():
            f"num_batches_tracked {int(sync.num_batches_tracked)}")
     expect("failed forward", torch.equal(sync.running_mean, ref.running_mean),
            f"running_mean {sync.running_mean.tolist()} want {ref.running_mean.tolist()}")
+
+
+def tracking_turned_off():
+    """track_running_stats turned off after the module was made (its buffers kept): as
+    Horovod's, batch statistics over the set in eval too, and they update the running ones
+    (with momentum, the unbiased variance), counting no batch; torch's BatchNorm instead
+    normalizes with the running statistics in eval and updates none."""
+    case = "tracking turned off"
+    sizes = [2 + i for i in range(n)]
+    x = torch.randn(sum(sizes), 3, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(11)) * 2 + 5
+    for training in (False, True):
+        sync = hvd.SyncBatchNorm(3).double().train(training)
+        sync.track_running_stats = False
+        ref = torch.nn.BatchNorm1d(3).double()      # training: batch statistics, updated
+        want = ref(x)
+        got = sync(x[shards(sizes)])
+        close(case, f"output (training={training})", got, want[shards(sizes)], 1e-12, 1e-12)
+        close(case, f"running_mean (training={training})", sync.running_mean,
+              ref.running_mean, 1e-12, 1e-12)
+        close(case, f"running_var (training={training})", sync.running_var,
+              ref.running_var, 1e-12, 1e-12)
+        expect(case, int(sync.num_batches_tracked) == 0,
+               f"num_batches_tracked {int(sync.num_batches_tracked)} (training={training})")
+
+
+def channels_against_num_features():
+    """An input whose channels are not num_features: ValueError on every rank, before any
+    statistic moves, where a weight or running statistics would be broadcast over them; with
+    neither, as on Horovod, any number of channels normalizes."""
+    case = "channels against num_features"
+    x = torch.randn(5, 4, dtype=torch.float64)
+    for track, affine in ((True, True), (False, True), (True, False)):
+        sync = hvd.SyncBatchNorm(1, affine=affine, track_running_stats=track).double()
+        for training in (True, False):
+            try:
+                sync.train(training)(x)
+                failures.append(f"{case}: 4 channels into SyncBatchNorm(1) (track={track}, "
+                                f"affine={affine}, training={training}): no error")
+            except ValueError as error:
+                expect(case, "SyncBatchNorm(1) got an input of 4 channels" in str(error),
+                       str(error))
+        if track:
+            expect(case, int(sync.num_batches_tracked) == 0,
+                   f"num_batches_tracked {int(sync.num_batches_tracked)}")
+    free = hvd.SyncBatchNorm(1, affine=False, track_running_stats=False).double()
+    sizes = [5] * n
+    whole = torch.randn(5 * n, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    want = torch.nn.functional.batch_norm(whole, None, None, training=True)
+    close(case, "no weight, no statistics", free(whole[shards(sizes)]), want[shards(sizes)],
+          1e-12, 1e-12)
 
 
 def converted_model():
@@ -249,6 +302,8 @@ CASES = [
         "bfloat16", torch.nn.BatchNorm1d, 3, (6,), unequal, torch.bfloat16,
         param_dtype=torch.bfloat16, tol=(1.6e-2, 3e-2))),
     ("converted model", converted_model),
+    ("tracking turned off", tracking_turned_off),
+    ("channels against num_features", channels_against_num_features),
 ]
 if n >= 3:
     CASES.append(("process set", in_process_set))
