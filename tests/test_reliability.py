@@ -34,6 +34,20 @@ def test_rank_that_leaves_ends_the_others_wait_with_an_error_naming_it(mode):
     assert failed - left < 10, "the waiting rank must hear of the departure within seconds"
 
 
+def test_rank_that_leaves_with_process_sets_ends_the_others_wait():
+    """The leaver says goodbye on every set before it waits for the others' goodbyes: where it
+    waited for those of a set it shares with rank 0 first, rank 0, waiting for it on the job's
+    set, never heard it leave, and the job hung."""
+    result = run_mpi(3, "reliability_check.py", "leave_sets", timeout=60)
+    assert result.returncode != 0, "a rank's uncaught ShutDownError must fail the job"
+    messages = re.findall(r"^MESSAGE (.*)$", result.output, re.MULTILINE)
+    assert len(messages) == 2, result.output[-3000:]
+    for message in messages:
+        assert "allreduce 'allreduce.waiting.here' cannot complete: rank 2 shut down" in message
+    left, failed = stamps(result.output, "LEAVING")[2], stamps(result.output, "ERROR")
+    assert max(failed.values()) - left < 10, "the waiting ranks must hear of it within seconds"
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_rank_with_fewer_batches_fails_the_others_step_not_a_hang(n):
     result = run_mpi(n, "reliability_check.py", "fewer", timeout=60)

@@ -129,15 +129,23 @@ class ActiveSet:
                          f"{scope}")
 
     def close(self, restarting: bool = False) -> list[int]:
-        """Run what is queued, say goodbye to the other members (so that one still waiting in
-        a collective with this rank raises instead of hanging), and once every member has left
-        too, free the set's window, board and communicators (collective). `restarting`: every
-        member starts afresh at once (world.restart). Returns the members (global ranks) that
-        did not leave to start afresh: every member knows them alike, all goodbyes in."""
+        """`leave`, then `free`: for a set closed alone (open_group's)."""
+        self.leave(restarting)
+        return self.free()
+
+    def leave(self, restarting: bool = False) -> None:
+        """Run what is queued and say goodbye to the other members, so that one still waiting
+        in a collective with this rank raises instead of hanging. `restarting`: every member
+        starts afresh at once (world.restart)."""
         self.closed = True
         self.engine.shutdown()
+        self.transport.watch.departures.announce(self.transport.watch.begun, restarting)
+
+    def free(self) -> list[int]:
+        """After `leave`: once every member has left too, free the set's window, board and
+        communicators (collective). Returns the members (global ranks) that did not leave to
+        start afresh: every member knows them alike, all goodbyes in."""
         departures = self.transport.watch.departures
-        departures.announce(self.transport.watch.begun, restarting)
         self.transport.watch.wait_for_goodbyes()
         self.transport.free()
         self.watch.free()

@@ -48,9 +48,14 @@ def stop(restarting: bool = False) -> list[int]:
     if job is None:
         return []
     groups = [k for k in job.active if isinstance(k, str)]    # open_group's, newest last
-    for set_id in groups[::-1] + sorted((k for k in job.active if isinstance(k, int)),
-                                        reverse=True):
-        left = job.active[set_id].close(restarting)     # the global set's last
+    order = groups[::-1] + sorted((k for k in job.active if isinstance(k, int)), reverse=True)
+    # Goodbye on every set before waiting for any member's: a member that waits for this rank
+    # in a collective of one set (the global one, say) learns it leaves only from that set's
+    # goodbye, and says its own goodbye on the others only then.
+    for set_id in order:
+        job.active[set_id].leave(restarting)
+    for set_id in order:
+        left = job.active[set_id].free()     # the global set's last
     job.groups_comm.Free()
     for set_id, process_set in job.sets.items():
         if set_id != 0:

@@ -6,6 +6,8 @@ leave_exit    the same through sys.exit(0)
 leave_ahead   the same with rank 0's count of collectives ahead (counts can differ after the
               ranks settled an order by name): rank 1's wait ends after the grace a collective
               the leaver began gets to complete
+leave_sets    (3 ranks) the last rank leaves through sys.exit(0), a member of a process set
+              with rank 0 besides the job's, while the others wait in an allreduce of the job
 fewer         rank 0 has fewer batches than the others and finishes first
 recovery      one rank alone runs an extra backward pass, calls step() a second time,
               unfreezes a parameter, or has a backward pass raise (caught): every rank raises,
@@ -61,6 +63,22 @@ def leave():
         stamp("ERROR")
         print(f"MESSAGE {e}", flush=True)
         raise            # uncaught: the job ends with a non-zero exit
+
+
+def leave_sets():
+    both = hvd.add_process_set([0, n - 1])
+    hvd.allreduce(torch.ones(3), name="before")
+    if r in (0, n - 1):
+        hvd.allreduce(torch.ones(3), name="in.both", process_set=both)
+    if r == n - 1:
+        stamp("LEAVING")
+        sys.exit(0)     # goodbye on both sets: rank 0 hears it on the job's set, where it waits
+    try:
+        hvd.allreduce(torch.ones(3), name="waiting.here")
+    except hvd.ShutDownError as e:
+        stamp("ERROR")
+        print(f"MESSAGE {e}", flush=True)
+        raise
 
 
 def fewer():
@@ -475,7 +493,8 @@ def stall():
     hvd.allreduce(torch.ones(4), name="stalled.here")
 
 
-MODES = {"leave_end": leave, "leave_exit": leave, "leave_ahead": leave, "fewer": fewer,
+MODES = {"leave_end": leave, "leave_exit": leave, "leave_ahead": leave,
+         "leave_sets": leave_sets, "fewer": fewer,
          "recovery": recovery, "optimizer": optimizer, "checkpoint": checkpoint,
          "alltoall": alltoall, "threads": threads,
          "pending": pending, "stoppable": stoppable, "stall": stall}
