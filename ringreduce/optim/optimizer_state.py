@@ -10,8 +10,11 @@ import torch
 from ..api.collectives import broadcast_async_, synchronize
 from ..api.objects import agree_on_names, broadcast_object
 from ..sets.process_set import ProcessSet, global_process_set
+from ..sets.active_set import refusing
 from ..sets.process_sets import active
 from .wrapped_optimizer import WrappedOptimizer
+
+AGREEMENT = "broadcast_optimizer_state"     # the name of its first collective, a signature check
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
@@ -35,12 +38,15 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                          "its state is deeply nested); broadcast_object(optimizer.state_dict()) "
                          "and load_state_dict() it instead")
     ps = active(process_set, "broadcast_optimizer_state()")   # clear errors before any change
-    ps.root(root_rank, "broadcast_optimizer_state()", "optimizer state")
+    with refusing(ps, AGREEMENT, AGREEMENT):    # (one rank's mistake fails the others' call)
+        ps.root(root_rank, "broadcast_optimizer_state()", "optimizer state")
     state_dict = optimizer.state_dict()
     if len(state_dict["state"]) == 0:
         _make_state(optimizer, model)
         state_dict = optimizer.state_dict()
     if len(state_dict["state"]) == 0:
+        # (the agreement still runs: it is what a refusal above on another rank meets)
+        agree_on_names(ps, AGREEMENT, None, [])
         return
     # state_dict()'s per-parameter dicts are the optimizer's own: writing into them (and into
     # the tensors they hold, in place) changes the optimizer's state.
@@ -66,8 +72,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                 else:
                     scalars[key] = value
                     assign[key] = functools.partial(_set_item, param_state, entry)
-    agree_on_names(ps, "broadcast_optimizer_state", None,
-                   [key for key, _ in tensors] + list(scalars), [t for _, t in tensors])
+    agree_on_names(ps, AGREEMENT, None, [key for key, _ in tensors] + list(scalars),
+                   [t for _, t in tensors])
     handles = [broadcast_async_(tensor, root_rank, key, process_set) for key, tensor in tensors]
     for handle in handles:
         synchronize(handle)

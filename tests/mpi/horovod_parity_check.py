@@ -210,6 +210,29 @@ def case_lbfgs_is_refused():
     expect(ValueError, "LBFGS", hvd.broadcast_optimizer_state, opt, 0)
 
 
+def case_a_root_wrong_on_one_rank_fails_every_rank():
+    """broadcast_optimizer_state with a root outside the job on the last rank alone: its
+    ValueError meets the others' call, which fails quoting it at once (it waited for a
+    deadlock's second before, with no word of the cause), stateful or stateless, nothing is
+    changed on that rank, and the next collectives are exact."""
+    if n == 1:
+        return
+    for make in (lambda ps: torch.optim.Adam(ps, lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1)):
+        p = nn.Parameter(torch.full((3,), float(r)))
+        opt = make([p])
+        root = n if r == n - 1 else 0
+        if r == n - 1:
+            expect(ValueError, f"root_rank {n} is not a rank", hvd.broadcast_optimizer_state,
+                   opt, root)
+            assert not opt.state and torch.equal(p.detach(), torch.full((3,), float(r)))
+        else:
+            expect(hvd.MismatchError, ["'broadcast_optimizer_state' cannot run: a mistake in "
+                                       f"the arguments of rank {n - 1}", f"root_rank {n}"],
+                   hvd.broadcast_optimizer_state, opt, root)
+        total = hvd.allreduce(torch.full((2,), float(r)), op=hvd.Sum)
+        assert torch.equal(total, torch.full((2,), float(n * (n - 1) // 2))), total
+
+
 def case_model_makes_sgds_embedding_gradients_sparse():
     """SGD: model= names the sparse embeddings, whose zero gradients are then sparse; without
     it they are dense, as Horovod's. Stateless SGD: nothing is broadcast after the step."""
