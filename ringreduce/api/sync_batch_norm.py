@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..sets.process_set import ProcessSet, global_process_set
 from ..sets.active_set import refusing
+from ..sets.process_set import ProcessSet, global_process_set
 from ..sets.process_sets import active
 from ..transport.signature import qualified
 from .collectives import Sum, allgather, allreduce

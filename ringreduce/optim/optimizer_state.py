@@ -9,8 +9,8 @@ import torch
 
 from ..api.collectives import broadcast_async_, synchronize
 from ..api.objects import agree_on_names, broadcast_object
-from ..sets.process_set import ProcessSet, global_process_set
 from ..sets.active_set import refusing
+from ..sets.process_set import ProcessSet, global_process_set
 from ..sets.process_sets import active
 from .wrapped_optimizer import WrappedOptimizer
 
