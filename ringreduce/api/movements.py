@@ -16,7 +16,7 @@ from ..sets.active_set import ActiveSet, refusing
 from ..sets.process_set import ProcessSet
 from ..sets.process_sets import active
 from .arguments import as_callers, checked_tensor, same_memory
-from .work import Work, group_names, meet_failure, with_root
+from .work import Work, group_names, meet_failure, no_tensors, with_root
 
 
 def allgather_work(tensors: Sequence[torch.Tensor], name: Optional[str],
@@ -25,8 +25,11 @@ def allgather_work(tensors: Sequence[torch.Tensor], name: Optional[str],
     """Concatenate every member's tensors along dimension 0, one allgather per tensor, all in
     one piece of work; its result is the list of outputs. `root`: see _with_root."""
     ps = active(process_set, f"{kind}()")
-    names = group_names(ps, name, kind, len(tensors))
+    names = group_names(ps, name, kind, max(len(tensors), 1))
     refusal, gathers = refusing(ps, names[0], kind), []
+    if not tensors:
+        with refusal:
+            raise ValueError(no_tensors(kind, ps))
     for tensor, each in zip(tensors, names):
         with refusal:
             t = checked_tensor(tensor, kind, each, ps, moves_only=True)

@@ -24,7 +24,7 @@ from ..transport.signature import (GROUPED_TENSORS, AllreduceSignature, digest,
 from .arguments import (as_callers, checked_tensor, described, on_callers_device, reduce_op,
                         refuse_adasum_off_global, same_memory)
 from .compression import Compression, Compressor, custom
-from .work import Work, group_names, meet_failure
+from .work import Work, group_names, meet_failure, no_tensors
 
 
 def _allreduce_spec(t: torch.Tensor, op: ReduceOp, pre: float, post: float,
@@ -168,8 +168,10 @@ def reducescatter_work(tensors: Sequence[torch.Tensor], name: Optional[str], op:
     """Reduce each tensor over the set; set rank r keeps the r-th block of rows of each (lower
     ranks get the extra rows). The result is the list of this rank's blocks."""
     ps = active(process_set, f"{kind}()")
-    names = group_names(ps, name, kind, len(tensors))
+    names = group_names(ps, name, kind, max(len(tensors), 1))
     with refusing(ps, names[0], kind):
+        if not tensors:
+            raise ValueError(no_tensors(kind, ps))
         op = reduce_op(op, None, kind)
         checked = [checked_tensor(tensor, kind, each, ps) for tensor, each in zip(tensors, names)]
         for t, each in zip(checked, names):

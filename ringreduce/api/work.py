@@ -67,6 +67,13 @@ def group_names(ps: ActiveSet, name: Optional[str], kind: str, count: int) -> li
     return [base] if count == 1 and not grouped else [f"{base}.{i}" for i in range(count)]
 
 
+def no_tensors(kind: str, ps: ActiveSet) -> str:
+    """The error of a group of no tensors (its first name, '<name>.0', still meets the others'
+    call: `refusing`)."""
+    return (f"ringreduce: {kind} on rank {ps.ranks[ps.rank]}: no tensors; a group needs one or "
+            "more")
+
+
 # The torch.distributed backend's calls with a root, each made of a collective without one.
 ROOTED = {"allreduce": "reduce", "allgather": "gather", "alltoall": "scatter"}
 

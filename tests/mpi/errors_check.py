@@ -788,6 +788,20 @@ if n > 1:
         assert torch.equal(hvd.allreduce(torch.full((2,), float(r)), name=f"k{k}_dl",
                                          op=hvd.Sum),
                            torch.full((2,), float(n * (n - 1) // 2)))
+# A group of no tensors: a ValueError saying so, on every rank that passed one; where only the
+# last rank did, its first name still meets the others' call, which fails quoting it; the
+# calls after are exact.
+for kind, call in (("grouped_allgather", hvd.grouped_allgather),
+                   ("grouped_reducescatter", hvd.grouped_reducescatter)):
+    for alone in ((False, True) if n > 1 else (False,)):
+        empty = not alone or r == n - 1
+        if empty:
+            expect(ValueError, f"{kind} on rank {r}: no tensors", call, [])
+        else:
+            expect(hvd.MismatchError, ["a mistake in the arguments of rank", "no tensors"],
+                   call, [torch.ones(n, 2)])
+        total = hvd.allreduce(torch.full((2,), float(r)), op=hvd.Sum)
+        assert torch.equal(total, torch.full((2,), float(n * (n - 1) // 2))), (kind, total)
 # A setting that decides how bytes move, set otherwise on the last rank alone (an init()
 # argument computed per rank), then another ringreduce release there: init() fails on every
 # rank, naming it and who has which value, before any collective could pair two ways; init()
