@@ -165,9 +165,10 @@ def _agree(description: str, failures: int, own: bool) -> list[tuple[str, int, b
     at the same time: a member that waits for it in a collective there meets the reset in that
     set, as the others do in the job's. Which sets failed is gathered after those meetings,
     which may find a set shut down."""
+    failed_already = failed_sets()
     meetings = [begin_allgather_object(None, RESET_GIVEN, process_set)
                 for process_set in other_sets("elastic reset")
-                if process_set.process_set_id not in failed_sets()]
+                if process_set.process_set_id not in failed_already]
     everyone = allgather_object((description, failures, own), name=RESET_GIVEN)
     for wait in meetings:
         try:

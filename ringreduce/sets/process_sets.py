@@ -363,7 +363,7 @@ def realign_names(after: str) -> None:
 
 
 def other_sets(what: str) -> list[ProcessSet]:
-    """The registered sets this rank belongs to besides the global one, and open_group's."""
+    """Every set this rank belongs to but the global one: registered ones and open_group's."""
     job = state(what)
     return [job.sets[k] for k in job.active if k != 0]
 
